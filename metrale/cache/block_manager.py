@@ -1,0 +1,118 @@
+"""Paged KV block manager with a prefix cache.
+
+Owns block ids only (the backend owns the memory). Full blocks are identified by a chained
+hash (hash of the previous block's hash and this block's tokens), so equal prefixes map to
+the same blocks. Reference counts track sharing; a block whose count falls to zero stays
+cached on an LRU free list until it is reused for something else.
+Invariant: a shared (cached) block is never written: prefix reuse stops before the block
+holding a sequence's last prompt token.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from metrale.scheduler.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.hash_of: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}                            # hash -> block id
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.cache_hits = 0          # tokens served from the prefix cache
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _take_free(self) -> int:
+        block, _ = self.free.popitem(last=False)
+        old = self.hash_of[block]
+        if old is not None:  # evict: this cached block now holds other tokens
+            if self.cached.get(old) == block:
+                del self.cached[old]
+            self.hash_of[block] = None
+        self.ref_count[block] = 1
+        return block
+
+    @staticmethod
+    def chain_hash(prev: int | None, tokens: list[int]) -> int:
+        return hash((prev, tuple(tokens)))
+
+    def allocate_prefix(self, seq: Sequence) -> int:
+        """Attach cached blocks matching seq's leading full blocks; returns tokens reused."""
+        assert not seq.block_table, "allocate_prefix on a sequence that already holds blocks"
+        if not self.prefix_caching:
+            return 0
+        tokens, bs = seq.token_ids, self.block_size
+        prev = None
+        for i in range((len(tokens) - 1) // bs):   # never the block holding the last token
+            h = self.chain_hash(prev, tokens[i * bs:(i + 1) * bs])
+            block = self.cached.get(h)
+            if block is None:
+                break
+            if self.ref_count[block] == 0:
+                del self.free[block]
+            self.ref_count[block] += 1
+            seq.block_table.append(block)
+            seq.block_hashes.append(h)
+            prev = h
+        reused = len(seq.block_table) * bs
+        seq.num_computed_tokens = reused
+        self.cache_hits += reused
+        return reused
+
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.blocks_needed(num_tokens) - len(seq.block_table) <= self.num_free
+
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Ensure seq's table covers num_tokens positions; False (and no change) if blocks run out."""
+        if not self.can_grow(seq, num_tokens):
+            return False
+        while len(seq.block_table) < self.blocks_needed(num_tokens):
+            seq.block_table.append(self._take_free())
+        return True
+
+    def commit_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks that the computed tokens have filled, so later prompts can share them."""
+        if not self.prefix_caching:
+            return
+        tokens, bs = seq.token_ids, self.block_size
+        full = seq.num_computed_tokens // bs
+        prev = seq.block_hashes[-1] if seq.block_hashes else None
+        for i in range(len(seq.block_hashes), full):
+            h = self.chain_hash(prev, tokens[i * bs:(i + 1) * bs])
+            block = seq.block_table[i]
+            if h not in self.cached:
+                self.cached[h] = block
+                self.hash_of[block] = h
+            seq.block_hashes.append(h)
+            prev = h
+
+    def release(self, seq: Sequence) -> None:
+        for block in reversed(seq.block_table):
+            self.ref_count[block] -= 1
+            assert self.ref_count[block] >= 0, f"block {block} released twice"
+            if self.ref_count[block] == 0:
+                self.free[block] = None
+                if self.hash_of[block] is None:     # nothing worth keeping: reuse it first
+                    self.free.move_to_end(block, last=False)
+        seq.block_table.clear()
+        seq.block_hashes.clear()
+        seq.num_computed_tokens = 0
+
+    def check_no_leaks(self, live: list[Sequence]) -> None:
+        """Assert that reference counts equal the live sequences' holdings (tests and debugging)."""
+        expected = [0] * self.num_blocks
+        for seq in live:
+            for b in seq.block_table:
+                expected[b] += 1
+        assert expected == self.ref_count, "block reference counts do not match live sequences"
+        assert all((self.ref_count[b] == 0) == (b in self.free) for b in range(self.num_blocks))

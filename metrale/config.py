@@ -1,0 +1,86 @@
+"""Structured configs: the schema of every setting, registered with Hydra's ConfigStore.
+
+The CLI (`python -m metrale ...`) and the library (`Engine(...)`) both compose `conf/config.yaml`
+through Hydra's compose API, so they see the same defaults. Nothing here reads env vars.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+@dataclass
+class Levers:
+    """Tuning and bisecting knobs. Each is a typed field; presets live in conf/lever/."""
+    no_mix: bool = False                 # run prefill chunks and decode rows in separate forwards
+    cuda_graphs: bool = True             # replay decode steps as CUDA graphs
+    graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256])
+    gemv_max_rows: int = 16              # rows at or below which linear layers use the GEMV kernel
+    prefix_caching: bool = True          # reuse KV blocks of identical prompt prefixes
+    preempt_mode: str = "recompute"      # recompute | abort  (what happens to a preempted request)
+    min_p_floor: bool = True             # raise min_p to the model's floor
+    numpy_dtype: str = "float32"         # float32 | float64: arithmetic of the NumPy backend
+    weight_dtype: str = "bfloat16"       # weights on the CUDA backend
+    prefill_attention_min_tokens: int = 64  # segments this long use the tiled prefill kernel
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    seed: Optional[int] = None
+    ignore_eos: bool = False
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: Optional[int] = None     # None: sized from memory (gpu_memory_utilization / max_model_len)
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_tokens: int = 65536           # KV tokens the NumPy backend allocates when num_blocks is None
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048   # per-step token budget (prefill chunks + decode rows)
+    max_model_len: Optional[int] = None  # None: the model's context length
+
+
+@dataclass
+class SpecConfig:
+    method: str = "none"                 # none | ngram | self | draft | mtp | dflash
+    num_drafts: int = 4
+
+
+@dataclass
+class MetraleConfig:
+    model: str = "smollm2-135m"          # a preset of conf/models/ or a path (.gguf file or HF directory)
+    device: str = "auto"                 # auto | cpu | cuda
+    prompt: str = "The meaning of life is"
+    max_tokens: int = 64
+    chat: bool = False
+    system: Optional[str] = None
+    stream: bool = True
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    levers: Levers = field(default_factory=Levers)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    seed: int = 0
+    log_level: str = "WARNING"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="metrale_schema", node=MetraleConfig)
+    cs.store(group="lever", name="lever_schema", node=Levers, package="levers")

@@ -1,0 +1,245 @@
+"""Engine: the public API. NumPy in, NumPy out; knows nothing of kernels.
+
+    engine = Engine(model="smollm2-135m", device="auto", levers={"no_mix": False})
+    outs = engine.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0.0))
+    for delta in engine.stream("Hello", SamplingParams(max_tokens=32)): print(delta.text, end="")
+
+Every request ends with an output: finished normally ('stop' / 'length'), aborted ('abort'),
+or with 'error: <why>'. Requests that cannot run are refused by add_request with an
+InvalidRequestError that names the field.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, AsyncIterator, Iterable, Iterator, Sequence as Seq
+
+import numpy as np
+
+from metrale.cache.block_manager import BlockManager
+from metrale.models.config import ModelConfig
+from metrale.outputs import RequestOutput, StreamDelta
+from metrale.request import RequestState
+from metrale.runtime.batch import Segment, build_batch
+from metrale.sampling.params import InvalidRequestError, SamplingParams
+from metrale.sampling.sampler import sample_row
+from metrale.scheduler.scheduler import Scheduler
+from metrale.scheduler.sequence import Sequence
+from metrale.settings import compose, to_overrides
+
+log = logging.getLogger("metrale")
+
+Prompt = str | list[int] | np.ndarray
+
+
+class Engine:
+    def __init__(self, model: str | None = None, device: str | None = None, *,
+                 levers: dict | None = None, spec: dict | None = None,
+                 overrides: list[str] | None = None, cfg: Any = None, **settings: Any):
+        if cfg is None:
+            given = dict(settings)
+            for key, value in (("model", model), ("device", device), ("levers", levers), ("spec", spec)):
+                if value is not None:
+                    given[key] = value
+            cfg = compose(to_overrides(given) + list(overrides or []))
+        self.cfg = cfg
+        t0 = time.perf_counter()
+        from metrale.models.load import load_model
+        self.model_config, self.tokenizer, self.backend = load_model(cfg)
+        self.load_seconds = time.perf_counter() - t0
+        self.config: ModelConfig = self.model_config
+        bs = self.backend.block_size
+        self.blocks = BlockManager(self.backend.num_blocks, bs, cfg.levers.prefix_caching)
+        self.max_model_len = min(self.model_config.max_position,
+                                 cfg.scheduler.max_model_len or self.model_config.max_position)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.scheduler.max_num_seqs,
+                                   max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
+                                   no_mix=cfg.levers.no_mix, preempt_mode=cfg.levers.preempt_mode)
+        self.eos_ids = tuple(self.tokenizer.eos_token_ids or self.model_config.eos_token_ids)
+        self.requests: dict[str, RequestState] = {}
+        self.min_p_floor = self.model_config.min_p_floor if cfg.levers.min_p_floor else 0.0
+        self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0}
+        self._collect: dict[str, RequestOutput | None] = {}   # outputs generate() waits for
+
+    # ------------------------------------------------------------------ requests
+    def default_params(self) -> SamplingParams:
+        return self.params_from_config(self.cfg)
+
+    @staticmethod
+    def params_from_config(cfg) -> SamplingParams:
+        s = cfg.sampling
+        return SamplingParams(max_tokens=cfg.max_tokens, temperature=s.temperature, top_k=s.top_k,
+                              top_p=s.top_p, min_p=s.min_p, repetition_penalty=s.repetition_penalty,
+                              presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                              min_tokens=s.min_tokens, seed=s.seed, ignore_eos=s.ignore_eos)
+
+    def encode_prompt(self, prompt: Prompt, chat: bool = False, system: str | None = None) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise InvalidRequestError("prompt: is empty")
+            if chat:
+                messages = ([{"role": "system", "content": system}] if system else []) + \
+                    [{"role": "user", "content": prompt}]
+                prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        ids = np.asarray(prompt)
+        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise InvalidRequestError("prompt: token ids must be a non-empty 1-D integer array")
+        if ids.min() < 0 or ids.max() >= self.model_config.vocab_size:
+            raise InvalidRequestError(f"prompt: token ids must lie in [0, {self.model_config.vocab_size})")
+        return [int(t) for t in ids]
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, *,
+                    request_id: str | None = None, chat: bool = False) -> str:
+        params = params or self.default_params()
+        params.validate(self.model_config.vocab_size)
+        if params.n != 1:
+            raise InvalidRequestError("n: only n=1 is supported so far")
+        ids = self.encode_prompt(prompt, chat=chat, system=self.cfg.system if chat else None)
+        capacity = self.blocks.num_blocks * self.blocks.block_size
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(f"prompt: {len(ids)} tokens do not fit the context of "
+                                      f"{self.max_model_len} tokens")
+        need = len(ids) + (params.max_tokens or 1)
+        if min(need, self.max_model_len) > capacity:
+            raise InvalidRequestError(f"prompt + max_tokens: {need} tokens exceed the whole KV cache "
+                                      f"({capacity} tokens); lower max_tokens or enlarge the cache")
+        if request_id is not None and request_id in self.requests:
+            raise InvalidRequestError(f"request_id: '{request_id}' is already running")
+        seq = Sequence(ids, params, request_id=request_id or "",
+                       prompt=prompt if isinstance(prompt, str) else None)
+        self.requests[seq.request_id] = RequestState(seq, self.tokenizer, self.eos_ids, self.max_model_len)
+        self.scheduler.add(seq)
+        self.stats["prompt_tokens"] += len(ids)
+        return seq.request_id
+
+    def abort(self, request_id: str) -> StreamDelta | None:
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        self.scheduler.finish(state.seq, "abort")
+        return state.delta("abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---------------------------------------------------------------------- step
+    def step(self) -> list[StreamDelta]:
+        plan = self.scheduler.schedule()
+        deltas = [self._finish_delta(seq.request_id, seq.finish_reason) for seq in plan.preempted]
+        if not plan.scheduled:
+            return deltas
+        segments = [Segment(np.asarray(s.seq.token_ids[s.seq.num_computed_tokens:
+                                                       s.seq.num_computed_tokens + s.num_tokens], dtype=np.int32),
+                            s.seq.num_computed_tokens, np.asarray(s.seq.block_table, dtype=np.int32),
+                            "last" if s.needs_logits else "none")
+                    for s in plan.scheduled]
+        sampling = [s for s in plan.scheduled if s.needs_logits]
+        batch = build_batch(segments, self.blocks.block_size)
+        try:
+            tokens = self._forward_and_sample(batch, [self.requests[s.seq.request_id] for s in sampling])
+        except Exception as exc:  # a failed step ends its requests with the reason, never silently
+            log.exception("forward failed")
+            for s in plan.scheduled:
+                self.scheduler.finish(s.seq, f"error: {type(exc).__name__}: {exc}")
+                deltas.append(self._finish_delta(s.seq.request_id, s.seq.finish_reason))
+            return deltas
+        self.stats["steps"] += 1
+        for s in plan.scheduled:
+            s.seq.num_computed_tokens += s.num_tokens
+            self.blocks.commit_full_blocks(s.seq)
+        for s, token in zip(sampling, tokens):
+            state = self.requests[s.seq.request_id]
+            reason = state.append(int(token))
+            self.stats["generated_tokens"] += 1
+            if reason is not None:
+                self.scheduler.finish(s.seq, reason)
+                deltas.append(self._finish_delta(s.seq.request_id, reason))
+            else:
+                deltas.append(state.delta(None))
+        return deltas
+
+    def _finish_delta(self, request_id: str, reason: str | None) -> StreamDelta:
+        state = self.requests.pop(request_id)
+        delta = state.delta(reason or "abort")
+        if request_id in self._collect:
+            self._collect[request_id] = state.output()
+        return delta
+
+    def _forward_and_sample(self, batch, states: list[RequestState]) -> np.ndarray:
+        if not states:
+            self.backend.forward(batch)
+            return np.zeros(0, dtype=np.int32)
+        if all(st.params.greedy and not st.eos_masked and not st.params.logit_bias for st in states):
+            return self.backend.forward_greedy(batch)
+        logits = self.backend.forward(batch)
+        out = np.empty(len(states), dtype=np.int32)
+        for i, st in enumerate(states):
+            row = logits[i]
+            if st.params.logit_bias:
+                row = row.copy()
+                for tid, bias in st.params.logit_bias.items():
+                    row[tid] += bias
+            if st.eos_masked:
+                row = row.copy()
+                row[list(st.stop_ids)] = -np.inf
+            out[i] = sample_row(row, st.params, st.rng, self.min_p_floor)
+        return out
+
+    # ------------------------------------------------------------ convenience API
+    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 *, chat: bool = False, use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or self.default_params()] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequestError(f"params: {len(params)} SamplingParams for {len(prompts)} prompts")
+        for sp in params:
+            sp.validate(self.model_config.vocab_size)   # refuse the batch before any request starts
+        ids = [self.add_request(p, sp, chat=chat) for p, sp in zip(prompts, params)]
+        self._collect.update({i: None for i in ids})
+        bar = _progress(len(ids), use_tqdm)
+        try:
+            while any(self._collect[i] is None for i in ids):
+                for delta in self.step():
+                    if delta.finished and bar is not None:
+                        bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+            for i in ids:
+                if i in self.requests:
+                    self.abort(i)
+        return [self._collect.pop(i) for i in ids]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = False) -> Iterator[StreamDelta]:
+        rid = self.add_request(prompt, params, chat=chat)
+        try:
+            while True:
+                for delta in self.step():
+                    if delta.request_id == rid:
+                        yield delta
+                        if delta.finished:
+                            return
+        finally:
+            if rid in self.requests:
+                self.abort(rid)
+
+    async def astream(self, prompt: Prompt, params: SamplingParams | None = None, *,
+                      chat: bool = False) -> AsyncIterator[StreamDelta]:
+        for delta in self.stream(prompt, params, chat=chat):
+            yield delta
+            await asyncio.sleep(0)
+
+    def memory_report(self) -> dict:
+        return self.backend.memory_report()
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled or total < 2:
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc="generate", unit="req", leave=False)

@@ -1,0 +1,51 @@
+"""load_model: config + tokenizer + a backend holding the weights, from a preset or a path."""
+from __future__ import annotations
+
+import logging
+import time
+
+from metrale.models.config import ModelConfig
+from metrale.models.loader import load_gguf, load_hf_dir, random_model_config, random_weights
+from metrale.models.registry import resolve_model
+from metrale.models.tokenizer import Tokenizer
+from metrale.runtime.select import resolve_device
+
+log = logging.getLogger("metrale")
+
+
+def load_model(cfg) -> tuple[ModelConfig, Tokenizer, object]:
+    source = resolve_model(cfg.model)
+    t0 = time.perf_counter()
+    if source.kind == "gguf":
+        config, fields, weights = load_gguf(source.path)
+        tokenizer = Tokenizer.from_gguf(fields)
+    elif source.kind == "hf":
+        config, _, weights = load_hf_dir(source.path)
+        tokenizer = Tokenizer.from_pretrained_dir(source.path)
+    else:
+        config = random_model_config(source.preset, source.name)
+        tokenizer = _default_tokenizer()
+        weights = lambda: random_weights(config, cfg.seed)  # noqa: E731
+    device = resolve_device(cfg.device)
+    backend = make_backend(device, cfg, config, weights)
+    log.info("loaded %s on %s in %.2f s", source.name, device, time.perf_counter() - t0)
+    return config, tokenizer, backend
+
+
+def _default_tokenizer() -> Tokenizer:
+    """Random-weight presets still need text in and out: borrow the embedded model's tokenizer."""
+    from metrale.models.loader import _gguf_reader
+    from metrale.models.tokenizer import read_gguf_fields
+    path = resolve_model("smollm2-135m").path
+    return Tokenizer.from_gguf(read_gguf_fields(_gguf_reader(path)))
+
+
+def make_backend(device: str, cfg, config: ModelConfig, weights):
+    block_size = int(cfg.cache.block_size)
+    if device == "cuda":
+        from metrale.runtime.cuda_backend import CudaBackend
+        return CudaBackend(config, weights(), cfg=cfg)
+    from metrale.runtime.numpy_backend import NumpyBackend
+    num_blocks = cfg.cache.num_blocks or max(1, cfg.cache.cpu_kv_tokens // block_size)
+    return NumpyBackend(config, weights(), num_blocks=int(num_blocks), block_size=block_size,
+                        dtype=cfg.levers.numpy_dtype)

@@ -1,0 +1,83 @@
+"""RequestState: one request's sequence plus its detokenizer and stop logic.
+
+Finish reasons: 'stop' (EOS, a stop token or a stop string), 'length' (max_tokens or the
+context), 'abort', or 'error: <why>'. Text that could be the start of a stop string is held
+back from the stream until it is known not to be one.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from metrale.outputs import RequestOutput, StreamDelta
+from metrale.sampling.params import SamplingParams
+from metrale.sampling.sampler import make_generator
+from metrale.scheduler.sequence import Sequence
+
+
+class RequestState:
+    def __init__(self, seq: Sequence, tokenizer, eos_ids: tuple[int, ...], max_model_len: int):
+        self.seq = seq
+        self.params: SamplingParams = seq.params
+        self.decoder = tokenizer.incremental_decoder(seq.prompt_token_ids, self.params.skip_special_tokens)
+        self.stop_ids = set(self.params.stop_token_ids or ()) | (set() if self.params.ignore_eos else set(eos_ids))
+        self.eos_ids = set(eos_ids)
+        self.stops = self.params.stop_strings
+        self.holdback = max((len(s) for s in self.stops), default=1) - 1
+        self.max_model_len = max_model_len
+        self.rng = make_generator(self.params.seed)
+        self.text = ""          # all text decoded so far (stop string excluded once found)
+        self.emitted = 0        # characters of self.text already streamed
+        self.tokens_emitted = 0
+        self.t_arrival = time.perf_counter()
+        self.t_first_token: float | None = None
+
+    @property
+    def eos_masked(self) -> bool:
+        """min_tokens: EOS and stop tokens are masked until enough tokens were generated."""
+        return len(self.seq.output_token_ids) < self.params.min_tokens
+
+    def append(self, token: int) -> str | None:
+        """Adds a sampled token; returns a finish reason or None."""
+        if self.t_first_token is None:
+            self.t_first_token = time.perf_counter()
+        seq = self.seq
+        seq.output_token_ids.append(token)
+        n_out = len(seq.output_token_ids)
+        if token in self.stop_ids and n_out > self.params.min_tokens:
+            return "stop"
+        self.text += self.decoder.feed(token)
+        if self.stops:
+            window = self.text[max(0, self.emitted - self.holdback):]
+            hits = [(window.find(s), s) for s in self.stops if s in window]
+            if hits:
+                idx = min(i for i, _ in hits) + max(0, self.emitted - self.holdback)
+                self.text = self.text[:idx]
+                return "stop"
+        if self.params.max_tokens is not None and n_out >= self.params.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def delta(self, finish_reason: str | None) -> StreamDelta:
+        if finish_reason is None:
+            upto = max(self.emitted, len(self.text) - self.holdback)
+        else:
+            if finish_reason != "stop" or not self.stops:
+                self.text += self.decoder.flush()
+            upto = len(self.text)
+        text = self.text[self.emitted:upto]
+        self.emitted = upto
+        toks = self.seq.output_array()[self.tokens_emitted:]
+        self.tokens_emitted = len(self.seq.output_token_ids)
+        return StreamDelta(self.seq.request_id, text, toks, finish_reason)
+
+    def output(self) -> RequestOutput:
+        now = time.perf_counter()
+        metrics = {"time_to_first_token": (self.t_first_token or now) - self.t_arrival,
+                   "latency": now - self.t_arrival, "num_preemptions": self.seq.num_preemptions}
+        return RequestOutput(self.seq.request_id, self.seq.prompt,
+                             np.asarray(self.seq.prompt_token_ids, dtype=np.int32), self.text,
+                             self.seq.output_array(), self.seq.finish_reason or "abort", metrics)

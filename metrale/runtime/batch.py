@@ -1,0 +1,81 @@
+"""ForwardBatch: one ragged step. Prefill chunks, decode tokens and verify blocks are all segments.
+
+Invariants: segments are contiguous in the flat token array in segment order; within a segment
+positions are consecutive; context_lens[s] = positions[last token of s] + 1; every token's K/V
+goes to slot_mapping[t] before attention reads the cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Segment:
+    token_ids: np.ndarray      # int32 [n] tokens to run
+    start_pos: int             # position of token_ids[0]
+    block_table: np.ndarray    # int32 [num_blocks of the sequence]
+    logits: str = "last"       # "last" | "all" | "none": which of this segment's rows need logits
+
+
+@dataclass
+class ForwardBatch:
+    token_ids: np.ndarray        # int32 [T]
+    positions: np.ndarray        # int32 [T]
+    slot_mapping: np.ndarray     # int32 [T]
+    token_seq: np.ndarray        # int32 [T] segment index of each token
+    seq_query_start: np.ndarray  # int32 [S+1]
+    context_lens: np.ndarray     # int32 [S]
+    block_tables: np.ndarray     # int32 [S, max_blocks] (padded with 0)
+    logits_indices: np.ndarray   # int32 [R]
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.context_lens.shape[0])
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_tokens == self.num_seqs
+
+    @property
+    def max_query_len(self) -> int:
+        return int(np.diff(self.seq_query_start).max()) if self.num_seqs else 0
+
+
+def build_batch(segments: list[Segment], block_size: int) -> ForwardBatch:
+    if not segments:
+        raise ValueError("a forward batch needs at least one segment")
+    lens = np.array([len(s.token_ids) for s in segments], dtype=np.int32)
+    if (lens <= 0).any():
+        raise ValueError("every segment needs at least one token")
+    starts = np.zeros(len(segments) + 1, dtype=np.int32)
+    np.cumsum(lens, out=starts[1:])
+    token_ids = np.concatenate([np.asarray(s.token_ids, dtype=np.int32) for s in segments])
+    positions = np.concatenate([np.arange(s.start_pos, s.start_pos + n, dtype=np.int32)
+                                for s, n in zip(segments, lens)])
+    token_seq = np.repeat(np.arange(len(segments), dtype=np.int32), lens)
+    max_blocks = max(len(s.block_table) for s in segments)
+    tables = np.zeros((len(segments), max(max_blocks, 1)), dtype=np.int32)
+    for i, s in enumerate(segments):
+        tables[i, :len(s.block_table)] = s.block_table
+        need = -(-(s.start_pos + lens[i]) // block_size)
+        if len(s.block_table) < need:
+            raise ValueError(f"segment {i} covers {s.start_pos + lens[i]} positions "
+                             f"but its block table has {len(s.block_table)} blocks of {block_size}")
+    slot_mapping = tables[token_seq, positions // block_size] * block_size + positions % block_size
+    rows: list[np.ndarray] = []
+    for s, a, b in zip(segments, starts[:-1], starts[1:]):
+        if s.logits == "last":
+            rows.append(np.array([b - 1], dtype=np.int32))
+        elif s.logits == "all":
+            rows.append(np.arange(a, b, dtype=np.int32))
+    logits_indices = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int32)
+    context_lens = np.array([s.start_pos + n for s, n in zip(segments, lens)], dtype=np.int32)
+    return ForwardBatch(token_ids, positions, slot_mapping.astype(np.int32), token_seq, starts,
+                        context_lens, tables, logits_indices.astype(np.int32), block_size)

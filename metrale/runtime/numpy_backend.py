@@ -1,0 +1,143 @@
+"""NumPy backend: the CPU runtime and the oracle of the CUDA backend.
+
+Arithmetic in float32 (or float64 with levers.numpy_dtype=float64 for exact comparisons).
+The paged KV pool is allocated lazily by the OS (np.zeros), so RSS grows with the tokens used.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from metrale.models.config import ModelConfig
+from metrale.models.llama import llama_forward
+from metrale.models.loader import WeightStream
+from metrale.runtime.batch import ForwardBatch
+
+
+def rope_cos_sin(config: ModelConfig, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    half = config.head_dim // 2
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(half, dtype=np.float64) * 2.0 / config.head_dim))
+    scaling = (config.extra or {}).get("rope_scaling") or {}
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+        inv_freq = _llama3_scaling(inv_freq, scaling)
+    angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(angles), np.sin(angles)
+
+
+def _llama3_scaling(inv_freq: np.ndarray, s: dict) -> np.ndarray:
+    factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_len = s.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * np.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return np.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
+    """x [T, H, hd]; cos/sin [T, hd/2]."""
+    c, s = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
+    if interleaved:
+        a, b = x[..., 0::2], x[..., 1::2]
+        out = np.empty_like(x)
+        out[..., 0::2], out[..., 1::2] = a * c - b * s, a * s + b * c
+        return out
+    half = x.shape[-1] // 2
+    a, b = x[..., :half], x[..., half:]
+    return np.concatenate([a * c - b * s, a * s + b * c], axis=-1)
+
+
+class NumpyOps:
+    def __init__(self, backend: "NumpyBackend", batch: ForwardBatch):
+        self.b, self.batch, self.cfg = backend, batch, backend.config
+
+    def embed(self, weight: np.ndarray) -> np.ndarray:
+        return weight[self.batch.token_ids]
+
+    def add_rms_norm(self, x, residual, weight):
+        residual = x if residual is None else residual + x
+        var = np.mean(residual * residual, axis=-1, keepdims=True)
+        return residual / np.sqrt(var + self.cfg.rms_norm_eps) * weight, residual
+
+    def linear(self, x, weight, bias=None):
+        y = x @ weight.T
+        return y if bias is None else y + bias
+
+    def _head_norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        var = np.mean(x * x, axis=-1, keepdims=True)
+        return x / np.sqrt(var + self.cfg.rms_norm_eps) * weight
+
+    def qkv_to_cache(self, qkv, layer, q_norm, k_norm):
+        c, T = self.cfg, qkv.shape[0]
+        q = qkv[:, :c.q_size].reshape(T, c.num_heads, c.head_dim)
+        k = qkv[:, c.q_size:c.q_size + c.kv_size].reshape(T, c.num_kv_heads, c.head_dim)
+        v = qkv[:, c.q_size + c.kv_size:].reshape(T, c.num_kv_heads, c.head_dim)
+        if q_norm is not None:
+            q, k = self._head_norm(q, q_norm), self._head_norm(k, k_norm)
+        cos, sin = self.b.rope_for(self.batch)
+        q, k = apply_rope(q, cos, sin, c.rope_interleaved), apply_rope(k, cos, sin, c.rope_interleaved)
+        flat_k = self.b.k_cache[layer].reshape(-1, c.num_kv_heads, c.head_dim)
+        flat_v = self.b.v_cache[layer].reshape(-1, c.num_kv_heads, c.head_dim)
+        keep = self.batch.slot_mapping >= 0
+        flat_k[self.batch.slot_mapping[keep]] = k[keep]
+        flat_v[self.batch.slot_mapping[keep]] = v[keep]
+        return q
+
+    def attention(self, q, layer):
+        c, bt = self.cfg, self.batch
+        group = c.num_heads // c.num_kv_heads
+        out = np.empty_like(q)
+        scale = 1.0 / np.sqrt(c.head_dim)
+        for s in range(bt.num_seqs):
+            a, b, ctx = bt.seq_query_start[s], bt.seq_query_start[s + 1], bt.context_lens[s]
+            nb = -(-ctx // bt.block_size)
+            blocks = bt.block_tables[s, :nb]
+            k = self.b.k_cache[layer, blocks].reshape(-1, c.num_kv_heads, c.head_dim)[:ctx]
+            v = self.b.v_cache[layer, blocks].reshape(-1, c.num_kv_heads, c.head_dim)[:ctx]
+            qs = q[a:b].reshape(b - a, c.num_kv_heads, group, c.head_dim)
+            scores = np.einsum("nkgd,ckd->kgnc", qs, k) * scale
+            causal = np.arange(ctx)[None, :] > bt.positions[a:b][:, None]
+            scores[..., causal] = -np.inf
+            scores -= scores.max(axis=-1, keepdims=True)
+            p = np.exp(scores)
+            p /= p.sum(axis=-1, keepdims=True)
+            out[a:b] = np.einsum("kgnc,ckd->nkgd", p, v).reshape(b - a, c.num_heads, c.head_dim)
+        return out.reshape(q.shape[0], c.q_size)
+
+    def silu_mul(self, gate_up):
+        f = gate_up.shape[-1] // 2
+        g = gate_up[:, :f]
+        return g / (1.0 + np.exp(-g)) * gate_up[:, f:]
+
+    def logits_rows(self, x):
+        return x[self.batch.logits_indices]
+
+
+class NumpyBackend:
+    name = "cpu"
+
+    def __init__(self, config: ModelConfig, weights: WeightStream, *, num_blocks: int,
+                 block_size: int = 16, dtype: str = "float32"):
+        if dtype not in ("float32", "float64"):
+            raise ValueError(f"levers.numpy_dtype must be float32 or float64, not '{dtype}'")
+        self.config, self.block_size, self.num_blocks = config, block_size, num_blocks
+        self.dtype = np.dtype(dtype)
+        self.weights = {name: np.ascontiguousarray(a, dtype=self.dtype) for name, a in weights}
+        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.k_cache = np.zeros(shape, dtype=self.dtype)
+        self.v_cache = np.zeros(shape, dtype=self.dtype)
+
+    def rope_for(self, batch: ForwardBatch) -> tuple[np.ndarray, np.ndarray]:
+        return rope_cos_sin(self.config, batch.positions)
+
+    def forward(self, batch: ForwardBatch) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            logits = llama_forward(NumpyOps(self, batch), self.weights, self.config)
+        return np.asarray(logits, dtype=np.float32) if self.dtype == np.float32 else logits
+
+    def forward_greedy(self, batch: ForwardBatch) -> np.ndarray:
+        return np.argmax(self.forward(batch), axis=-1).astype(np.int32)
+
+    def memory_report(self) -> dict:
+        return {"weights_bytes": sum(a.nbytes for a in self.weights.values()),
+                "kv_pool_bytes": self.k_cache.nbytes + self.v_cache.nbytes,
+                "kv_pool_tokens": self.num_blocks * self.block_size}

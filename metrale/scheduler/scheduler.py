@@ -1,0 +1,140 @@
+"""Scheduler: picks each step's work under a token budget and the KV pool.
+
+One step = a list of (sequence, number of tokens to compute). Running sequences go first
+(decode rows and unfinished prefill chunks, oldest first), then waiting sequences are admitted
+while budget, sequence slots and blocks remain. A prefill chunk that does not finish the prompt
+ends on a block boundary. When blocks run out, the running sequence holding the most blocks is
+preempted: requeued for recompute (default) or finished with an error (levers.preempt_mode).
+The scheduler never touches device memory.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from metrale.cache.block_manager import BlockManager
+from metrale.scheduler.sequence import Sequence, Status
+
+log = logging.getLogger("metrale.scheduler")
+
+PREEMPTED_ERROR = "error: preempted: KV cache exhausted"
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def needs_logits(self) -> bool:
+        """True when this chunk reaches the end of the known tokens: a new token is sampled."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class StepPlan:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)   # finished by abort-mode preemption
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled) or bool(self.preempted)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 no_mix: bool = False, preempt_mode: str = "recompute"):
+        if preempt_mode not in ("recompute", "abort"):
+            raise ValueError(f"levers.preempt_mode must be 'recompute' or 'abort', not '{preempt_mode}'")
+        if max_num_batched_tokens < blocks.block_size:
+            raise ValueError(f"scheduler.max_num_batched_tokens ({max_num_batched_tokens}) must be at "
+                             f"least the KV block size ({blocks.block_size})")
+        self.blocks = blocks
+        self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
+        self.no_mix, self.preempt_mode = no_mix, preempt_mode
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._warned_preempt = False
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        n = min(seq.num_uncomputed, budget)
+        if n < seq.num_uncomputed:   # not the last chunk: end on a block boundary
+            end = (seq.num_computed_tokens + n) // self.blocks.block_size * self.blocks.block_size
+            n = max(end - seq.num_computed_tokens, 0)
+        return n
+
+    def _preempt(self, victim: Sequence, plan: StepPlan) -> None:
+        self.running.remove(victim)
+        self.blocks.release(victim)
+        self.num_preemptions += 1
+        victim.num_preemptions += 1
+        if not self._warned_preempt:
+            log.warning("KV cache exhausted: preempting (%s); raise cache.num_blocks or lower "
+                        "scheduler.max_num_seqs to avoid it", self.preempt_mode)
+            self._warned_preempt = True
+        if self.preempt_mode == "abort":
+            victim.status, victim.finish_reason = Status.FINISHED, PREEMPTED_ERROR
+            plan.preempted.append(victim)
+        else:
+            victim.status = Status.WAITING
+            self.waiting.appendleft(victim)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.budget
+        prefill_pending = any(s.num_uncomputed > 1 for s in self.running) or bool(self.waiting)
+        decode_allowed = not (self.no_mix and prefill_pending)
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq not in self.running:        # preempted earlier in this loop
+                continue
+            is_decode = seq.num_uncomputed == 1
+            if (is_decode and not decode_allowed) or budget == 0:
+                continue
+            n = self._chunk(seq, budget)
+            if n == 0:
+                continue
+            while not self.blocks.grow(seq, seq.num_computed_tokens + n):
+                scheduled = {id(s.seq) for s in plan.scheduled}
+                victims = [s for s in self.running if id(s) not in scheduled] or [seq]
+                victim = max(victims, key=lambda s: (len(s.block_table), s.arrival))
+                self._preempt(victim, plan)
+                if victim is seq:
+                    break
+            if seq in self.running:
+                plan.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+        # admit waiting sequences
+        mixing_ok = not (self.no_mix and any(s.seq.num_uncomputed == 1 for s in plan.scheduled))
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and mixing_ok:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                self.blocks.allocate_prefix(seq)
+            n = self._chunk(seq, budget)
+            if n == 0 or not self.blocks.grow(seq, seq.num_computed_tokens + n):
+                self.blocks.release(seq)   # give back prefix hits; looked up again next step
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            plan.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return plan
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(seq)
