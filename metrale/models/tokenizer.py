@@ -1,0 +1,643 @@
+"""Tokenizer: text <-> token ids, chat templates and streaming detokenization.
+
+One `Tokenizer` class wraps a Hugging Face `tokenizers.Tokenizer` (Rust, fast); it is built either
+from a GGUF file's metadata (`from_gguf`, `from_gguf_path`) or from a Hugging Face model directory
+(`from_pretrained_dir`). Only byte-level BPE vocabularies (GGUF `tokenizer.ggml.model == "gpt2"`) are
+built from GGUF so far; SentencePiece ("llama"), unigram ("t5") and others raise `ValueError`.
+
+The pre-tokenizer for a GGUF follows llama.cpp's `tokenizer.ggml.pre` table (llama-vocab.cpp), which
+is what the model's own `tokenizer.json` does. For "smollm" (and starcoder, refact, command-r,
+codeshell, exaone, minerva) that is "split every digit, then the GPT-2 regex", i.e.
+`Sequence[Digits(individual_digits=True), ByteLevel(add_prefix_space=False, use_regex=True)]`.
+Note: transformers' own GGUF conversion (5.x) leaves "smollm" on the plain GPT-2 ByteLevel regex; the two
+only differ on runs of 2+ spaces followed by a digit ("a  1"), where we match llama.cpp and SmolLM2's
+tokenizer.json.
+
+Chat templates are rendered like transformers does: a sandboxed jinja2 environment with
+trim_blocks/lstrip_blocks, loopcontrols, a `{% generation %}` block (rendered as its body),
+`raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII characters, and `bos_token`/`eos_token`
+(plus any extra keyword arguments) as variables.
+
+`IncrementalDecoder` turns a stream of token ids into a stream of text pieces without ever emitting half
+of a multi-byte UTF-8 character (the vLLM detokenizer_utils algorithm: decode a short window of tokens
+before and after the read offset; emit only the difference, and only when it does not end in U+FFFD).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as _HFTokenizer
+
+__all__ = ["Tokenizer", "IncrementalDecoder", "read_gguf_fields", "bytes_to_unicode"]
+
+# GGUF token types (llama.cpp's llama_token_type / gguf.TokenType)
+TOKEN_TYPE_NORMAL = 1
+TOKEN_TYPE_UNKNOWN = 2
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+TOKEN_TYPE_UNUSED = 5
+TOKEN_TYPE_BYTE = 6
+
+# Token texts that llama.cpp treats as end-of-generation when present (llama-vocab.cpp, "special_eog_ids").
+EOG_TOKEN_TEXTS = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>",  # DeepSeek
+)
+
+# ---------------------------------------------------------------------------------------------
+# Pre-tokenizers for byte-level BPE, keyed by GGUF `tokenizer.ggml.pre` (llama.cpp names)
+# ---------------------------------------------------------------------------------------------
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+_GPT2_PRE = frozenset({"default", "gpt2", "gpt-2", "mpt", "olmo", "jais", "trillion"})
+_DIGITS_THEN_GPT2_PRE = frozenset(
+    {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva", "minerva-7b"}
+)
+_SPLIT_PRE = {
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "dbrx", "smaug-bpe"),
+        _LLAMA3_SPLIT,
+    ),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "megrez"), _QWEN2_SPLIT),
+    "tekken": _TEKKEN_SPLIT,
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "minimax-m2"), _GPT4O_SPLIT),
+}
+# llama.cpp uses the whole pre-token directly when it is in the vocabulary for these (ignore_merges)
+_IGNORE_MERGES_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "llama4"})
+
+
+def _byte_level_pre_tokenizer(pre: str | None):
+    """The HF pre-tokenizer equivalent to llama.cpp's regex list for `tokenizer.ggml.pre`."""
+    key = (pre or "default").lower()
+    if key in _DIGITS_THEN_GPT2_PRE:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    if key in _SPLIT_PRE:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_SPLIT_PRE[key]), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    if key not in _GPT2_PRE:
+        warnings.warn(
+            f"GGUF tokenizer.ggml.pre={pre!r} is not known to metrale; falling back to the GPT-2 "
+            "pre-tokenizer regex (token ids may differ from the reference tokenizer)",
+            stacklevel=3,
+        )
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+@functools.lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode character map used by byte-level BPE vocabularies."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1))
+    bs += list(range(ord("\xae"), ord("\xff") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF metadata
+# ---------------------------------------------------------------------------------------------
+
+
+def read_gguf_fields(reader: Any, skip_header: bool = False) -> dict[str, Any]:
+    """Every key/value of a `gguf.GGUFReader` as Python values (str, int, float, bool, list).
+
+    Strings are decoded as UTF-8; arrays become lists. Uses `ReaderField.contents()` (gguf >= 0.10),
+    with a fallback for older readers. `skip_header` drops the synthetic `GGUF.*` entries
+    (version, tensor_count, kv_count).
+    """
+    out: dict[str, Any] = {}
+    for name, field in reader.fields.items():
+        if skip_header and name.startswith("GGUF."):
+            continue
+        if hasattr(field, "contents"):
+            out[name] = field.contents()
+        else:  # pragma: no cover - gguf < 0.10
+            out[name] = _field_contents_fallback(field)
+    return out
+
+
+def _field_contents_fallback(field: Any) -> Any:  # pragma: no cover - gguf < 0.10
+    from gguf import GGUFValueType
+
+    types = list(field.types)
+    if not types:
+        return None
+    if types[0] == GGUFValueType.ARRAY:
+        if types[-1] == GGUFValueType.STRING:
+            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+        return [v for i in field.data for v in field.parts[i].tolist()]
+    if types[0] == GGUFValueType.STRING:
+        return bytes(field.parts[-1]).decode("utf-8")
+    return field.parts[-1].tolist()[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat templates
+# ---------------------------------------------------------------------------------------------
+
+
+def _raise_exception(message: str):
+    from jinja2.exceptions import TemplateError
+
+    raise TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers' override: jinja's built-in tojson escapes HTML characters and non-ASCII
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=32)
+def _compile_chat_template(template: str):
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class _GenerationBlock(Extension):
+        """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask marker): renders its body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_render", []), [], [], body).set_lineno(lineno)
+
+        def _render(self, caller):
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(template)
+
+
+def _select_chat_template(template: Any, tools: Any = None) -> str | None:
+    """A tokenizer_config may hold one template or a list of named ones ({"name", "template"})."""
+    if template is None or isinstance(template, str):
+        return template
+    if isinstance(template, Mapping):
+        named = dict(template)
+    else:
+        named = {t["name"]: t["template"] for t in template}
+    if tools is not None and "tool_use" in named:
+        return named["tool_use"]
+    if "default" in named:
+        return named["default"]
+    return next(iter(named.values()), None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------
+
+
+def _token_content(tok: Any) -> str | None:
+    """tokenizer_config.json spells special tokens as a string or as an AddedToken dict."""
+    if tok is None:
+        return None
+    if isinstance(tok, Mapping):
+        return tok.get("content")
+    return str(tok)
+
+
+class Tokenizer:
+    """Text <-> ids for one model; see the module docstring.
+
+    Attributes: `vocab_size`, `bos_token`/`bos_token_id` (may be None), `eos_token`/`eos_token_id`,
+    `eos_token_ids` (every id that ends generation: EOS first, then EOT/EOM and the end-of-turn tokens
+    llama.cpp recognises, e.g. `<|im_end|>`, `<|endoftext|>`), `pad_token_id`, `chat_template`.
+    """
+
+    def __init__(
+        self,
+        hf_tokenizer: _HFTokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        pad_token: str | None = None,
+        extra_eos_token_ids: Iterable[int] = (),
+        chat_template: Any = None,
+        add_bos_token: bool = False,
+        add_eos_token: bool = False,
+    ):
+        self._tk = hf_tokenizer
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.pad_token = pad_token
+        self.bos_token_id = self._tk.token_to_id(bos_token) if bos_token is not None else None
+        self.eos_token_id = self._tk.token_to_id(eos_token) if eos_token is not None else None
+        self.pad_token_id = self._tk.token_to_id(pad_token) if pad_token is not None else None
+        self.chat_template = chat_template
+        self.add_bos_token = add_bos_token
+        self.add_eos_token = add_eos_token
+
+        eos: list[int] = []
+        if self.eos_token_id is not None:
+            eos.append(self.eos_token_id)
+        eos.extend(int(i) for i in extra_eos_token_ids)
+        special = self.special_token_ids
+        for text in EOG_TOKEN_TEXTS:
+            tid = self._tk.token_to_id(text)
+            if tid is not None and tid in special:
+                eos.append(tid)
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
+
+    # -- properties ---------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce (model vocab plus added tokens)."""
+        return self._tk.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def backend(self) -> _HFTokenizer:
+        """The wrapped `tokenizers.Tokenizer`."""
+        return self._tk
+
+    @functools.cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of the added tokens marked special (skipped by `decode(skip_special_tokens=True)`)."""
+        return frozenset(i for i, t in self._tk.get_added_tokens_decoder().items() if t.special)
+
+    # -- encode / decode ----------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`. Special tokens written in the text (`<|im_start|>`) map to their single id.
+
+        `add_special_tokens` adds what the model's post-processor adds (BOS for Llama-style vocabularies,
+        nothing for SmolLM2).
+        """
+        return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
+        return [e.ids for e in self._tk.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        if not isinstance(ids, list):
+            ids = [int(i) for i in ids]
+        return self._tk.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tk.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tk.id_to_token(int(token_id))
+
+    def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str | None]:
+        return [self._tk.id_to_token(int(i)) for i in ids]
+
+    def incremental_decoder(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
+        return IncrementalDecoder(self, prompt_ids, skip_special_tokens=skip_special_tokens)
+
+    # -- chat ---------------------------------------------------------------------------------
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """Render `messages` with the model's Jinja chat template (as transformers does, tokenize=False).
+
+        Extra keyword arguments become template variables (e.g. `enable_thinking=False`).
+        """
+        template = _select_chat_template(chat_template or self.chat_template, tools)
+        if template is None:
+            raise ValueError("this tokenizer has no chat template; pass chat_template=...")
+        variables: dict[str, Any] = {
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+            "pad_token": self.pad_token or "",
+        }
+        variables.update(kwargs)
+        return _compile_chat_template(template).render(
+            messages=messages,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
+
+    # -- constructors -------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, fields: Mapping[str, Any]) -> Tokenizer:
+        """Build from GGUF metadata (`read_gguf_fields(reader)` or any dict with the same keys)."""
+        model = fields.get("tokenizer.ggml.model")
+        if model is None:
+            raise ValueError("GGUF metadata has no tokenizer (tokenizer.ggml.model is missing)")
+        if model != "gpt2":
+            kinds = {
+                "llama": "SentencePiece BPE ('llama')",
+                "t5": "unigram ('t5')",
+                "bert": "WordPiece ('bert')",
+                "rwkv": "RWKV",
+                "plamo2": "PLaMo-2",
+            }
+            kind = kinds.get(model, repr(model))
+            raise ValueError(
+                f"GGUF tokenizer.ggml.model={model!r}: {kind} vocabularies are not supported yet; "
+                "only byte-level BPE ('gpt2') GGUF tokenizers can be built. Load the model from a "
+                "Hugging Face directory (tokenizer.json) instead."
+            )
+
+        tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
+        n = len(tokens)
+        token_types: Sequence[int] = fields.get("tokenizer.ggml.token_type") or [TOKEN_TYPE_NORMAL] * n
+        merges_raw: Sequence[str] = fields.get("tokenizer.ggml.merges") or []
+        pre = fields.get("tokenizer.ggml.pre")
+
+        def tok_id(key: str) -> int | None:
+            v = fields.get(f"tokenizer.ggml.{key}")
+            if v is None or not (0 <= int(v) < n):
+                return None
+            return int(v)
+
+        bos_id, eos_id = tok_id("bos_token_id"), tok_id("eos_token_id")
+        unk_id, pad_id = tok_id("unknown_token_id"), tok_id("padding_token_id")
+        eot_id, eom_id = tok_id("eot_token_id"), tok_id("eom_token_id")
+
+        # Normal tokens are spelled in GPT-2's byte alphabet; a stray one that is not gets respelled so
+        # that BPE can reach it. Control / user-defined tokens keep their raw text: they are matched
+        # whole in the input as added tokens.
+        alphabet = set(bytes_to_unicode().values())
+        b2u = bytes_to_unicode()
+        vocab: dict[str, int] = {}
+        special: list[AddedToken] = []
+        user_defined: list[AddedToken] = []
+        special_ids = {i for i in (bos_id, eos_id, unk_id, pad_id, eot_id, eom_id) if i is not None}
+        for i, (tok, tt) in enumerate(zip(tokens, token_types)):
+            if tt == TOKEN_TYPE_CONTROL or (i in special_ids and tt != TOKEN_TYPE_USER_DEFINED):
+                vocab[tok] = i
+                special.append(AddedToken(tok, special=True, normalized=False))
+            elif tt == TOKEN_TYPE_USER_DEFINED:
+                vocab[tok] = i
+                user_defined.append(AddedToken(tok, special=False, normalized=False))
+            else:
+                if not set(tok) <= alphabet:
+                    tok = "".join(b2u[b] for b in tok.encode("utf-8"))
+                vocab[tok] = i
+        merges = []
+        for m in merges_raw:
+            a, sep, b = m.partition(" ")
+            if not sep:
+                raise ValueError(f"malformed GGUF merge {m!r}")
+            merges.append((a, b))
+
+        key = (pre or "default").lower()
+        bpe = models.BPE(
+            vocab=vocab,
+            merges=merges,
+            fuse_unk=False,
+            byte_fallback=False,
+            ignore_merges=key in _IGNORE_MERGES_PRE,
+        )
+        tk = _HFTokenizer(bpe)
+        tk.normalizer = None
+        tk.pre_tokenizer = _byte_level_pre_tokenizer(pre)
+        tk.decoder = decoders.ByteLevel()
+        if special:
+            tk.add_special_tokens(special)
+        if user_defined:
+            tk.add_tokens(user_defined)
+
+        add_bos = bool(fields.get("tokenizer.ggml.add_bos_token", False)) and bos_id is not None
+        add_eos = bool(fields.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None
+        if add_bos or add_eos:
+            single = ([f"{tokens[bos_id]}:0"] if add_bos else []) + ["$A:0"] + (
+                [f"{tokens[eos_id]}:0"] if add_eos else []
+            )
+            pair = single + (["$B:1"] if not add_eos else ["$B:1", f"{tokens[eos_id]}:1"])
+            sp = []
+            if add_bos:
+                sp.append((tokens[bos_id], bos_id))
+            if add_eos and eos_id != bos_id:
+                sp.append((tokens[eos_id], eos_id))
+            tk.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=sp)
+        else:
+            tk.post_processor = processors.ByteLevel(trim_offsets=False)
+
+        return cls(
+            tk,
+            bos_token=tokens[bos_id] if bos_id is not None else None,
+            eos_token=tokens[eos_id] if eos_id is not None else None,
+            pad_token=tokens[pad_id] if pad_id is not None else None,
+            extra_eos_token_ids=[i for i in (eot_id, eom_id) if i is not None],
+            chat_template=fields.get("tokenizer.chat_template"),
+            add_bos_token=add_bos,
+            add_eos_token=add_eos,
+        )
+
+    @classmethod
+    def from_gguf_path(cls, path: str | os.PathLike) -> Tokenizer:
+        """Open a GGUF file and build its tokenizer (reads only metadata; tensors stay memory-mapped)."""
+        import gguf
+
+        return cls.from_gguf(read_gguf_fields(gguf.GGUFReader(os.fspath(path), "r"), skip_header=True))
+
+    @classmethod
+    def from_pretrained_dir(cls, path: str | os.PathLike) -> Tokenizer:
+        """Build from a Hugging Face model directory: tokenizer.json (+ tokenizer_config.json,
+        chat_template.jinja / chat_template.json, special_tokens_map.json, generation_config.json)."""
+        path = os.fspath(path)
+
+        def load_json(name: str) -> dict:
+            p = os.path.join(path, name)
+            if not os.path.exists(p):
+                return {}
+            with open(p, encoding="utf-8") as f:
+                return json.load(f)
+
+        tj = os.path.join(path, "tokenizer.json")
+        if not os.path.exists(tj):
+            raise FileNotFoundError(f"{tj} not found (only fast tokenizer.json directories are supported)")
+        tk = _HFTokenizer.from_file(tj)
+        cfg = load_json("tokenizer_config.json")
+        smap = load_json("special_tokens_map.json")
+        gen = load_json("generation_config.json")
+
+        # added tokens that tokenizer_config knows but tokenizer.json does not
+        present = {t.content for t in tk.get_added_tokens_decoder().values()}
+        missing_special, missing_plain = [], []
+        for _tid, spec in sorted(cfg.get("added_tokens_decoder", {}).items(), key=lambda kv: int(kv[0])):
+            content = spec.get("content")
+            if content is None or content in present:
+                continue
+            at = AddedToken(
+                content,
+                single_word=spec.get("single_word", False),
+                lstrip=spec.get("lstrip", False),
+                rstrip=spec.get("rstrip", False),
+                normalized=spec.get("normalized", not spec.get("special", False)),
+                special=spec.get("special", False),
+            )
+            (missing_special if at.special else missing_plain).append(at)
+        if missing_special:
+            tk.add_special_tokens(missing_special)
+        if missing_plain:
+            tk.add_tokens(missing_plain)
+
+        def special_token(name: str) -> str | None:
+            tok = _token_content(cfg.get(name))
+            if tok is None:
+                tok = _token_content(smap.get(name))
+            return tok
+
+        bos, eos, pad = special_token("bos_token"), special_token("eos_token"), special_token("pad_token")
+        for tok in (bos, eos, pad):  # make sure they are matched whole and skipped in decode
+            if tok is not None and tok not in present and tk.token_to_id(tok) is not None:
+                tk.add_special_tokens([AddedToken(tok, special=True, normalized=False)])
+
+        template: Any = cfg.get("chat_template")
+        jinja_file = os.path.join(path, "chat_template.jinja")
+        if os.path.exists(jinja_file):
+            with open(jinja_file, encoding="utf-8") as f:
+                template = f.read()
+        elif template is None:
+            template = load_json("chat_template.json").get("chat_template")
+
+        gen_eos = gen.get("eos_token_id")
+        extra = [] if gen_eos is None else ([gen_eos] if isinstance(gen_eos, int) else list(gen_eos))
+        return cls(
+            tk,
+            bos_token=bos,
+            eos_token=eos,
+            pad_token=pad,
+            extra_eos_token_ids=extra,
+            chat_template=template,
+            add_bos_token=bool(cfg.get("add_bos_token", False)),
+            add_eos_token=bool(cfg.get("add_eos_token", False)),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token!r}, eos={self.eos_token!r}, "
+            f"eos_token_ids={self.eos_token_ids})"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming detokenization
+# ---------------------------------------------------------------------------------------------
+
+# vLLM: INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET; a few tokens of context before the read offset
+# make decoders that strip a leading space (Metaspace) or merge bytes across tokens behave.
+_PREFIX_WINDOW = 5
+
+
+class IncrementalDecoder:
+    """Feed token ids one at a time; get back only newly completed text.
+
+        dec = tokenizer.incremental_decoder(prompt_ids)
+        for tid in generated:
+            piece = dec.feed(tid)      # "" while a multi-byte character is still incomplete
+        tail = dec.flush()             # whatever is still held back (may contain U+FFFD)
+
+    `text` is everything emitted so far. The prompt ids (optional) give the decoder left context and
+    are never emitted themselves.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
+        self._tok = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = [int(i) for i in prompt_ids]
+        self.read_offset = len(self.ids)
+        self.prefix_offset = max(self.read_offset - _PREFIX_WINDOW, 0)
+        # a prompt that ends inside a multi-byte character: let the output complete (and emit) it
+        while self.read_offset > self.prefix_offset and self._decode(self.prefix_offset, self.read_offset).endswith(
+            "\ufffd"
+        ):
+            self.read_offset -= 1
+        self.text = ""
+
+    def _decode(self, start: int, stop: int | None = None) -> str:
+        return self._tok.decode(self.ids[start:stop], skip_special_tokens=self.skip_special_tokens)
+
+    def feed(self, token_id: int) -> str:
+        """Append one token id; return the text it completes (possibly "")."""
+        self.ids.append(int(token_id))
+        prefix_text = self._decode(self.prefix_offset, self.read_offset)
+        new_text = self._decode(self.prefix_offset)
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            piece = new_text[len(prefix_text):]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            self.text += piece
+            return piece
+        return ""
+
+    def feed_many(self, token_ids: Iterable[int]) -> str:
+        return "".join(self.feed(t) for t in token_ids)
+
+    __call__ = feed
+
+    def flush(self) -> str:
+        """Emit whatever is held back (an incomplete character decodes as U+FFFD) and reset the window."""
+        prefix_text = self._decode(self.prefix_offset, self.read_offset)
+        new_text = self._decode(self.prefix_offset)
+        piece = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += piece
+        return piece

@@ -1,0 +1,20 @@
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+collect_ignore = ["kernels_sim"]   # run in a subprocess with NUMBA_ENABLE_CUDASIM=1 (test_kernels_sim.py)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real embedded model on the NumPy backend, loaded once per test session."""
+    from metrale import Engine
+    return Engine(model="smollm2-135m", device="cpu")
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
