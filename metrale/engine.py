@@ -36,7 +36,9 @@ Prompt = str | list[int] | np.ndarray
 class Engine:
     def __init__(self, model: str | None = None, device: str | None = None, *,
                  levers: dict | None = None, spec: dict | None = None,
-                 overrides: list[str] | None = None, cfg: Any = None, **settings: Any):
+                 overrides: list[str] | None = None, cfg: Any = None, parts: tuple | None = None,
+                 **settings: Any):
+        """parts=(model_config, tokenizer, backend) skips loading (tests use a fake backend)."""
         if cfg is None:
             given = dict(settings)
             for key, value in (("model", model), ("device", device), ("levers", levers), ("spec", spec)):
@@ -45,8 +47,10 @@ class Engine:
             cfg = compose(to_overrides(given) + list(overrides or []))
         self.cfg = cfg
         t0 = time.perf_counter()
-        from metrale.models.load import load_model
-        self.model_config, self.tokenizer, self.backend = load_model(cfg)
+        if parts is None:
+            from metrale.models.load import load_model
+            parts = load_model(cfg)
+        self.model_config, self.tokenizer, self.backend = parts
         self.load_seconds = time.perf_counter() - t0
         self.config: ModelConfig = self.model_config
         bs = self.backend.block_size
