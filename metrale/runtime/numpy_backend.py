@@ -53,18 +53,16 @@ class NumpyOps:
     def embed(self, weight: np.ndarray) -> np.ndarray:
         return weight[self.batch.token_ids]
 
-    def add_rms_norm(self, x, residual, weight):
-        residual = x if residual is None else residual + x
-        var = np.mean(residual * residual, axis=-1, keepdims=True)
-        return residual / np.sqrt(var + self.cfg.rms_norm_eps) * weight, residual
+    def rms_norm(self, x, weight):
+        var = np.mean(x * x, axis=-1, keepdims=True)
+        return x / np.sqrt(var + self.cfg.rms_norm_eps) * weight
 
     def linear(self, x, weight, bias=None):
         y = x @ weight.T
         return y if bias is None else y + bias
 
-    def _head_norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-        var = np.mean(x * x, axis=-1, keepdims=True)
-        return x / np.sqrt(var + self.cfg.rms_norm_eps) * weight
+    def linear_residual(self, x, weight, residual):
+        return residual + x @ weight.T
 
     def qkv_to_cache(self, qkv, layer, q_norm, k_norm):
         c, T = self.cfg, qkv.shape[0]
@@ -72,7 +70,7 @@ class NumpyOps:
         k = qkv[:, c.q_size:c.q_size + c.kv_size].reshape(T, c.num_kv_heads, c.head_dim)
         v = qkv[:, c.q_size + c.kv_size:].reshape(T, c.num_kv_heads, c.head_dim)
         if q_norm is not None:
-            q, k = self._head_norm(q, q_norm), self._head_norm(k, k_norm)
+            q, k = self.rms_norm(q, q_norm), self.rms_norm(k, k_norm)
         cos, sin = self.b.rope_for(self.batch)
         q, k = apply_rope(q, cos, sin, c.rope_interleaved), apply_rope(k, cos, sin, c.rope_interleaved)
         flat_k = self.b.k_cache[layer].reshape(-1, c.num_kv_heads, c.head_dim)
