@@ -25,18 +25,23 @@ def load_model(cfg) -> tuple[ModelConfig, Tokenizer, object]:
     else:
         config = random_model_config(source.preset, source.name)
         tokenizer = _default_tokenizer()
-        weights = lambda: random_weights(config, cfg.seed)  # noqa: E731
+        weights = None   # each backend builds its own (the CUDA one on the device)
     device = resolve_device(cfg.device)
     backend = make_backend(device, cfg, config, weights)
     log.info("loaded %s on %s in %.2f s", source.name, device, time.perf_counter() - t0)
     return config, tokenizer, backend
 
 
-def _default_tokenizer() -> Tokenizer:
-    """Random-weight presets still need text in and out: borrow the embedded model's tokenizer."""
+def _default_tokenizer():
+    """Random-weight presets still need text in and out: borrow the embedded model's tokenizer,
+    or bytes when that package is not installed."""
     from metrale.models.loader import _gguf_reader
-    from metrale.models.tokenizer import read_gguf_fields
-    path = resolve_model("smollm2-135m").path
+    from metrale.models.registry import ModelNotFoundError
+    from metrale.models.tokenizer import ByteTokenizer, read_gguf_fields
+    try:
+        path = resolve_model("smollm2-135m").path
+    except ModelNotFoundError:
+        return ByteTokenizer()
     return Tokenizer.from_gguf(read_gguf_fields(_gguf_reader(path)))
 
 
@@ -44,8 +49,9 @@ def make_backend(device: str, cfg, config: ModelConfig, weights):
     block_size = int(cfg.cache.block_size)
     if device == "cuda":
         from metrale.runtime.cuda_backend import CudaBackend
-        return CudaBackend(config, weights(), cfg=cfg)
+        return CudaBackend(config, weights() if weights else None, cfg=cfg, random_seed=int(cfg.seed))
     from metrale.runtime.numpy_backend import NumpyBackend
     num_blocks = cfg.cache.num_blocks or max(1, cfg.cache.cpu_kv_tokens // block_size)
-    return NumpyBackend(config, weights(), num_blocks=int(num_blocks), block_size=block_size,
+    stream = weights() if weights else random_weights(config, int(cfg.seed))
+    return NumpyBackend(config, stream, num_blocks=int(num_blocks), block_size=block_size,
                         dtype=cfg.levers.numpy_dtype)

@@ -641,3 +641,25 @@ class IncrementalDecoder:
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += piece
         return piece
+
+
+class ByteTokenizer:
+    """Token id = byte value + 3 (0..2 reserved: pad, bos, eos). For random-weight models when
+    no real tokenizer is at hand (benchmarks on machines without the embedded model)."""
+
+    eos_token_ids = (2,)
+    bos_token_id = 1
+    vocab_size = 259
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [b + 3 for b in text.encode("utf-8")]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i - 3 for i in ids if 3 <= i < 259).decode("utf-8", errors="replace")
+
+    def incremental_decoder(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
+        return IncrementalDecoder(self, prompt_ids, skip_special_tokens)  # type: ignore[arg-type]
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **_: Any) -> str:
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " if add_generation_prompt else "")

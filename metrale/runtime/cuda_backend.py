@@ -1,0 +1,360 @@
+"""CUDA backend: the Llama forward as Numba kernels, memory from one pool, decode as CUDA graphs.
+
+Memory: one cuMemAlloc at start holds the weights (bf16 bits as uint16, norms f32), the
+activation buffers (sized for the largest step), the step metadata, and the paged KV pool,
+which takes what is left of `cache.gpu_memory_utilization * total` after the rest.
+Steps: the host packs the ragged metadata into one pinned buffer and copies it with one
+transfer; decode-only steps are padded to a ladder size and replayed from a CUDA graph
+captured on first use (its eager warm-up run is that step's result); other steps launch eagerly.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda
+from numba.cuda.cudadrv.driver import device_memset
+
+from kernels_numba import activation, argmax, attention, embedding, gemm, qkv, rmsnorm
+from kernels_numba.bf16 import to_bf16_bits
+from kernels_numba.init import fill_normal_bf16
+from kernels_numba.rope import rope_tables
+from metrale.models.config import ModelConfig
+from metrale.models.llama import llama_forward
+from metrale.models.loader import WeightStream
+from metrale.runtime.batch import ForwardBatch
+from metrale.runtime.cuda import CudaGraph, DevicePool, Stream, free_device_memory, kv_pool_bytes
+
+log = logging.getLogger("metrale.cuda")
+
+GRAPH_RESERVE = 512 << 20       # memory left outside the pool for graphs, contexts, workspaces
+MIN_GRAPH_CONTEXT = 512         # context buckets of decode graphs: powers of two from here
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Sizes of one launch sequence; a captured graph is keyed by its geometry."""
+    tokens: int
+    seqs: int
+    rows: int
+    max_context: int
+    max_query_len: int
+
+
+class MetaBuffers:
+    """The step metadata: one pinned host buffer, one device buffer, int32 views at fixed offsets.
+    block_tables come last so a step copies only the prefix it uses."""
+
+    FIELDS = ("token_ids", "positions", "slot_mapping", "token_seq", "seq_query_start", "context_lens",
+              "logits_indices")
+
+    def __init__(self, pool: DevicePool, max_tokens: int, max_seqs: int, max_rows: int, max_blocks: int):
+        sizes = {"token_ids": max_tokens, "positions": max_tokens, "slot_mapping": max_tokens,
+                 "token_seq": max_tokens, "seq_query_start": max_seqs + 1, "context_lens": max_seqs,
+                 "logits_indices": max_rows}
+        self.offsets, off = {}, 0
+        for name in self.FIELDS:
+            self.offsets[name] = off
+            off += -(-sizes[name] // 32) * 32
+        self.table_offset = off
+        self.max_blocks = max_blocks
+        total = off + max_seqs * max_blocks
+        self.host = cuda.pinned_array(total, dtype=np.int32)
+        self.device = pool.alloc("activations", total, np.int32)
+        self.sizes = sizes
+
+    def view(self, name: str, n: int):
+        o = self.offsets[name]
+        return self.device[o:o + n]
+
+    def tables(self, seqs: int):
+        return self.device[self.table_offset:self.table_offset + seqs * self.max_blocks].reshape(seqs, self.max_blocks)
+
+    def upload(self, fields: dict[str, np.ndarray], tables: np.ndarray, stream) -> None:
+        for name, values in fields.items():
+            o = self.offsets[name]
+            self.host[o:o + len(values)] = values
+        seqs, width = tables.shape
+        t = self.table_offset
+        grid = self.host[t:t + seqs * self.max_blocks].reshape(seqs, self.max_blocks)
+        grid[:, :width] = tables
+        grid[:, width:] = 0
+        end = t + seqs * self.max_blocks
+        self.device[:end].copy_to_device(self.host[:end], stream=stream)
+
+
+def _ptr(array) -> int:
+    return array.__cuda_array_interface__["data"][0]
+
+
+class CudaOps:
+    """Ops of llama_forward as kernel launches on one stream, over fixed buffers (graph-safe)."""
+
+    def __init__(self, backend: "CudaBackend", g: Geometry):
+        self.b, self.g, self.s = backend, g, backend.stream.numba
+        self.cfg = backend.config
+        m = backend.meta
+        self.token_ids, self.positions = m.view("token_ids", g.tokens), m.view("positions", g.tokens)
+        self.slot_mapping, self.token_seq = m.view("slot_mapping", g.tokens), m.view("token_seq", g.tokens)
+        self.seq_query_start = m.view("seq_query_start", g.seqs + 1)
+        self.logits_indices = m.view("logits_indices", g.rows)
+        self.block_tables = m.tables(g.seqs)
+
+    def _buf(self, name: str, n: int | None = None):
+        return self.b.act[name][:n if n is not None else self.g.tokens]
+
+    def embed(self, weight):
+        out = self._buf("residual")
+        embedding.embedding_gather(weight, self.token_ids, out, stream=self.s)
+        return out
+
+    def rms_norm(self, x, weight):
+        out = self._buf("normed_rows" if _ptr(x) == _ptr(self.b.act["rows"]) else "h", x.shape[0])
+        rmsnorm.rms_norm(x, weight, self.cfg.rms_norm_eps, out, stream=self.s)
+        return out
+
+    def linear(self, x, weight, bias=None):
+        out = self.b.act[f"out{weight.shape[0]}"][:x.shape[0]]
+        gemm.linear(x, weight, out, bias, stream=self.s, skinny_max_t=self.b.skinny_max_t)
+        return out
+
+    def linear_residual(self, x, weight, residual):
+        gemm.linear_residual(x, weight, residual, stream=self.s, skinny_max_t=self.b.skinny_max_t)
+        return residual
+
+    def qkv_to_cache(self, qkv_out, layer, q_norm, k_norm):
+        q = self._buf("q")
+        qkv.qkv_rope_store(qkv_out, self.positions, self.b.cos, self.b.sin, self.slot_mapping, q,
+                           self.b.k_cache[layer], self.b.v_cache[layer], interleaved=self.cfg.rope_interleaved,
+                           q_norm=q_norm, k_norm=k_norm, eps=self.cfg.rms_norm_eps, stream=self.s)
+        return q
+
+    def attention(self, q, layer):
+        out = self._buf("attn")
+        scale = 1.0 / math.sqrt(self.cfg.head_dim)
+        kc, vc = self.b.k_cache64[layer], self.b.v_cache64[layer]
+        if self.g.max_query_len >= self.b.prefill_min_tokens:
+            attention.prefill_attention(q, kc, vc, self.block_tables, self.seq_query_start, self.positions, scale,
+                                        out, max_query_len=self.g.max_query_len, stream=self.s)
+        else:
+            attention.paged_attention(q, kc, vc, self.block_tables, self.token_seq, self.positions, scale, out,
+                                      scratch=self.b.attn_scratch, max_context=self.g.max_context, stream=self.s)
+        return out.reshape(self.g.tokens, self.cfg.q_size)
+
+    def silu_mul(self, gate_up):
+        out = self._buf("act")
+        activation.silu_mul(gate_up, out, stream=self.s)
+        return out
+
+    def logits_rows(self, x):
+        out = self._buf("rows", self.g.rows)
+        qkv.gather_rows(x, self.logits_indices, out, stream=self.s)
+        return out
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, config: ModelConfig, weights: WeightStream | None, *, cfg, random_seed: int = 0):
+        self.config = c = config
+        self.block_size = int(cfg.cache.block_size)
+        levers = cfg.levers
+        self.skinny_max_t = max(gemm.FMA_MAX_T, min(16, int(levers.gemv_max_rows)))
+        self.prefill_min_tokens = int(levers.prefill_attention_min_tokens)
+        self.use_graphs = bool(levers.cuda_graphs)
+        self.graph_sizes = sorted(int(s) for s in levers.graph_batch_sizes)
+        self.max_model_len = min(c.max_position, cfg.scheduler.max_model_len or c.max_position)
+        self.max_seqs = int(cfg.scheduler.max_num_seqs)
+        self.max_tokens = max(int(cfg.scheduler.max_num_batched_tokens), self.graph_sizes[-1] if self.graph_sizes else 1)
+        self.max_rows = max(self.max_seqs, self.graph_sizes[-1] if self.graph_sizes else 1)
+        self.max_seqs = max(self.max_seqs, self.max_rows)
+        self.max_blocks = -(-self.max_model_len // self.block_size)
+        for name, dim in (("hidden_size", c.hidden_size), ("intermediate_size", c.intermediate_size),
+                          ("q+k+v size", c.q_size + 2 * c.kv_size), ("vocab_size", c.vocab_size)):
+            if dim % 64:
+                raise ValueError(f"the CUDA backend needs {name} to be a multiple of 64, got {dim}")
+        self.stream = Stream()
+        cuda.select_device(0)
+
+        weight_bytes = self._weight_bytes()
+        act_bytes = self._activation_bytes()
+        free, total = free_device_memory()
+        kv_bytes = kv_pool_bytes(free, total, float(cfg.cache.gpu_memory_utilization),
+                                 reserved=weight_bytes + act_bytes + GRAPH_RESERVE)
+        per_block = 2 * c.num_layers * self.block_size * c.kv_size * 2
+        num_blocks = int(cfg.cache.num_blocks or kv_bytes // per_block)
+        if num_blocks < 1:
+            raise RuntimeError(f"no device memory left for the KV cache: {free / 2**30:.1f} GiB free of "
+                               f"{total / 2**30:.1f}, weights need {weight_bytes / 2**30:.1f} GiB")
+        self.num_blocks = num_blocks
+        self.pool = DevicePool(weight_bytes + act_bytes + num_blocks * per_block + (4 << 20),
+                               {"weights": weight_bytes, "activations": act_bytes, "kv": None})
+        self.weights = self._load_weights(weights, random_seed)
+        self._alloc_activations()
+        shape = (c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        self.k_cache = self.pool.alloc("kv", shape, np.uint16)
+        self.v_cache = self.pool.alloc("kv", shape, np.uint16)
+        # Zero the pool once: graph padding rows read block 0, which must hold finite values.
+        device_memset(self.k_cache, 0, self.k_cache.nbytes)
+        device_memset(self.v_cache, 0, self.v_cache.nbytes)
+        self.k_cache64 = self.k_cache.view(np.uint64)
+        self.v_cache64 = self.v_cache.view(np.uint64)
+        self.graphs: dict[Geometry, CudaGraph] = {}
+        cuda.synchronize()
+
+    # ------------------------------------------------------------------ memory plan
+    def _weight_bytes(self) -> int:
+        c = self.config
+        n = c.num_parameters() * 2 + (2 * c.num_layers + 1) * c.hidden_size * 4
+        n += c.num_layers * (2 * c.head_dim * 4 + (c.q_size + 2 * c.kv_size) * 4)   # qk norms, biases
+        return n + 256 * (12 * c.num_layers + 8)                                       # alignment
+
+    def _activation_plan(self) -> dict[str, tuple[tuple[int, ...], type]]:
+        c, T, R = self.config, self.max_tokens, self.max_rows
+        plan = {"residual": ((T, c.hidden_size), np.float32), "h": ((T, c.hidden_size), np.float32),
+                "q": ((T, c.num_heads, c.head_dim), np.float32), "attn": ((T, c.num_heads, c.head_dim), np.float32),
+                "act": ((T, c.intermediate_size), np.float32), "rows": ((R, c.hidden_size), np.float32),
+                "normed_rows": ((R, c.hidden_size), np.float32), "argmax": ((R,), np.int32)}
+        for n in {c.q_size + 2 * c.kv_size, c.hidden_size, 2 * c.intermediate_size}:
+            plan[f"out{n}"] = ((T, n), np.float32)
+        plan[f"out{c.vocab_size}"] = ((R, c.vocab_size), np.float32)
+        scratch = attention.paged_attention_scratch_shape(T, c.num_heads, c.num_kv_heads, c.head_dim,
+                                                          self.max_model_len)
+        plan["attn_scratch"] = (scratch, np.float32)
+        plan["cos"] = ((self.max_model_len, c.head_dim // 2), np.float32)
+        plan["sin"] = ((self.max_model_len, c.head_dim // 2), np.float32)
+        return plan
+
+    def _activation_bytes(self) -> int:
+        n = sum(math.prod(shape) * np.dtype(dt).itemsize + 256 for shape, dt in self._activation_plan().values())
+        meta = 4 * (8 * self.max_tokens + 4 * self.max_seqs + self.max_rows + self.max_seqs * self.max_blocks) + 4096
+        return n + meta
+
+    def _alloc_activations(self) -> None:
+        c = self.config
+        self.act = {name: self.pool.alloc("activations", shape, dt) for name, (shape, dt) in self._activation_plan().items()}
+        self.attn_scratch = self.act["attn_scratch"]
+        cos, sin = rope_tables(c.head_dim, self.max_model_len, c.rope_theta, (c.extra or {}).get("rope_scaling"))
+        self.act["cos"].copy_to_device(np.ascontiguousarray(cos, np.float32))
+        self.act["sin"].copy_to_device(np.ascontiguousarray(sin, np.float32))
+        self.cos, self.sin = self.act["cos"], self.act["sin"]
+        self.meta = MetaBuffers(self.pool, self.max_tokens, self.max_seqs, self.max_rows, self.max_blocks)
+
+    def _load_weights(self, weights: WeightStream | None, seed: int) -> dict:
+        arena = self.pool["weights"]
+        out = {}
+        if weights is None:
+            return self._random_weights(seed)
+        for name, array in weights:
+            if array.ndim == 2:
+                out[name] = arena.upload(to_bf16_bits(array))
+            else:
+                out[name] = arena.upload(np.ascontiguousarray(array, dtype=np.float32))
+        return out
+
+    def _random_weights(self, seed: int) -> dict:
+        c, arena = self.config, self.pool["weights"]
+        out = {}
+
+        def mat(name: str, rows: int, cols: int, std: float):
+            a = arena.alloc((rows, cols), np.uint16)
+            fill_normal_bf16(a.reshape(rows * cols), seed + len(out), std)
+            out[name] = a
+
+        def vec(name: str, n: int):
+            out[name] = arena.upload((1.0 + 0.05 * np.random.default_rng(seed + len(out)).standard_normal(n)).astype(np.float32))
+
+        mat("embed", c.vocab_size, c.hidden_size, 0.5)
+        for i in range(c.num_layers):
+            p = f"layers.{i}."
+            vec(p + "attn_norm", c.hidden_size)
+            mat(p + "qkv", c.q_size + 2 * c.kv_size, c.hidden_size, c.hidden_size ** -0.5)
+            mat(p + "o", c.hidden_size, c.q_size, c.q_size ** -0.5)
+            vec(p + "mlp_norm", c.hidden_size)
+            mat(p + "gate_up", 2 * c.intermediate_size, c.hidden_size, c.hidden_size ** -0.5)
+            mat(p + "down", c.hidden_size, c.intermediate_size, c.intermediate_size ** -0.5)
+            if c.qk_norm:
+                vec(p + "q_norm", c.head_dim)
+                vec(p + "k_norm", c.head_dim)
+        vec("final_norm", c.hidden_size)
+        if not c.tie_word_embeddings:
+            mat("lm_head", c.vocab_size, c.hidden_size, c.hidden_size ** -0.5)
+        return out
+
+    # ------------------------------------------------------------------ forward
+    def _geometry(self, batch: ForwardBatch) -> tuple[Geometry, bool]:
+        T, S, R = batch.num_tokens, batch.num_seqs, len(batch.logits_indices)
+        if T > self.max_tokens or S > self.max_seqs or R > self.max_rows:
+            raise ValueError(f"step of {T} tokens / {S} seqs / {R} logits rows exceeds the CUDA buffers "
+                             f"({self.max_tokens} / {self.max_seqs} / {self.max_rows})")
+        max_ctx = int(batch.context_lens.max())
+        graphed = (self.use_graphs and batch.is_decode_only and R == T and self.graph_sizes
+                   and T <= self.graph_sizes[-1])
+        if graphed:
+            size = next(s for s in self.graph_sizes if s >= T)
+            bucket = max(MIN_GRAPH_CONTEXT, 1 << (max_ctx - 1).bit_length())
+            return Geometry(size, size, size, min(bucket, self.max_model_len), 1), True
+        return Geometry(T, S, R, max_ctx, batch.max_query_len), False
+
+    def _upload(self, batch: ForwardBatch, g: Geometry) -> None:
+        T, S, R = batch.num_tokens, batch.num_seqs, len(batch.logits_indices)
+        pad_t, pad_s = g.tokens - T, g.seqs - S
+        fields = {
+            "token_ids": np.concatenate([batch.token_ids, np.zeros(pad_t, np.int32)]),
+            "positions": np.concatenate([batch.positions, np.zeros(pad_t, np.int32)]),
+            "slot_mapping": np.concatenate([batch.slot_mapping, np.full(pad_t, -1, np.int32)]),
+            "token_seq": np.concatenate([batch.token_seq, np.arange(S, S + pad_t, dtype=np.int32)]),
+            "seq_query_start": np.concatenate([batch.seq_query_start, np.arange(T + 1, T + pad_s + 1, dtype=np.int32)]),
+            "context_lens": np.concatenate([batch.context_lens, np.ones(pad_s, np.int32)]),
+            "logits_indices": np.concatenate([batch.logits_indices, np.arange(T, T + g.rows - R, dtype=np.int32)]),
+        }
+        tables = batch.block_tables
+        if pad_s:
+            tables = np.concatenate([tables, np.zeros((pad_s, tables.shape[1]), np.int32)])
+        self.meta.upload(fields, tables, self.stream.numba)
+
+    def _run(self, g: Geometry) -> None:
+        logits = llama_forward(CudaOps(self, g), self.weights, self.config)
+        argmax.argmax_rows(logits, self.act["argmax"][:g.rows], stream=self.stream.numba)
+
+    def _execute(self, batch: ForwardBatch) -> Geometry:
+        g, graphed = self._geometry(batch)
+        self._upload(batch, g)
+        if not graphed:
+            self._run(g)
+        elif g in self.graphs:
+            self.graphs[g].replay()
+        else:  # first use: the warm-up run computes this step, then the graph is captured
+            self.graphs[g] = CudaGraph.capture(self.stream, lambda: self._run(g), warmup=1)
+        return g
+
+    def forward(self, batch: ForwardBatch) -> np.ndarray:
+        g = self._execute(batch)
+        R = len(batch.logits_indices)
+        out = self.act[f"out{self.config.vocab_size}"][:R].copy_to_host(stream=self.stream.numba)
+        self.stream.synchronize()
+        return out
+
+    def forward_greedy(self, batch: ForwardBatch) -> np.ndarray:
+        self._execute(batch)
+        R = len(batch.logits_indices)
+        out = self.act["argmax"][:R].copy_to_host(stream=self.stream.numba)
+        self.stream.synchronize()
+        return out
+
+    def export_weights(self) -> WeightStream:
+        """The weights as float32 host arrays (bf16 matrices widened): to build a NumPy oracle
+        that computes with exactly the weights this backend holds."""
+        from kernels_numba.bf16 import from_bf16_bits
+        for name, array in self.weights.items():
+            host = array.copy_to_host()
+            yield name, from_bf16_bits(host) if host.dtype == np.uint16 else host
+
+    def memory_report(self) -> dict:
+        free, total = free_device_memory()
+        usage = self.pool.usage()
+        return {"weights_bytes": usage["weights"].used, "activation_bytes": usage["activations"].used,
+                "kv_pool_bytes": usage["kv"].used, "kv_pool_tokens": self.num_blocks * self.block_size,
+                "device_used_bytes": total - free, "device_total_bytes": total, "graphs": len(self.graphs)}
