@@ -25,7 +25,7 @@ from metrale.models.config import ModelConfig
 from metrale.models.llama import llama_forward
 from metrale.models.loader import WeightStream
 from metrale.runtime.batch import ForwardBatch
-from metrale.runtime.cuda import CudaGraph, DevicePool, Stream, free_device_memory, kv_pool_bytes
+from metrale.runtime.cuda import CudaGraph, DevicePool, Stream, cu, free_device_memory, kv_pool_bytes
 
 log = logging.getLogger("metrale.cuda")
 
@@ -45,7 +45,8 @@ class Geometry:
 
 class MetaBuffers:
     """The step metadata: one pinned host buffer, one device buffer, int32 views at fixed offsets.
-    block_tables come last so a step copies only the prefix it uses."""
+    block_tables come last so a step copies only the prefix it uses, in one cuMemcpyHtoDAsync
+    (Numba's copy_to_device costs tens of microseconds of Python per call)."""
 
     FIELDS = ("token_ids", "positions", "slot_mapping", "token_seq", "seq_query_start", "context_lens",
               "logits_indices")
@@ -63,7 +64,7 @@ class MetaBuffers:
         total = off + max_seqs * max_blocks
         self.host = cuda.pinned_array(total, dtype=np.int32)
         self.device = pool.alloc("activations", total, np.int32)
-        self.sizes = sizes
+        self.arange = np.arange(max(max_tokens, max_seqs, max_rows) + 2, dtype=np.int32)
 
     def view(self, name: str, n: int):
         o = self.offsets[name]
@@ -72,17 +73,31 @@ class MetaBuffers:
     def tables(self, seqs: int):
         return self.device[self.table_offset:self.table_offset + seqs * self.max_blocks].reshape(seqs, self.max_blocks)
 
-    def upload(self, fields: dict[str, np.ndarray], tables: np.ndarray, stream) -> None:
-        for name, values in fields.items():
-            o = self.offsets[name]
-            self.host[o:o + len(values)] = values
-        seqs, width = tables.shape
-        t = self.table_offset
-        grid = self.host[t:t + seqs * self.max_blocks].reshape(seqs, self.max_blocks)
-        grid[:, :width] = tables
-        grid[:, width:] = 0
-        end = t + seqs * self.max_blocks
-        self.device[:end].copy_to_device(self.host[:end], stream=stream)
+    def _put(self, name: str, values: np.ndarray, size: int, pad) -> None:
+        o, n = self.offsets[name], len(values)
+        self.host[o:o + n] = values
+        if size > n:
+            self.host[o + n:o + size] = pad if np.isscalar(pad) else pad[:size - n]
+
+    def upload(self, batch: ForwardBatch, g: Geometry, stream: Stream) -> None:
+        """Write the batch padded to geometry g (padding rows: slot -1, own segment, 1 token)."""
+        T, S, R = batch.num_tokens, batch.num_seqs, len(batch.logits_indices)
+        ar = self.arange
+        self._put("token_ids", batch.token_ids, g.tokens, 0)
+        self._put("positions", batch.positions, g.tokens, 0)
+        self._put("slot_mapping", batch.slot_mapping, g.tokens, -1)
+        self._put("token_seq", batch.token_seq, g.tokens, ar[S:])
+        self._put("seq_query_start", batch.seq_query_start, g.seqs + 1, ar[T + 1:])
+        self._put("context_lens", batch.context_lens, g.seqs, 1)
+        self._put("logits_indices", batch.logits_indices, g.rows, ar[T:])
+        t, mb = self.table_offset, self.max_blocks
+        grid = self.host[t:t + g.seqs * mb].reshape(g.seqs, mb)
+        width = batch.block_tables.shape[1]
+        grid[:S, :width] = batch.block_tables
+        grid[:S, width:] = 0
+        grid[S:] = 0
+        end = t + g.seqs * mb
+        cu("cuMemcpyHtoDAsync", _ptr(self.device), self.host.ctypes.data, end * 4, stream.handle)
 
 
 def _ptr(array) -> int:
@@ -202,6 +217,7 @@ class CudaBackend:
         self.k_cache64 = self.k_cache.view(np.uint64)
         self.v_cache64 = self.v_cache.view(np.uint64)
         self.graphs: dict[Geometry, CudaGraph] = {}
+        self._argmax_host = cuda.pinned_array(self.max_rows, dtype=np.int32)
         cuda.synchronize()
 
     # ------------------------------------------------------------------ memory plan
@@ -299,21 +315,7 @@ class CudaBackend:
         return Geometry(T, S, R, max_ctx, batch.max_query_len), False
 
     def _upload(self, batch: ForwardBatch, g: Geometry) -> None:
-        T, S, R = batch.num_tokens, batch.num_seqs, len(batch.logits_indices)
-        pad_t, pad_s = g.tokens - T, g.seqs - S
-        fields = {
-            "token_ids": np.concatenate([batch.token_ids, np.zeros(pad_t, np.int32)]),
-            "positions": np.concatenate([batch.positions, np.zeros(pad_t, np.int32)]),
-            "slot_mapping": np.concatenate([batch.slot_mapping, np.full(pad_t, -1, np.int32)]),
-            "token_seq": np.concatenate([batch.token_seq, np.arange(S, S + pad_t, dtype=np.int32)]),
-            "seq_query_start": np.concatenate([batch.seq_query_start, np.arange(T + 1, T + pad_s + 1, dtype=np.int32)]),
-            "context_lens": np.concatenate([batch.context_lens, np.ones(pad_s, np.int32)]),
-            "logits_indices": np.concatenate([batch.logits_indices, np.arange(T, T + g.rows - R, dtype=np.int32)]),
-        }
-        tables = batch.block_tables
-        if pad_s:
-            tables = np.concatenate([tables, np.zeros((pad_s, tables.shape[1]), np.int32)])
-        self.meta.upload(fields, tables, self.stream.numba)
+        self.meta.upload(batch, g, self.stream)
 
     def _run(self, g: Geometry) -> None:
         logits = llama_forward(CudaOps(self, g), self.weights, self.config)
@@ -330,19 +332,20 @@ class CudaBackend:
             self.graphs[g] = CudaGraph.capture(self.stream, lambda: self._run(g), warmup=1)
         return g
 
-    def forward(self, batch: ForwardBatch) -> np.ndarray:
-        g = self._execute(batch)
-        R = len(batch.logits_indices)
-        out = self.act[f"out{self.config.vocab_size}"][:R].copy_to_host(stream=self.stream.numba)
+    def _fetch(self, array, host: np.ndarray) -> np.ndarray:
+        cu("cuMemcpyDtoHAsync", host.ctypes.data, _ptr(array), host.nbytes, self.stream.handle)
         self.stream.synchronize()
-        return out
+        return host
+
+    def forward(self, batch: ForwardBatch) -> np.ndarray:
+        self._execute(batch)
+        R = len(batch.logits_indices)
+        return self._fetch(self.act[f"out{self.config.vocab_size}"], np.empty((R, self.config.vocab_size), np.float32))
 
     def forward_greedy(self, batch: ForwardBatch) -> np.ndarray:
         self._execute(batch)
         R = len(batch.logits_indices)
-        out = self.act["argmax"][:R].copy_to_host(stream=self.stream.numba)
-        self.stream.synchronize()
-        return out
+        return self._fetch(self.act["argmax"], self._argmax_host[:R]).copy()
 
     def export_weights(self) -> WeightStream:
         """The weights as float32 host arrays (bf16 matrices widened): to build a NumPy oracle
