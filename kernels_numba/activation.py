@@ -1,0 +1,42 @@
+"""SwiGLU activation: out = silu(gate) * up, with gate_up = [gate | up] along the last axis.
+
+Grid (T, ceil(F / threads)); one element per thread; fp32 math.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda
+
+from kernels_numba.bf16 import SIMULATOR
+
+THREADS = 32 if SIMULATOR else 256
+
+
+@cuda.jit
+def _silu_mul_kernel(gate_up, out):
+    t = cuda.blockIdx.x
+    f = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    n = out.shape[1]
+    if f < n:
+        g = gate_up[t, f]
+        out[t, f] = g / (np.float32(1.0) + math.exp(-g)) * gate_up[t, f + n]
+
+
+def silu_mul(gate_up, out, stream=0) -> None:
+    """gate_up: float32 [T, 2F]; out: float32 [T, F]."""
+    t, f = out.shape
+    if t == 0 or f == 0:
+        return
+    if gate_up.shape[1] != 2 * f:
+        raise ValueError(f"silu_mul: gate_up {gate_up.shape} does not match out {out.shape}")
+    _silu_mul_kernel[(t, (f + THREADS - 1) // THREADS), THREADS, stream](gate_up, out)
+
+
+def silu_mul_ref(gate_up: np.ndarray) -> np.ndarray:
+    x = np.asarray(gate_up, np.float64)
+    f = x.shape[1] // 2
+    g, u = x[:, :f], x[:, f:]
+    return (g / (1.0 + np.exp(-g)) * u).astype(np.float32)

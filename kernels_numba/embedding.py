@@ -1,0 +1,38 @@
+"""Embedding gather: bf16 table rows -> float32 activations.
+
+One block per token, threads stride over the row. Ids outside [0, V) produce zero rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from kernels_numba.bf16 import SIMULATOR, bf16_to_f32, from_bf16_bits
+
+THREADS = 32 if SIMULATOR else 256
+
+
+@cuda.jit
+def _embedding_gather_kernel(table, ids, out):
+    t = cuda.blockIdx.x
+    tok = ids[t]
+    valid = tok >= 0 and tok < table.shape[0]
+    for d in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
+        out[t, d] = bf16_to_f32(table[tok, d]) if valid else np.float32(0.0)
+
+
+def embedding_gather(table, ids, out, stream=0) -> None:
+    """out[t, :] = f32(table[ids[t], :]). table: uint16 [V, D]; ids: int32 [T]; out: float32 [T, D]."""
+    if ids.shape[0] == 0:
+        return
+    _embedding_gather_kernel[ids.shape[0], THREADS, stream](table, ids, out)
+
+
+def embedding_gather_ref(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    rows = from_bf16_bits(np.asarray(table))
+    ids = np.asarray(ids)
+    out = np.zeros((ids.shape[0], rows.shape[1]), np.float32)
+    ok = (ids >= 0) & (ids < rows.shape[0])
+    out[ok] = rows[ids[ok]]
+    return out

@@ -1,0 +1,122 @@
+"""The real (non-simulator) path of every kernel of bf16/embedding/rmsnorm/rope/activation/
+kv_cache/attention/argmax compiles for sm_90, with the instructions it is written for (warp
+shuffles, 16-byte `ld.global.nc.v2.u64` KV loads), no float64 arithmetic and no local memory;
+where nvJitLink is present the PTX is also assembled to SASS and checked for spills."""
+import re
+
+import pytest
+from numba import cuda, types
+
+from kernels_numba.bf16 import SIMULATOR
+
+pytestmark = pytest.mark.skipif(SIMULATOR, reason="compile_ptx needs the real CUDA target")
+
+F32, I32, BOOL = types.float32, types.int32, types.boolean
+F32_1, I32_1 = types.Array(F32, 1, "C"), types.Array(I32, 1, "C")
+F32_2, F32_2A, F32_3, F32_3A = (types.Array(F32, 2, "C"), types.Array(F32, 2, "A"),
+                                 types.Array(F32, 3, "C"), types.Array(F32, 3, "A"))
+U16_2, U16_4, U64_4 = (types.Array(types.uint16, 2, "C"), types.Array(types.uint16, 4, "C"),
+                       types.Array(types.uint64, 4, "C"))
+I32_2 = types.Array(I32, 2, "C")
+
+
+class _SM90:
+    compute_capability = (9, 0)
+
+
+@pytest.fixture(autouse=True)
+def no_gpu_needed(monkeypatch):
+    """Device functions are compiled for the current device's compute capability; there is none
+    here, so report sm_90 (the target compile_ptx is asked for anyway)."""
+    import numba.cuda.dispatcher as dispatcher
+
+    monkeypatch.setattr(dispatcher, "get_current_device", lambda: _SM90())
+
+
+def ptx_of(kernel, sig):
+    try:
+        ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
+    except Exception as e:  # pragma: no cover - depends on the installed toolkit
+        if "NVVM" in str(e) or "nvvm" in str(e) or "NVRTC" in str(e):
+            pytest.skip(f"NVVM unavailable: {e}")
+        raise
+    body = ptx.split(".entry", 1)[1]
+    assert not re.search(r"\b(add|mul|fma|sub|div|cvt\.rn\.f32)\S*\.f64", body), "float64 arithmetic in a kernel"
+    assert ".local" not in body, "register arrays spilled to local memory"
+    return ptx
+
+
+def sass_info(ptx):
+    """ptxas -v through nvJitLink: (registers, spill bytes), or None when nvJitLink is missing."""
+    try:
+        from cuda.bindings import nvjitlink as J
+    except ImportError:
+        return None
+    h = J.create(3, ["-arch=sm_90", "-verbose", "-Xptxas=-v"])
+    try:
+        data = ptx.encode()
+        J.add_data(h, J.InputType.PTX, data, len(data), "k.ptx")
+        J.complete(h)
+        buf = bytearray(J.get_info_log_size(h))
+        J.get_info_log(h, buf)
+    finally:
+        J.destroy(h)
+    log = buf.decode(errors="replace")
+    regs = int(re.search(r"[Uu]sed (\d+) registers", log).group(1))
+    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill", log))
+    return regs, spills
+
+
+def test_small_kernels():
+    from kernels_numba import activation, argmax, embedding, kv_cache, rmsnorm, rope
+
+    ptx_of(embedding._embedding_gather_kernel, (U16_2, I32_1, F32_2))
+    for k, sig in [(rmsnorm._rms_norm_2d, (F32_2A, F32_1, F32, F32_2A)),
+                   (rmsnorm._rms_norm_3d, (F32_3A, F32_1, F32, F32_3A)),
+                   (rmsnorm._add_rms_norm_2d, (F32_2, F32_2, F32_1, F32, F32_2))]:
+        assert "shfl.sync.bfly.b32" in ptx_of(k, sig)
+    p = ptx_of(rope._rope_kernel, (F32_3A, F32_3A, I32_1, F32_2, F32_2, BOOL))
+    assert "fma.rn.f32" in p or "mul.f32" in p
+    ptx_of(activation._silu_mul_kernel, (F32_2, F32_2))
+    ptx_of(kv_cache._store_kv_kernel, (F32_3A, F32_3A, I32_1, U16_4, U16_4))
+    assert "shfl.sync.bfly.b32" in ptx_of(argmax._argmax_rows_kernel, (F32_2, I32_1))
+
+
+def test_bf16_helpers():
+    import numpy as np
+    from kernels_numba.bf16 import bf16_to_f32, f32_to_bf16, ldg_u64x2, unpack_bf16x4
+
+    @cuda.jit
+    def k(x, bits, words, out):
+        i = cuda.grid(1)
+        bits[i] = f32_to_bf16(x[i])
+        w0, w1 = ldg_u64x2(words, (0, 0, 0, 2 * i))
+        a, b, c, d = unpack_bf16x4(w0)
+        out[i] = bf16_to_f32(bits[i]) + a + b + c + d + np.float32(w1 & np.uint64(1))
+
+    p = ptx_of(k, (F32_1, types.Array(types.uint16, 1, "C"), U64_4, F32_1))
+    assert "ld.global.nc.v2.u64" in p
+    assert "mov.b32" in p  # bf16 <-> f32 are bit moves, no conversion instructions
+
+
+@pytest.mark.parametrize("hd,hq,hk", [(64, 9, 3), (128, 32, 8), (128, 28, 4), (256, 8, 8)])
+def test_attention_kernels(hd, hq, hk):
+    from kernels_numba import attention as A
+
+    cfg = A.decode_config(hd, hq // hk)
+    p = ptx_of(A._decode_kernel(cfg), (F32_3A, U64_4, U64_4, I32_2, I32_1, I32_1, F32, I32, F32_3, F32_3))
+    assert p.count("ld.global.nc.v2.u64") >= 2  # K and V rows, 16 bytes a lane a load
+    assert "shfl.sync.bfly.b32" in p and "bar.sync" in p
+    info = sass_info(p)
+    if info is not None:
+        assert info[1] == 0, f"decode kernel {cfg} spills ({info[0]} registers)"
+
+    if hd <= 256:
+        pc = A.prefill_config(hd, hq // hk)
+        p = ptx_of(A._prefill_kernel(pc), (F32_3A, U64_4, U64_4, I32_2, I32_1, I32_1, F32, F32_3))
+        assert "ld.global.nc.v2.u64" in p and "shfl.sync.bfly.b32" in p and "ld.shared.f32" in p
+        info = sass_info(p)
+        if info is not None:
+            assert info[1] == 0, f"prefill kernel {pc} spills ({info[0]} registers)"
+
+    ptx_of(A._merge_partitions_kernel, (F32_3, I32_1, I32, I32, F32_3))
