@@ -355,6 +355,19 @@ class CudaBackend:
             host = array.copy_to_host()
             yield name, from_bf16_bits(host) if host.dtype == np.uint16 else host
 
+    def kv_tokens_that_fit(self, utilization: float = 0.9) -> int:
+        """KV tokens the pool would hold at this utilization (without allocating them)."""
+        _, total = free_device_memory()
+        c = self.config
+        left = utilization * total - self.pool.nbytes + self.num_blocks * 2 * c.num_layers * self.block_size * c.kv_size * 2
+        return int(max(0, left - GRAPH_RESERVE) // c.kv_bytes_per_token(2))
+
+    def close(self) -> None:
+        for graph in self.graphs.values():
+            graph.close()
+        self.graphs.clear()
+        self.pool.close()
+
     def memory_report(self) -> dict:
         free, total = free_device_memory()
         usage = self.pool.usage()

@@ -1,0 +1,523 @@
+"""Matrix products of the forward: out[T, N] = x[T, K] @ w[N, K].T (+ bias), or out += x @ w.T.
+
+x float32 [T, K]; w bf16 bits as uint16 [N, K], row-major (PyTorch Linear layout); out float32
+[T, N]; bias float32 [N] or None. Accumulation is fp32. The tensor-core paths round x to bf16
+(round to nearest even) on the way in, as any bf16 GEMM does; the FMA path keeps x in fp32.
+
+Paths, chosen by `pick_path(T, N, K)` in `linear` / `linear_residual` (FMA_MAX_T and
+SKINNY_MAX_T are module constants, each call may override them or force a `path`):
+  T <= FMA_MAX_T (1)   `fma`:    GEMV, one warp per output row n; 16-byte weight loads (the next
+                                 ones in flight while these are used), x applied with FMAs in
+                                 fp32, warp-shuffle sum. Compiled per T.
+  T <= SKINNY_MAX_T    `skinny`: streaming mma: weights go from HBM straight into mma.sync B
+   and skinny_cfg()              fragments (16 bytes a lane a load, no shared memory); x is the
+   has a config                  A operand, read through L1 and rounded to bf16; a block owns a
+                                 slab of 16*mt rows of x and 8*nt rows of w, its 8 warps split
+                                 K and meet in shared memory. Memory-bound by design.
+  otherwise            `tiled`:  mma.sync m16n8k16 bf16 GEMM, block tile 64 x 128 x 32, 8 warps,
+                                 smem double buffer filled from registers (x converted to bf16
+                                 while staging), grouped tile order for L2 reuse.
+Both mma paths consume 32 consecutive k at a time with k permuted inside the mma (lane (g, t)
+holds k = 8t..8t+7 of its rows, one 16-byte access), which gives conflict-free 16-byte shared
+loads without ldmatrix; the permutation is the same for A and B, so the sum is unchanged.
+
+Contracts: K % 64 == 0 and N % 64 == 0 (asserted); any T >= 0. x, w and out are C-contiguous
+with 16-byte aligned rows (true of any device allocation and of row slices of one). The kernels
+allocate nothing; launchers take an optional Numba stream. `linear_residual` reads out, so x and
+out must not alias.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, float32, uint32
+
+from kernels_numba.ptx import (SIM, bf16_bits_to_f32, bf16hi_f32, bf16lo_f32, f32_to_bf16_bits,
+                               ldg_f32x4, ldg_u16x8, lds_u32x4, mma_bf16_16816, pack_bf16x2,
+                               sts_u32x4, warp_sum_f32)
+
+__all__ = ["linear", "linear_residual", "linear_ref", "FMA_MAX_T", "SKINNY_MAX_T", "pick_path",
+           "fma_path", "skinny_path", "tiled_path", "skinny_cfg", "f32_to_bf16_bits",
+           "bf16_bits_to_f32"]
+
+FMA_MAX_T = 1          # T <= this: fma GEMV
+SKINNY_MAX_T = 256     # T <= this (and > FMA_MAX_T): streaming mma; above: tiled
+SKINNY_WARPS = 8       # warps splitting K inside one skinny block
+FMA_WARPS = 4          # rows of w per fma block
+FMA_UNROLL = 2         # 16-byte weight loads in flight per lane (2 and 4 measured equal)
+GROUP_M = 8            # tiled path: m-tiles per group in the grouped (L2-friendly) order
+TILED_THREADS = 256
+SMEM_ALIGN = None if SIM else 16   # 16-byte vector access to shared memory (cudasim rejects it)
+
+
+# ----------------------------------------------------------------------------- reference
+def linear_ref(x: np.ndarray, w_u16: np.ndarray, bias: np.ndarray | None = None,
+               residual: np.ndarray | None = None) -> np.ndarray:
+    """float64 x @ bf16(w).T (+ bias) (+ residual); the oracle every path is checked against."""
+    y = np.asarray(x, np.float64) @ bf16_bits_to_f32(w_u16).astype(np.float64).T
+    if bias is not None:
+        y = y + np.asarray(bias, np.float64)
+    if residual is not None:
+        y = y + np.asarray(residual, np.float64)
+    return y
+
+
+# ----------------------------------------------------------------------------- fma GEMV
+def _make_fma(TT: int, W: int, U: int, has_bias: bool, accumulate: bool):
+    """One warp per row n of w; a lane takes 8-wide k chunks lane, lane+32, ...; U chunks
+    (U 16-byte loads) are in flight per lane while the previous U are being used."""
+    NW = 4 * U
+
+    def gemv_fma(x, w, out, bias):
+        K = x.shape[1]
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        lane = tid & 31
+        n = cuda.blockIdx.x * W + warp
+        acc = cuda.local.array(TT, float32)
+        for i in range(TT):
+            acc[i] = float32(0.0)
+        wr = cuda.local.array(NW, uint32)
+        wc = cuda.local.array(NW, uint32)
+        zero = uint32(0)
+        nch = K >> 3
+        step = 32 * U
+        iters = (nch + step - 1) // step
+        for u in range(U):
+            q = ldg_u16x8(w, n, 8 * min(lane + 32 * u, nch - 1))
+            for e in range(4):
+                wr[4 * u + e] = q[e]
+        for it in range(iters):
+            for u in range(U):
+                ok = it * step + 32 * u + lane < nch
+                for e in range(4):
+                    wc[4 * u + e] = wr[4 * u + e] if ok else zero
+            if it + 1 < iters:
+                for u in range(U):
+                    q = ldg_u16x8(w, n, 8 * min((it + 1) * step + 32 * u + lane, nch - 1))
+                    for e in range(4):
+                        wr[4 * u + e] = q[e]
+            for u in range(U):
+                k8 = 8 * min(it * step + 32 * u + lane, nch - 1)
+                w0 = bf16lo_f32(wc[4 * u])
+                w1 = bf16hi_f32(wc[4 * u])
+                w2 = bf16lo_f32(wc[4 * u + 1])
+                w3 = bf16hi_f32(wc[4 * u + 1])
+                w4 = bf16lo_f32(wc[4 * u + 2])
+                w5 = bf16hi_f32(wc[4 * u + 2])
+                w6 = bf16lo_f32(wc[4 * u + 3])
+                w7 = bf16hi_f32(wc[4 * u + 3])
+                for tt in range(TT):
+                    xa = ldg_f32x4(x, tt, k8)
+                    xb = ldg_f32x4(x, tt, k8 + 4)
+                    s = acc[tt]
+                    s += w0 * xa[0] + w1 * xa[1] + w2 * xa[2] + w3 * xa[3]
+                    s += w4 * xb[0] + w5 * xb[1] + w6 * xb[2] + w7 * xb[3]
+                    acc[tt] = s
+        for tt in range(TT):
+            s = warp_sum_f32(acc[tt])
+            if lane == 0:
+                if has_bias:
+                    s += bias[n]
+                if accumulate:
+                    out[tt, n] += s
+                else:
+                    out[tt, n] = s
+
+    return gemv_fma
+
+
+# ----------------------------------------------------------------------------- skinny mma
+def _make_skinny(MT: int, NT: int, W: int, U: int, has_bias: bool, accumulate: bool):
+    """Block = a slab of 16*MT rows of x times 8*NT rows of w; its W warps split K in 32-wide
+    chunks (U per warp per step, the next step's weights in flight while this one computes);
+    partial sums meet in shared memory. Slabs of one w tile are adjacent block ids, so they
+    run together and share the tile through L2."""
+    BNS = 8 * NT
+    BMS = 16 * MT
+    NACC = 4 * NT * MT
+    NTHR = 32 * W
+    RED = W * BMS * BNS
+    NW = 4 * NT * U
+    NAF = 8 * MT
+
+    def gemm_skinny(x, w, out, bias):
+        T = x.shape[0]
+        K = x.shape[1]
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        lane = tid & 31
+        g = lane >> 2
+        t = lane & 3
+        S = (T + BMS - 1) // BMS
+        bid = cuda.blockIdx.x
+        nb = bid // S
+        m0 = (bid - nb * S) * BMS
+        n0 = nb * BNS
+        red = cuda.shared.array(RED, float32)
+        acc = cuda.local.array(NACC, float32)
+        for i in range(NACC):
+            acc[i] = float32(0.0)
+        wr = cuda.local.array(NW, uint32)
+        wc = cuda.local.array(NW, uint32)
+        af = cuda.local.array(NAF, uint32)
+        zero = uint32(0)
+        nch = K >> 5
+        step = W * U
+        iters = (nch + step - 1) // step
+        for u in range(U):
+            kk = min(u * W + warp, nch - 1) * 32 + 8 * t
+            for j in range(NT):
+                q = ldg_u16x8(w, n0 + 8 * j + g, kk)
+                for e in range(4):
+                    wr[(u * NT + j) * 4 + e] = q[e]
+        for it in range(iters):
+            for u in range(U):
+                ok = it * step + u * W + warp < nch
+                for j in range(NT):
+                    for e in range(4):
+                        o = (u * NT + j) * 4 + e
+                        wc[o] = wr[o] if ok else zero
+            if it + 1 < iters:
+                for u in range(U):
+                    kk = min((it + 1) * step + u * W + warp, nch - 1) * 32 + 8 * t
+                    for j in range(NT):
+                        q = ldg_u16x8(w, n0 + 8 * j + g, kk)
+                        for e in range(4):
+                            wr[(u * NT + j) * 4 + e] = q[e]
+            for u in range(U):
+                c = it * step + u * W + warp
+                ok = c < nch
+                kk = min(c, nch - 1) * 32 + 8 * t
+                for mt in range(MT):
+                    r0 = m0 + 16 * mt + g
+                    la = ok and r0 < T
+                    lb = ok and r0 + 8 < T
+                    xa = ldg_f32x4(x, min(r0, T - 1), kk)
+                    xb = ldg_f32x4(x, min(r0, T - 1), kk + 4)
+                    ya = ldg_f32x4(x, min(r0 + 8, T - 1), kk)
+                    yb = ldg_f32x4(x, min(r0 + 8, T - 1), kk + 4)
+                    # mma #1 of the chunk: A = (row g, k 0-1), (row g+8, k 0-1), (g, 2-3),
+                    # (g+8, 2-3); mma #2: the same with k 4-5, 6-7. Packed, then selected, so
+                    # the code stays one basic block.
+                    p0 = pack_bf16x2(xa[0], xa[1])
+                    p1 = pack_bf16x2(ya[0], ya[1])
+                    p2 = pack_bf16x2(xa[2], xa[3])
+                    p3 = pack_bf16x2(ya[2], ya[3])
+                    p4 = pack_bf16x2(xb[0], xb[1])
+                    p5 = pack_bf16x2(yb[0], yb[1])
+                    p6 = pack_bf16x2(xb[2], xb[3])
+                    p7 = pack_bf16x2(yb[2], yb[3])
+                    af[8 * mt + 0] = p0 if la else zero
+                    af[8 * mt + 1] = p1 if lb else zero
+                    af[8 * mt + 2] = p2 if la else zero
+                    af[8 * mt + 3] = p3 if lb else zero
+                    af[8 * mt + 4] = p4 if la else zero
+                    af[8 * mt + 5] = p5 if lb else zero
+                    af[8 * mt + 6] = p6 if la else zero
+                    af[8 * mt + 7] = p7 if lb else zero
+                for mt in range(MT):
+                    for j in range(NT):
+                        o = (u * NT + j) * 4
+                        a = (mt * NT + j) * 4
+                        d = mma_bf16_16816(af[8 * mt], af[8 * mt + 1], af[8 * mt + 2],
+                                           af[8 * mt + 3], wc[o], wc[o + 1],
+                                           acc[a], acc[a + 1], acc[a + 2], acc[a + 3])
+                        d = mma_bf16_16816(af[8 * mt + 4], af[8 * mt + 5], af[8 * mt + 6],
+                                           af[8 * mt + 7], wc[o + 2], wc[o + 3],
+                                           d[0], d[1], d[2], d[3])
+                        acc[a] = d[0]
+                        acc[a + 1] = d[1]
+                        acc[a + 2] = d[2]
+                        acc[a + 3] = d[3]
+        for mt in range(MT):
+            for j in range(NT):
+                for r in range(4):
+                    m = 16 * mt + g + 8 * (r >> 1)
+                    nn = 8 * j + 2 * t + (r & 1)
+                    red[(warp * BMS + m) * BNS + nn] = acc[(mt * NT + j) * 4 + r]
+        cuda.syncthreads()
+        for e in range(tid, BMS * BNS, NTHR):
+            m = e // BNS
+            nn = e - m * BNS
+            if m0 + m < T:
+                s = float32(0.0)
+                for ww in range(W):
+                    s += red[(ww * BMS + m) * BNS + nn]
+                n = n0 + nn
+                if has_bias:
+                    s += bias[n]
+                if accumulate:
+                    out[m0 + m, n] += s
+                else:
+                    out[m0 + m, n] = s
+
+    return gemm_skinny
+
+
+# ----------------------------------------------------------------------------- tiled mma
+def _make_tiled(BM: int, BN: int, has_bias: bool, accumulate: bool):
+    WM = BM // 2            # 8 warps as 2 (m) x 4 (n)
+    WN = BN // 4
+    MT = WM // 16
+    NT = WN // 8
+    CA = BM // 64           # 8-float chunks of the A tile per thread (BM rows x 4 chunks / 256)
+    CB = BN // 64
+    SA = BM * 16            # uint32 per stage (32 bf16 a row)
+    SB = BN * 16
+    NACC = MT * NT * 4
+    NRA = 8 * CA
+    NRB = 4 * CB
+    NAF = 8 * MT
+    NBF = 4 * NT
+    SA2 = 2 * SA
+    SB2 = 2 * SB
+
+    def gemm_tiled(x, w, out, bias):
+        T = x.shape[0]
+        K = x.shape[1]
+        N = w.shape[0]
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        lane = tid & 31
+        g = lane >> 2
+        t = lane & 3
+        wm = warp >> 2
+        wn = warp & 3
+        grid_m = (T + BM - 1) // BM
+        grid_n = (N + BN - 1) // BN
+        pid = cuda.blockIdx.x
+        width = GROUP_M * grid_n
+        first_m = (pid // width) * GROUP_M
+        gsize = min(grid_m - first_m, GROUP_M)
+        pm = first_m + (pid % width) % gsize
+        pn = (pid % width) // gsize
+        m0 = pm * BM
+        n0 = pn * BN
+
+        sA = cuda.shared.array(SA2, uint32, alignment=SMEM_ALIGN)
+        sB = cuda.shared.array(SB2, uint32, alignment=SMEM_ALIGN)
+        acc = cuda.local.array(NACC, float32)
+        for i in range(NACC):
+            acc[i] = float32(0.0)
+        ra = cuda.local.array(NRA, float32)
+        rb = cuda.local.array(NRB, uint32)
+        af = cuda.local.array(NAF, uint32)
+        bf = cuda.local.array(NBF, uint32)
+
+        nk = K >> 5
+        # prologue: tile 0 into registers (rows past T / N are clamped; their outputs are dropped)
+        for i in range(CA):
+            q = tid + 256 * i
+            row = min(m0 + (q >> 2), T - 1)
+            kc = 8 * (q & 3)
+            a = ldg_f32x4(x, row, kc)
+            b = ldg_f32x4(x, row, kc + 4)
+            for e in range(4):
+                ra[8 * i + e] = a[e]
+                ra[8 * i + 4 + e] = b[e]
+        for i in range(CB):
+            q = tid + 256 * i
+            row = min(n0 + (q >> 2), N - 1)
+            v = ldg_u16x8(w, row, 8 * (q & 3))
+            for e in range(4):
+                rb[4 * i + e] = v[e]
+
+        for kt in range(nk):
+            buf = kt & 1
+            sa = buf * SA
+            sb = buf * SB
+            for i in range(CA):
+                q = tid + 256 * i
+                sts_u32x4(sA, sa + (q >> 2) * 16 + 4 * (q & 3),
+                          pack_bf16x2(ra[8 * i], ra[8 * i + 1]),
+                          pack_bf16x2(ra[8 * i + 2], ra[8 * i + 3]),
+                          pack_bf16x2(ra[8 * i + 4], ra[8 * i + 5]),
+                          pack_bf16x2(ra[8 * i + 6], ra[8 * i + 7]))
+            for i in range(CB):
+                q = tid + 256 * i
+                sts_u32x4(sB, sb + (q >> 2) * 16 + 4 * (q & 3),
+                          rb[4 * i], rb[4 * i + 1], rb[4 * i + 2], rb[4 * i + 3])
+            cuda.syncthreads()
+            if kt + 1 < nk:
+                k1 = (kt + 1) * 32
+                for i in range(CA):
+                    q = tid + 256 * i
+                    row = min(m0 + (q >> 2), T - 1)
+                    kc = k1 + 8 * (q & 3)
+                    a = ldg_f32x4(x, row, kc)
+                    b = ldg_f32x4(x, row, kc + 4)
+                    for e in range(4):
+                        ra[8 * i + e] = a[e]
+                        ra[8 * i + 4 + e] = b[e]
+                for i in range(CB):
+                    q = tid + 256 * i
+                    row = min(n0 + (q >> 2), N - 1)
+                    v = ldg_u16x8(w, row, k1 + 8 * (q & 3))
+                    for e in range(4):
+                        rb[4 * i + e] = v[e]
+            for mt in range(MT):
+                r = wm * WM + mt * 16 + g
+                lo = lds_u32x4(sA, sa + r * 16 + 4 * t)
+                hi = lds_u32x4(sA, sa + (r + 8) * 16 + 4 * t)
+                af[8 * mt + 0] = lo[0]
+                af[8 * mt + 1] = hi[0]
+                af[8 * mt + 2] = lo[1]
+                af[8 * mt + 3] = hi[1]
+                af[8 * mt + 4] = lo[2]
+                af[8 * mt + 5] = hi[2]
+                af[8 * mt + 6] = lo[3]
+                af[8 * mt + 7] = hi[3]
+            for nt in range(NT):
+                r = wn * WN + nt * 8 + g
+                v = lds_u32x4(sB, sb + r * 16 + 4 * t)
+                for e in range(4):
+                    bf[4 * nt + e] = v[e]
+            for mt in range(MT):
+                for nt in range(NT):
+                    o = 4 * (mt * NT + nt)
+                    d = mma_bf16_16816(af[8 * mt], af[8 * mt + 1], af[8 * mt + 2], af[8 * mt + 3],
+                                       bf[4 * nt], bf[4 * nt + 1],
+                                       acc[o], acc[o + 1], acc[o + 2], acc[o + 3])
+                    d = mma_bf16_16816(af[8 * mt + 4], af[8 * mt + 5], af[8 * mt + 6],
+                                       af[8 * mt + 7], bf[4 * nt + 2], bf[4 * nt + 3],
+                                       d[0], d[1], d[2], d[3])
+                    acc[o] = d[0]
+                    acc[o + 1] = d[1]
+                    acc[o + 2] = d[2]
+                    acc[o + 3] = d[3]
+
+        for mt in range(MT):
+            for nt in range(NT):
+                o = 4 * (mt * NT + nt)
+                row = m0 + wm * WM + mt * 16 + g
+                col = n0 + wn * WN + nt * 8 + 2 * t
+                if col < N:
+                    b0 = float32(0.0)
+                    b1 = float32(0.0)
+                    if has_bias:
+                        b0 = bias[col]
+                        b1 = bias[col + 1]
+                    for h in range(2):
+                        rr = row + 8 * h
+                        if rr < T:
+                            if accumulate:
+                                out[rr, col] += acc[o + 2 * h] + b0
+                                out[rr, col + 1] += acc[o + 2 * h + 1] + b1
+                            else:
+                                out[rr, col] = acc[o + 2 * h] + b0
+                                out[rr, col + 1] = acc[o + 2 * h + 1] + b1
+
+    return gemm_tiled
+
+
+# ----------------------------------------------------------------------------- kernel cache
+_FACTORIES = {"fma": _make_fma, "skinny": _make_skinny, "tiled": _make_tiled}
+_PY: dict = {}
+_KERNELS: dict = {}
+
+
+def py_kernel(kind: str, *cfg):
+    """The undecorated Python function of a kernel variant (for compile_ptx)."""
+    key = (kind,) + cfg
+    if key not in _PY:
+        _PY[key] = _FACTORIES[kind](*cfg)
+    return _PY[key]
+
+
+def kernel(kind: str, *cfg):
+    """kind 'fma': (T, warps, unroll, has_bias, accumulate); 'skinny': (mt, nt, warps, unroll,
+    has_bias, accumulate); 'tiled': (bm, bn, has_bias, accumulate)."""
+    key = (kind,) + cfg
+    k = _KERNELS.get(key)
+    if k is None:
+        k = _KERNELS[key] = cuda.jit(py_kernel(kind, *cfg))
+    return k
+
+
+# ----------------------------------------------------------------------------- launchers
+def fma_path(T: int, N: int, unroll: int = FMA_UNROLL):
+    return "fma", (T, FMA_WARPS, unroll), N // FMA_WARPS, 32 * FMA_WARPS
+
+
+def skinny_cfg(T: int, N: int, K: int = 4096):
+    """(mt, nt, unroll) of the streaming path for T rows and N outputs, or None where the tiled
+    kernel measured faster. From bench/gemm_bench.py on the H200 (docs/gemm.md has the table):
+    small N (SmolLM2's 192..1536) stays on the streaming path up to 256 rows; wide N (>= 12288:
+    Llama gate|up, lm_heads) leaves it above 32 rows; the rest above 128."""
+    if T <= 16:
+        if N < 2048:
+            return 1, 1, 4
+        if N >= 65536 or K >= 8192:
+            return 1, 2, 4
+        return (1, 4, 2) if N >= 8192 else (1, 2, 2)
+    if T <= 32:
+        return (1, 2, 2) if N < 2048 else (2, 4, 1)
+    if N < 2048:
+        return (2, 2, 2) if T <= 64 else (4, 2, 1)
+    if N >= 12288 or T > 128:
+        return None
+    return 4, 2, 1
+
+
+def skinny_path(T: int, N: int, mt: int | None = None, nt: int | None = None,
+                unroll: int | None = None, K: int = 4096):
+    """Streaming mma path: mt m16 tiles of x per block (T > 16*mt takes several slabs)."""
+    d = skinny_cfg(T, N, K) or (4, 2, 1)
+    mt = d[0] if mt is None else mt
+    nt = d[1] if nt is None else nt
+    unroll = d[2] if unroll is None else unroll
+    slabs = -(-T // (16 * mt))
+    return "skinny", (mt, nt, SKINNY_WARPS, unroll), (N // (8 * nt)) * slabs, 32 * SKINNY_WARPS
+
+
+def tiled_path(T: int, N: int, bm: int = 64, bn: int = 128):
+    return "tiled", (bm, bn), -(-T // bm) * -(-N // bn), TILED_THREADS
+
+
+def pick_path(T: int, N: int, fma_max_t: int | None = None, skinny_max_t: int | None = None,
+              K: int = 4096):
+    """(kind, config-without-flags, grid, block) for a product of T rows and N outputs:
+    fma if T <= fma_max_t; else streaming mma if T <= skinny_max_t and skinny_cfg has a
+    config; else tiled."""
+    fma_max_t = FMA_MAX_T if fma_max_t is None else fma_max_t
+    skinny_max_t = SKINNY_MAX_T if skinny_max_t is None else skinny_max_t
+    if T <= fma_max_t:
+        return fma_path(T, N)
+    if T <= skinny_max_t and (T <= 16 or skinny_cfg(T, N, K) is not None):
+        return skinny_path(T, N, K=K)
+    return tiled_path(T, N)
+
+
+def _launch(x, w, out, bias, stream, accumulate, fma_max_t, skinny_max_t, path=None):
+    assert x.ndim == 2 and w.ndim == 2 and out.ndim == 2, "x [T,K], w [N,K], out [T,N]"
+    T, K = x.shape
+    N = w.shape[0]
+    assert w.shape[1] == K, f"x has K={K} columns but w is {tuple(w.shape)}"
+    assert tuple(out.shape) == (T, N), f"out is {tuple(out.shape)}, expected {(T, N)}"
+    assert K % 64 == 0 and N % 64 == 0, f"gemm needs K and N multiples of 64, got K={K} N={N}"
+    assert x.dtype == np.float32 and out.dtype == np.float32 and w.dtype == np.uint16, \
+        "x, out float32; w uint16 (bf16 bits)"
+    assert bias is None or tuple(bias.shape) == (N,), "bias must be float32 [N]"
+    if T == 0:
+        return
+    if path is None:
+        path = pick_path(T, N, fma_max_t, skinny_max_t, K)
+    kind, cfg, grid, block = path
+    k = kernel(kind, *cfg, bias is not None, accumulate)
+    # without a bias the kernel never reads that argument (branch pruned): pass out as filler
+    k[grid, block, stream or 0](x, w, out, out if bias is None else bias)
+
+
+def linear(x, w, out, bias=None, stream=None, *, fma_max_t: int | None = None,
+           skinny_max_t: int | None = None, path=None) -> None:
+    """out[T, N] = x[T, K] @ bf16(w[N, K]).T (+ bias). Device arrays in, nothing allocated.
+    fma_max_t / skinny_max_t override the module thresholds; path (from fma_path, skinny_path,
+    tiled_path or pick_path) forces one kernel."""
+    _launch(x, w, out, bias, stream, False, fma_max_t, skinny_max_t, path)
+
+
+def linear_residual(x, w, out, bias=None, stream=None, *, fma_max_t: int | None = None,
+                    skinny_max_t: int | None = None, path=None) -> None:
+    """out[T, N] += x[T, K] @ bf16(w[N, K]).T (+ bias): the residual add folded into the
+    product's epilogue (one read of out instead of a separate add kernel)."""
+    _launch(x, w, out, bias, stream, True, fma_max_t, skinny_max_t, path)

@@ -1,0 +1,294 @@
+"""Inline-PTX device intrinsics that Numba cannot emit by itself, each with a simulator twin.
+
+Kernels call these names and get, on a real GPU, one instruction each:
+  ldg_u16x8(a, r, c)    16-byte `ld.global.nc.v4.u32` of a[r, c:c+8] (2-D uint16) -> 4 x uint32
+  ldg_f32x4(a, r, c)    16-byte `ld.global.nc.v4.f32` of a[r, c:c+4] (2-D float32) -> 4 x float32
+  lds_u32x4(s, i)       16-byte `ld.shared.v4.u32` of s[i:i+4] (1-D uint32 shared) -> 4 x uint32
+  sts_u32x4(s, i, a, b, c, d)   16-byte `st.shared.v4.u32`
+  pack_bf16x2(lo, hi)   `cvt.rn.bf16x2.f32`: two float32 -> one uint32 of bf16 (lo in bits 0..15)
+  bf16lo_f32(u) / bf16hi_f32(u)  the bf16 in the low / high half of a uint32, as float32
+  mma_bf16_16816(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3) -> (d0, d1, d2, d3)
+                        `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32` (PTX ISA layout)
+  warp_sum_f32(v)       sum over the 32 lanes of a warp (shfl.sync.bfly), every lane gets it
+
+Invariants: vector accesses need 16-byte aligned addresses (c a multiple of 8 for u16, 4 for f32,
+row pitch a multiple of 16 bytes; i a multiple of 4; shared arrays declared with alignment=16).
+Warp-collective calls (mma, warp_sum) must be reached by all 32 lanes of a warp the same number
+of times, as on the hardware.
+
+Under NUMBA_ENABLE_CUDASIM=1 the same names are plain Python: loads are indexing, and the
+warp-collective ones exchange values between the simulator's lane threads through a per-warp
+barrier, so kernels that use mma and warp sums run unchanged in the simulator (slowly).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from numba.cuda.core import config as _config
+
+SIM = bool(_config.ENABLE_CUDASIM)
+
+__all__ = ["SIM", "ldg_u16x8", "ldg_f32x4", "lds_u32x4", "sts_u32x4", "pack_bf16x2",
+           "bf16lo_f32", "bf16hi_f32", "mma_bf16_16816", "warp_sum_f32", "bf16_bits_to_f32",
+           "f32_to_bf16_bits"]
+
+
+def f32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
+    """Host helper: float32 -> bf16 bits (uint16), round to nearest even (NaN stays NaN)."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(np.asarray(a, dtype=np.float32))
+    return np.where(nan, np.uint16(0x7FC0), r).astype(np.uint16)
+
+
+def bf16_bits_to_f32(b: np.ndarray) -> np.ndarray:
+    """Host helper: bf16 bits (uint16) -> float32."""
+    return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+if SIM:
+    import threading
+
+    def _f32(u):
+        return np.uint32(u).view(np.float32)
+
+    def ldg_u16x8(a, r, c):
+        v = [int(a[r, c + i]) for i in range(8)]
+        return (np.uint32(v[0] | (v[1] << 16)), np.uint32(v[2] | (v[3] << 16)),
+                np.uint32(v[4] | (v[5] << 16)), np.uint32(v[6] | (v[7] << 16)))
+
+    def ldg_f32x4(a, r, c):
+        return (np.float32(a[r, c]), np.float32(a[r, c + 1]),
+                np.float32(a[r, c + 2]), np.float32(a[r, c + 3]))
+
+    def lds_u32x4(s, i):
+        return (np.uint32(s[i]), np.uint32(s[i + 1]), np.uint32(s[i + 2]), np.uint32(s[i + 3]))
+
+    def sts_u32x4(s, i, a, b, c, d):
+        s[i] = a
+        s[i + 1] = b
+        s[i + 2] = c
+        s[i + 3] = d
+
+    def _bf16_bits(x) -> int:
+        return int(f32_to_bf16_bits(np.array([x], dtype=np.float32))[0])
+
+    def pack_bf16x2(lo, hi):
+        return np.uint32(_bf16_bits(lo) | (_bf16_bits(hi) << 16))
+
+    def bf16lo_f32(u):
+        return _f32((int(u) & 0xFFFF) << 16)
+
+    def bf16hi_f32(u):
+        return _f32(int(u) & 0xFFFF0000)
+
+    class _Warp:
+        """Lanes of one simulated warp meet at a barrier; the last to arrive runs the op."""
+
+        def __init__(self, nlanes: int):
+            self.slots: list = [None] * nlanes
+            self.out: list = [None] * nlanes
+            self.op = None
+            self.barrier = threading.Barrier(nlanes, action=self._run, timeout=120)
+
+        def _run(self):
+            self.out = self.op(self.slots)
+
+        def exchange(self, lane: int, op, value):
+            self.slots[lane] = value
+            self.op = op
+            self.barrier.wait()
+            r = self.out[lane]
+            self.barrier.wait()
+            return r
+
+    _warps: dict = {}
+    _warps_lock = threading.Lock()
+
+    def _my_warp():
+        t = threading.current_thread()
+        bd = t._manager._block_dim
+        nthreads = int(np.prod(bd))
+        tid = t.thread_id
+        w = tid // 32
+        key = (tuple(t.blockIdx), w, tuple(bd))
+        with _warps_lock:
+            st = _warps.get(key)
+            if st is None:
+                st = _warps[key] = _Warp(min(32, nthreads - 32 * w))
+        return st, tid % 32
+
+    def _sum_op(slots):
+        s = np.float32(0)
+        for v in slots:
+            s = np.float32(s + np.float32(v))
+        return [s] * len(slots)
+
+    def warp_sum_f32(v):
+        st, lane = _my_warp()
+        return st.exchange(lane, _sum_op, v)
+
+    def _unpack2(u):
+        u = int(u)
+        return bf16lo_f32(u), bf16hi_f32(u)
+
+    def _mma_op(slots):
+        A = np.zeros((16, 16), np.float64)
+        B = np.zeros((16, 8), np.float64)
+        C = np.zeros((16, 8), np.float64)
+        for lane, (a, b, c) in enumerate(slots):
+            g, t = lane >> 2, lane & 3
+            A[g, 2 * t:2 * t + 2] = _unpack2(a[0])
+            A[g + 8, 2 * t:2 * t + 2] = _unpack2(a[1])
+            A[g, 2 * t + 8:2 * t + 10] = _unpack2(a[2])
+            A[g + 8, 2 * t + 8:2 * t + 10] = _unpack2(a[3])
+            B[2 * t:2 * t + 2, g] = _unpack2(b[0])
+            B[2 * t + 8:2 * t + 10, g] = _unpack2(b[1])
+            C[g, 2 * t:2 * t + 2] = c[0], c[1]
+            C[g + 8, 2 * t:2 * t + 2] = c[2], c[3]
+        D = (A @ B + C).astype(np.float32)
+        out = []
+        for lane in range(len(slots)):
+            g, t = lane >> 2, lane & 3
+            out.append((D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]))
+        return out
+
+    def mma_bf16_16816(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        st, lane = _my_warp()
+        return st.exchange(lane, _mma_op, ((a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3)))
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    _i32 = ir.IntType(32)
+    _f32t = ir.FloatType()
+
+    def _elem_ptr(context, builder, aryty, ary, idx_types, idx_vals):
+        """Pointer to ary[idx...] (no wraparound, no bounds check)."""
+        arr = context.make_array(aryty)(context, builder, value=ary)
+        inds = [context.cast(builder, v, t, types.intp) for v, t in zip(idx_vals, idx_types)]
+        return cgutils.get_item_pointer(context, builder, aryty, arr, inds, wraparound=False)
+
+    def _tuple(context, builder, rettype, asm_result, n):
+        vals = [builder.extract_value(asm_result, i) for i in range(n)]
+        return context.make_tuple(builder, rettype, vals)
+
+    def _ldg_v4(elem_llty, reg, ptxty):
+        def gen(context, builder, sig, args):
+            aryty = sig.args[0]
+            ptr = _elem_ptr(context, builder, aryty, args[0], sig.args[1:], args[1:])
+            gptr = builder.addrspacecast(builder.bitcast(ptr, ir.IntType(8).as_pointer()),
+                                         ir.PointerType(ir.IntType(8), 1))
+            sty = ir.LiteralStructType([elem_llty] * 4)
+            fty = ir.FunctionType(sty, [gptr.type])
+            asm = ir.InlineAsm(fty, f"ld.global.nc.v4.{ptxty} {{$0, $1, $2, $3}}, [$4];",
+                               f"={reg},={reg},={reg},={reg},l")
+            return _tuple(context, builder, sig.return_type, builder.call(asm, [gptr]), 4)
+        return gen
+
+    @intrinsic
+    def ldg_u16x8(typingctx, a, r, c):
+        if not (isinstance(a, types.Array) and a.dtype == types.uint16 and a.ndim == 2):
+            return None
+        return types.UniTuple(types.uint32, 4)(a, r, c), _ldg_v4(_i32, "r", "u32")
+
+    @intrinsic
+    def ldg_f32x4(typingctx, a, r, c):
+        if not (isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 2):
+            return None
+        return types.UniTuple(types.float32, 4)(a, r, c), _ldg_v4(_f32t, "f", "f32")
+
+    def _shared_v4_ptr(context, builder, sig, args):
+        ptr = _elem_ptr(context, builder, sig.args[0], args[0], sig.args[1:2], args[1:2])
+        vty = ir.VectorType(_i32, 4)
+        return builder.addrspacecast(builder.bitcast(ptr, vty.as_pointer()),
+                                     ir.PointerType(vty, 3))
+
+    @intrinsic
+    def lds_u32x4(typingctx, s, i):
+        if not (isinstance(s, types.Array) and s.dtype == types.uint32 and s.ndim == 1):
+            return None
+
+        def gen(context, builder, sig, args):
+            v = builder.load(_shared_v4_ptr(context, builder, sig, args), align=16)
+            vals = [builder.extract_element(v, ir.Constant(_i32, k)) for k in range(4)]
+            return context.make_tuple(builder, sig.return_type, vals)
+        return types.UniTuple(types.uint32, 4)(s, i), gen
+
+    @intrinsic
+    def sts_u32x4(typingctx, s, i, a, b, c, d):
+        if not (isinstance(s, types.Array) and s.dtype == types.uint32 and s.ndim == 1):
+            return None
+
+        def gen(context, builder, sig, args):
+            p = _shared_v4_ptr(context, builder, sig, args)
+            v = ir.Constant(ir.VectorType(_i32, 4), ir.Undefined)
+            for k in range(4):
+                x = context.cast(builder, args[2 + k], sig.args[2 + k], types.uint32)
+                v = builder.insert_element(v, x, ir.Constant(_i32, k))
+            builder.store(v, p, align=16)
+            return context.get_dummy_value()
+        return types.void(s, i, a, b, c, d), gen
+
+    @intrinsic
+    def pack_bf16x2(typingctx, lo, hi):
+        def gen(context, builder, sig, args):
+            lo_, hi_ = (context.cast(builder, v, t, types.float32) for v, t in zip(args, sig.args))
+            fty = ir.FunctionType(_i32, [_f32t, _f32t])
+            # cvt.rn.bf16x2.f32 d, a, b: d.hi = bf16(a), d.lo = bf16(b)
+            return builder.call(ir.InlineAsm(fty, "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f"),
+                                [hi_, lo_])
+        return types.uint32(lo, hi), gen
+
+    def _bits_to_f32(mask_hi: bool):
+        def gen(context, builder, sig, args):
+            u = context.cast(builder, args[0], sig.args[0], types.uint32)
+            u = builder.and_(u, ir.Constant(_i32, 0xFFFF0000)) if mask_hi else \
+                builder.shl(u, ir.Constant(_i32, 16))
+            return builder.bitcast(u, _f32t)
+        return gen
+
+    @intrinsic
+    def bf16lo_f32(typingctx, u):
+        return types.float32(u), _bits_to_f32(False)
+
+    @intrinsic
+    def bf16hi_f32(typingctx, u):
+        return types.float32(u), _bits_to_f32(True)
+
+    @intrinsic
+    def mma_bf16_16816(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        def gen(context, builder, sig, args):
+            regs = [context.cast(builder, v, t, types.uint32)
+                    for v, t in zip(args[:6], sig.args[:6])]
+            accs = [context.cast(builder, v, t, types.float32)
+                    for v, t in zip(args[6:], sig.args[6:])]
+            sty = ir.LiteralStructType([_f32t] * 4)
+            fty = ir.FunctionType(sty, [_i32] * 6 + [_f32t] * 4)
+            asm = ir.InlineAsm(
+                fty,
+                "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+                "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3")
+            return _tuple(context, builder, sig.return_type, builder.call(asm, regs + accs), 4)
+        sig = types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+        return sig, gen
+
+    @intrinsic
+    def warp_sum_f32(typingctx, v):
+        # an intrinsic, not a device function: compile_ptx of a kernel calling a device function
+        # needs a GPU (the dispatcher asks the current device for its compute capability)
+        def gen(context, builder, sig, args):
+            x = context.cast(builder, args[0], sig.args[0], types.float32)
+            fty = ir.FunctionType(_f32t, [_i32, _f32t, _i32, _i32])
+            shfl = cgutils.get_or_insert_function(builder.module, fty,
+                                                  "llvm.nvvm.shfl.sync.bfly.f32")
+            for off in (16, 8, 4, 2, 1):
+                y = builder.call(shfl, [ir.Constant(_i32, 0xFFFFFFFF), x, ir.Constant(_i32, off),
+                                        ir.Constant(_i32, 0x1F)])
+                x = builder.fadd(x, y)
+            return x
+        return types.float32(v), gen
