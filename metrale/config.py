@@ -24,6 +24,11 @@ class Levers:
     numpy_dtype: str = "float32"         # float32 | float64: arithmetic of the NumPy backend
     weight_dtype: str = "bfloat16"       # weights on the CUDA backend
     prefill_attention_min_tokens: int = 64  # segments this long use the tiled prefill kernel
+    spec_min_confidence: float = 0.0     # cut a draft at its first token below this confidence
+    spec_verify_cost: float = 0.1        # cost of one verified draft token, in plain decode steps
+    spec_probe_interval: int = 16        # steps a sequence stays unspeculated after a losing streak
+    spec_max_batch: int = 64             # no speculation while more sequences than this decode
+    spec_ema_decay: float = 0.7          # weight of history in the accepted-tokens average
 
 
 @dataclass
@@ -57,8 +62,25 @@ class SchedulerConfig:
 
 @dataclass
 class SpecConfig:
-    method: str = "none"                 # none | ngram | self | draft | mtp | dflash
-    num_drafts: int = 4
+    method: str = "none"                 # none | ngram | self | draft
+    num_drafts: int = 4                  # most tokens proposed per step (the gate may use fewer)
+    ngram_max_n: int = 4
+    ngram_min_n: int = 1
+    self_layers: Optional[int] = None    # layers of the target the self-speculative drafter runs (default: a third)
+    draft_model: Optional[str] = None    # preset or path of the draft model (method=draft)
+
+
+@dataclass
+class ServerConfig:
+    """`python -m metrale serve`: the OpenAI-compatible HTTP server (docs/server.md)."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: Optional[str] = None        # if set, every route but /health needs "Authorization: Bearer <key>"
+    served_model_name: Optional[str] = None   # the model id clients send; None: the `model` setting
+    max_body_bytes: int = 8 * 1024 * 1024     # larger request bodies get 413
+    shutdown_grace_s: float = 10.0       # on SIGINT/SIGTERM, in-flight requests get this long, then abort
+    parse_reasoning: bool = True         # chat: text inside <think>...</think> goes to reasoning_content
+    access_log: bool = False
 
 
 @dataclass
@@ -75,6 +97,7 @@ class MetraleConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
     seed: int = 0
     log_level: str = "WARNING"
     extra: dict[str, Any] = field(default_factory=dict)

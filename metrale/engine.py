@@ -23,7 +23,7 @@ from metrale.outputs import RequestOutput, StreamDelta
 from metrale.request import RequestState
 from metrale.runtime.batch import Segment, build_batch
 from metrale.sampling.params import InvalidRequestError, SamplingParams
-from metrale.sampling.sampler import sample_row
+from metrale.sampling.sampler import Sampler
 from metrale.scheduler.scheduler import Scheduler
 from metrale.scheduler.sequence import Sequence
 from metrale.settings import compose, to_overrides
@@ -63,6 +63,7 @@ class Engine:
         self.eos_ids = tuple(self.tokenizer.eos_token_ids or self.model_config.eos_token_ids)
         self.requests: dict[str, RequestState] = {}
         self.min_p_floor = self.model_config.min_p_floor if cfg.levers.min_p_floor else 0.0
+        self.sampler = Sampler(self.backend, self.model_config.vocab_size, self.min_p_floor)
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0}
         self._collect: dict[str, RequestOutput | None] = {}   # outputs generate() waits for
 
@@ -172,24 +173,19 @@ class Engine:
         return delta
 
     def _forward_and_sample(self, batch, states: list[RequestState]) -> np.ndarray:
+        """One forward, then the sampling pipeline (metrale/sampling/sampler.py). Grammar bitmasks
+        are computed on the CPU while the forward runs; all-greedy plain steps take the argmax path."""
         if not states:
             self.backend.forward(batch)
             return np.zeros(0, dtype=np.int32)
-        if all(st.params.greedy and not st.eos_masked and not st.params.logit_bias for st in states):
-            return self.backend.forward_greedy(batch)
-        logits = self.backend.forward(batch)
-        out = np.empty(len(states), dtype=np.int32)
-        for i, st in enumerate(states):
-            row = logits[i]
-            if st.params.logit_bias:
-                row = row.copy()
-                for tid, bias in st.params.logit_bias.items():
-                    row[tid] += bias
-            if st.eos_masked:
-                row = row.copy()
-                row[list(st.stop_ids)] = -np.inf
-            out[i] = sample_row(row, st.params, st.rng, self.min_p_floor)
-        return out
+        if self.sampler.plain_greedy(states):
+            return self.sampler.accept_greedy(states, self.backend.forward_greedy(batch))
+        self.sampler.start_masks(states)
+        try:
+            logits = self.sampler.forward(self.backend, batch, states)
+        finally:
+            masks = self.sampler.finish_masks()
+        return self.sampler.sample(logits, states, masks)
 
     # ------------------------------------------------------------ convenience API
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -27,3 +27,6 @@ class RequestOutput:
     token_ids: np.ndarray
     finish_reason: str
     metrics: dict = field(default_factory=dict)
+    logprobs: list[dict[int, float]] | None = None        # per generated token: {id: raw logprob} (sampled + top-k)
+    cumulative_logprob: float | None = None               # sum of the sampled tokens' logprobs
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # per prompt token (the first is None)

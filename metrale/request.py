@@ -12,7 +12,7 @@ import numpy as np
 
 from metrale.outputs import RequestOutput, StreamDelta
 from metrale.sampling.params import SamplingParams
-from metrale.sampling.sampler import make_generator
+from metrale.sampling.state import SamplingState
 from metrale.scheduler.sequence import Sequence
 
 
@@ -26,7 +26,7 @@ class RequestState:
         self.stops = self.params.stop_strings
         self.holdback = max((len(s) for s in self.stops), default=1) - 1
         self.max_model_len = max_model_len
-        self.rng = make_generator(self.params.seed)
+        self.sampling = SamplingState(self.params, seq.prompt_token_ids, tokenizer, eos_ids)  # seed, penalties, grammar, logprobs
         self.text = ""          # all text decoded so far (stop string excluded once found)
         self.emitted = 0        # characters of self.text already streamed
         self.tokens_emitted = 0
@@ -80,4 +80,5 @@ class RequestState:
                    "latency": now - self.t_arrival, "num_preemptions": self.seq.num_preemptions}
         return RequestOutput(self.seq.request_id, self.seq.prompt,
                              np.asarray(self.seq.prompt_token_ids, dtype=np.int32), self.text,
-                             self.seq.output_array(), self.seq.finish_reason or "abort", metrics)
+                             self.seq.output_array(), self.seq.finish_reason or "abort", metrics,
+                             **self.sampling.output_fields())

@@ -80,6 +80,16 @@ class BlockManager:
             seq.block_table.append(self._take_free())
         return True
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past the sequence's tokens (those a rejected draft used)."""
+        keep = self.blocks_needed(seq.num_tokens)
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            self.ref_count[block] -= 1
+            if self.ref_count[block] == 0:
+                self.free[block] = None
+                self.free.move_to_end(block, last=False)
+
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks that the computed tokens have filled, so later prompts can share them."""
         if not self.prefix_caching:

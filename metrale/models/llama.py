@@ -25,10 +25,12 @@ class Ops(Protocol):
     def logits_rows(self, x: Tensor) -> Tensor: ...
 
 
-def llama_forward(ops: Ops, w: dict[str, Tensor], config: ModelConfig) -> Tensor:
-    """Runs the batch bound to `ops`; returns logits [R, vocab] for the rows that need them."""
+def llama_forward(ops: Ops, w: dict[str, Tensor], config: ModelConfig, num_layers: int | None = None) -> Tensor:
+    """Runs the batch bound to `ops`; returns logits [R, vocab] for the rows that need them.
+    num_layers < config.num_layers runs the first layers only, then the final norm and LM head:
+    the self-speculative (layer-skip) drafter."""
     residual = ops.embed(w["embed"])
-    for i in range(config.num_layers):
+    for i in range(config.num_layers if num_layers is None else num_layers):
         p = f"layers.{i}."
         h = ops.rms_norm(residual, w[p + "attn_norm"])
         q = ops.qkv_to_cache(ops.linear(h, w[p + "qkv"], w.get(p + "qkv_bias")), i,

@@ -55,3 +55,18 @@ def make_backend(device: str, cfg, config: ModelConfig, weights):
     stream = weights() if weights else random_weights(config, int(cfg.seed))
     return NumpyBackend(config, stream, num_blocks=int(num_blocks), block_size=block_size,
                         dtype=cfg.levers.numpy_dtype)
+
+
+def load_draft_backend(cfg, model: str, *, num_blocks: int):
+    """The backend of a draft model: same device and block size as the target, and as many KV
+    blocks, so the target's block tables index its cache too."""
+    from omegaconf import OmegaConf
+    source = resolve_model(model)
+    if source.kind == "gguf":
+        config, _, weights = load_gguf(source.path)
+    elif source.kind == "hf":
+        config, _, weights = load_hf_dir(source.path)
+    else:
+        config, weights = random_model_config(source.preset, source.name), None
+    draft_cfg = OmegaConf.merge(cfg, {"cache": {"num_blocks": num_blocks}})
+    return make_backend(resolve_device(cfg.device), draft_cfg, config, weights)

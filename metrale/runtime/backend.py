@@ -19,10 +19,11 @@ class Backend(Protocol):
     block_size: int
     num_blocks: int
 
-    def forward(self, batch: ForwardBatch) -> np.ndarray:
-        """Logits [R, vocab] float32 for the rows batch.logits_indices."""
+    def forward(self, batch: ForwardBatch, num_layers: int | None = None) -> np.ndarray:
+        """Logits [R, vocab] float32 for the rows batch.logits_indices. num_layers runs only the
+        first layers (then the final norm and LM head): the self-speculative drafter."""
 
-    def forward_greedy(self, batch: ForwardBatch) -> np.ndarray:
+    def forward_greedy(self, batch: ForwardBatch, num_layers: int | None = None) -> np.ndarray:
         """Argmax token ids [R] int32 for the rows batch.logits_indices (argmax on the device)."""
 
     def memory_report(self) -> dict:

@@ -41,6 +41,7 @@ class Geometry:
     rows: int
     max_context: int
     max_query_len: int
+    num_layers: int | None = None     # fewer than the model's: the self-speculative drafter
 
 
 class MetaBuffers:
@@ -300,7 +301,7 @@ class CudaBackend:
         return out
 
     # ------------------------------------------------------------------ forward
-    def _geometry(self, batch: ForwardBatch) -> tuple[Geometry, bool]:
+    def _geometry(self, batch: ForwardBatch, num_layers: int | None = None) -> tuple[Geometry, bool]:
         T, S, R = batch.num_tokens, batch.num_seqs, len(batch.logits_indices)
         if T > self.max_tokens or S > self.max_seqs or R > self.max_rows:
             raise ValueError(f"step of {T} tokens / {S} seqs / {R} logits rows exceeds the CUDA buffers "
@@ -311,18 +312,18 @@ class CudaBackend:
         if graphed:
             size = next(s for s in self.graph_sizes if s >= T)
             bucket = max(MIN_GRAPH_CONTEXT, 1 << (max_ctx - 1).bit_length())
-            return Geometry(size, size, size, min(bucket, self.max_model_len), 1), True
-        return Geometry(T, S, R, max_ctx, batch.max_query_len), False
+            return Geometry(size, size, size, min(bucket, self.max_model_len), 1, num_layers), True
+        return Geometry(T, S, R, max_ctx, batch.max_query_len, num_layers), False
 
     def _upload(self, batch: ForwardBatch, g: Geometry) -> None:
         self.meta.upload(batch, g, self.stream)
 
     def _run(self, g: Geometry) -> None:
-        logits = llama_forward(CudaOps(self, g), self.weights, self.config)
+        logits = llama_forward(CudaOps(self, g), self.weights, self.config, g.num_layers)
         argmax.argmax_rows(logits, self.act["argmax"][:g.rows], stream=self.stream.numba)
 
-    def _execute(self, batch: ForwardBatch) -> Geometry:
-        g, graphed = self._geometry(batch)
+    def _execute(self, batch: ForwardBatch, num_layers: int | None = None) -> Geometry:
+        g, graphed = self._geometry(batch, num_layers)
         self._upload(batch, g)
         if not graphed:
             self._run(g)
@@ -337,13 +338,13 @@ class CudaBackend:
         self.stream.synchronize()
         return host
 
-    def forward(self, batch: ForwardBatch) -> np.ndarray:
-        self._execute(batch)
+    def forward(self, batch: ForwardBatch, num_layers: int | None = None) -> np.ndarray:
+        self._execute(batch, num_layers)
         R = len(batch.logits_indices)
         return self._fetch(self.act[f"out{self.config.vocab_size}"], np.empty((R, self.config.vocab_size), np.float32))
 
-    def forward_greedy(self, batch: ForwardBatch) -> np.ndarray:
-        self._execute(batch)
+    def forward_greedy(self, batch: ForwardBatch, num_layers: int | None = None) -> np.ndarray:
+        self._execute(batch, num_layers)
         R = len(batch.logits_indices)
         return self._fetch(self.act["argmax"], self._argmax_host[:R]).copy()
 

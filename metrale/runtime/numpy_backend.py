@@ -127,13 +127,13 @@ class NumpyBackend:
     def rope_for(self, batch: ForwardBatch) -> tuple[np.ndarray, np.ndarray]:
         return rope_cos_sin(self.config, batch.positions)
 
-    def forward(self, batch: ForwardBatch) -> np.ndarray:
+    def forward(self, batch: ForwardBatch, num_layers: int | None = None) -> np.ndarray:
         with np.errstate(over="ignore"):
-            logits = llama_forward(NumpyOps(self, batch), self.weights, self.config)
+            logits = llama_forward(NumpyOps(self, batch), self.weights, self.config, num_layers)
         return np.asarray(logits, dtype=np.float32) if self.dtype == np.float32 else logits
 
-    def forward_greedy(self, batch: ForwardBatch) -> np.ndarray:
-        return np.argmax(self.forward(batch), axis=-1).astype(np.int32)
+    def forward_greedy(self, batch: ForwardBatch, num_layers: int | None = None) -> np.ndarray:
+        return np.argmax(self.forward(batch, num_layers), axis=-1).astype(np.int32)
 
     def memory_report(self) -> dict:
         return {"weights_bytes": sum(a.nbytes for a in self.weights.values()),

@@ -1,8 +1,16 @@
-"""SamplingParams with vLLM's field names; validated when a request is added."""
+"""SamplingParams with vLLM's field names; validated when a request is added.
+
+Beyond vLLM: `require_tool_call` (the first answer token is the tokenizer's tool-call START token).
+Structured output: at most one of json_schema (dict or JSON text), regex, grammar (Lark, llguidance
+dialect) and choice (a list of strings); validate() compiles it and refuses it with llguidance's
+message when it cannot be compiled.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
+
+import numpy as np
 
 
 class InvalidRequestError(ValueError):
@@ -34,6 +42,7 @@ class SamplingParams:
     regex: Optional[str] = None
     grammar: Optional[str] = None
     choice: Optional[list[str]] = None
+    require_tool_call: bool = False
     extra: dict = field(default_factory=dict)
 
     @property
@@ -51,27 +60,49 @@ class SamplingParams:
             raise InvalidRequestError(f"{name}: {why}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0.0:
-            bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature < float("inf")):
+            bad("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
         if not (isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1)):
             bad("top_k", f"must be -1 (off) or >= 1, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if not self.repetition_penalty > 0.0:
+        if not 0.0 < self.repetition_penalty < float("inf"):
             bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
-        for tid in list((self.logit_bias or {}).keys()) + list(self.stop_token_ids or []):
-            if not isinstance(tid, int) or not 0 <= tid < vocab_size:
-                bad("logit_bias/stop_token_ids", f"token id {tid!r} is outside the vocabulary [0, {vocab_size})")
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            bad("logit_bias", f"must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+        for name, ids in (("logit_bias", (self.logit_bias or {}).keys()), ("stop_token_ids", self.stop_token_ids or [])):
+            for tid in ids:
+                if isinstance(tid, bool) or not isinstance(tid, (int, np.integer)) or not 0 <= tid < vocab_size:
+                    bad(name, f"token id {tid!r} is outside the vocabulary [0, {vocab_size})")
+        for tid, bias in (self.logit_bias or {}).items():
+            if not (isinstance(bias, (int, float)) and -100.0 <= bias <= 100.0):
+                bad("logit_bias", f"bias of token {tid} must be a number in [-100, 100], got {bias!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))):
+            bad("seed", f"must be an integer, got {self.seed!r}")
         if any(not s for s in self.stop_strings):
             bad("stop", "stop strings must be non-empty")
         if self.n < 1 or (self.best_of is not None and self.best_of < self.n):
             bad("n/best_of", f"need 1 <= n <= best_of, got n={self.n}, best_of={self.best_of}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 20):
+                bad(name, f"must be an integer in [0, 20], got {k!r}")
+        structured = [n for n in ("json_schema", "regex", "grammar", "choice") if getattr(self, n) is not None]
+        if len(structured) > 1:
+            bad("/".join(structured), "give at most one kind of structured output")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            bad("choice", "must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                bad(name, "must be a string")
+        if structured:
+            from metrale.sampling.grammar import check_grammar
+            check_grammar(self)

@@ -1,13 +1,199 @@
-"""Host sampler (NumPy): temperature, top-k, top-p, min-p over rows with different parameters.
+"""Sampler: the engine's view of sampling. One step over a batch of rows with different parameters:
 
-Each request owns a Philox generator seeded from its seed, so its samples do not depend on
-which other requests share the batch.
+    sampler.plain_greedy(states)     every row greedy, unpenalized, unmasked -> backend.forward_greedy
+    sampler.start_masks(states)      grammar bitmasks on the CPU, in a thread, while the device runs
+    logits = sampler.forward(backend, batch)    device logits on CUDA, host logits otherwise
+    masks = sampler.finish_masks()
+    tokens = sampler.sample(logits, states, masks)
+
+`sample` packs each row's parameters (kernels_numba/sampling.py: fparams/iparams, sparse
+penalty/bias/ban lists, packed uint32 bitmask), runs the one pipeline (NumPy reference on the CPU,
+the two kernels on CUDA), then advances every request's SamplingState (step, penalty window,
+grammar matcher, think span, logprobs). Rows are RequestState-like objects: `.params`,
+`.sampling` (SamplingState), `.eos_masked` (min_tokens not reached), `.stop_ids`.
+
+`make_generator`, `filter_probs` and `sample_row` are the older per-row host helpers, kept for
+callers outside the engine.
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
+import math
+
 import numpy as np
 
+from kernels_numba import sampling as K
+from metrale.sampling.grammar import MaskWorker
 from metrale.sampling.params import SamplingParams
+
+log = logging.getLogger("metrale.sampling")
+
+
+class PackedRows:
+    """Host arrays of one step's rows, in the layout of kernels_numba/sampling.py."""
+
+    def __init__(self, R: int, words: int):
+        self.fparams = np.zeros((R, K.NF), np.float32)
+        self.iparams = np.zeros((R, K.NI), np.int32)
+        self.words = words
+        self.mask: np.ndarray | None = None
+        self.adj_token = self.adj_rep = np.zeros(0, np.int32)
+        self.adj_add = np.zeros(0, np.float32)
+        self.forced: list[int | None] = [None] * R
+
+    def mask_rows(self) -> np.ndarray:
+        if self.mask is None:
+            self.mask = np.zeros((self.fparams.shape[0], self.words), np.uint32)
+        return self.mask
+
+
+def set_bit(mask_row: np.ndarray, token: int) -> None:
+    mask_row[token >> 5] |= np.uint32(1 << (token & 31))
+
+
+class Sampler:
+    def __init__(self, backend, vocab_size: int, min_p_floor: float = 0.0):
+        self.vocab_size = int(vocab_size)
+        self.words = -(-self.vocab_size // 32)
+        self.min_p_floor = float(min_p_floor)
+        self.masks = MaskWorker(self.vocab_size)
+        self.device = None
+        if getattr(backend, "name", "") == "cuda":
+            from metrale.sampling.device import DevicePipeline
+            self.device = DevicePipeline(backend, self.vocab_size)
+        self._warned_empty = False
+
+    # ------------------------------------------------------------------ the step
+    def plain_greedy(self, states) -> bool:
+        return all(st.sampling.plain_greedy(st.eos_masked) for st in states)
+
+    def start_masks(self, states) -> None:
+        rows = [(r, st.sampling.grammar) for r, st in enumerate(states)
+                if st.sampling.forced_token() is None and st.sampling.grammar_active()]
+        self.masks.start(rows, len(states))
+
+    def finish_masks(self) -> np.ndarray | None:
+        return self.masks.finish()
+
+    def forward(self, backend, batch, states=()):
+        """The logits of the sampling rows [R, V] (a device array on CUDA). Requests that asked for
+        prompt_logprobs and whose prompt runs in this step get extra rows, consumed here."""
+        extra = self._prompt_rows(batch, states, getattr(backend, "max_rows", None))
+        if extra:
+            batch = dataclasses.replace(batch, logits_indices=np.concatenate(
+                [batch.logits_indices] + [rows for _, rows, _ in extra]).astype(np.int32))
+        logits = self.device.forward(backend, batch) if self.device is not None else backend.forward(batch)
+        if extra:
+            R = len(states)
+            host = np.asarray(logits[R:].copy_to_host() if self.device is not None else logits[R:])
+            off = 0
+            for st, rows, first in extra:
+                st.sampling.set_prompt_logprobs(host[off:off + rows.size], first)
+                off += rows.size
+            logits = logits[:R]
+        return logits
+
+    def _prompt_rows(self, batch, states, max_rows: int | None):
+        """(state, token rows, first position) for the prompts whose logprobs this step can give."""
+        out, total = [], len(states)
+        for r, st in enumerate(states):
+            ss = st.sampling
+            if not ss.wants_prompt_logprobs or st.seq.output_token_ids:
+                continue
+            t = int(batch.logits_indices[r])
+            seg = int(batch.token_seq[t])
+            a = int(batch.seq_query_start[seg])
+            first = int(batch.positions[a])
+            rows = np.arange(a, t, dtype=np.int32)       # positions first .. len(prompt) - 2
+            if max_rows is not None and total + rows.size > max_rows:
+                log.warning("prompt_logprobs: %d prompt rows exceed the backend's %d logits rows; skipped",
+                            rows.size, max_rows)
+                ss.set_prompt_logprobs(np.zeros((0, self.vocab_size), np.float32), first)
+                continue
+            total += rows.size
+            out.append((st, rows, first))
+        return out
+
+    def accept_greedy(self, states, tokens: np.ndarray) -> np.ndarray:
+        for st, t in zip(states, tokens):
+            st.sampling.accept(int(t))
+        return tokens
+
+    def pack(self, states, grammar_masks: np.ndarray | None) -> PackedRows:
+        R = len(states)
+        rows = PackedRows(R, self.words)
+        f, i = rows.fparams, rows.iparams
+        toks, reps, adds, start = [], [], [], 0
+        for r, st in enumerate(states):
+            p: SamplingParams = st.params
+            ss = st.sampling
+            f[r, K.F_INV_TEMP] = 0.0 if p.greedy else np.float32(1.0) / np.float32(p.temperature)
+            f[r, K.F_TOP_P] = p.top_p
+            min_p = max(p.min_p, self.min_p_floor)
+            f[r, K.F_LOG_MIN_P] = math.log(min_p) if min_p > 0 else -np.inf
+            f[r, K.F_REP] = p.repetition_penalty
+            i[r, K.I_TOP_K] = p.top_k
+            i[r, K.I_NUM_LOGPROBS] = min(int(p.logprobs), K.MAX_TOP_LOGPROBS) if ss.want_logprobs else -1
+            i[r, K.I_SEED_LO] = np.uint32(ss.seed_lo).view(np.int32)
+            i[r, K.I_SEED_HI] = np.uint32(ss.seed_hi).view(np.int32)
+            i[r, K.I_STEP] = np.uint32(ss.step & 0xFFFFFFFF).view(np.int32)
+            forced = ss.forced_token()
+            grammar_done = False
+            if forced is not None:
+                rows.forced[r] = forced
+                row = rows.mask_rows()[r]
+                set_bit(row, forced)
+                i[r, K.I_USE_MASK] = 1
+            elif ss.grammar_active():
+                row = rows.mask_rows()[r]
+                if grammar_masks is not None:
+                    row[:] = grammar_masks[r]
+                think = ss.special.think_start_token_id
+                if think is not None and ss.step == 0 and not ss.in_think:     # a think span may open first
+                    set_bit(row, think)
+                i[r, K.I_USE_MASK] = 1
+                grammar_done = ss.grammar.stopped
+            banned = st.stop_ids if (st.eos_masked and forced is None and not grammar_done) else None
+            t, rp, a = ss.adjustments(banned)
+            toks.append(t)
+            reps.append(rp)
+            adds.append(a)
+            i[r, K.I_ADJ_START] = start
+            start += t.size
+            i[r, K.I_ADJ_END] = start
+        if start:
+            rows.adj_token, rows.adj_rep, rows.adj_add = np.concatenate(toks), np.concatenate(reps), np.concatenate(adds)
+        return rows
+
+    def sample(self, logits, states, grammar_masks: np.ndarray | None = None) -> np.ndarray:
+        rows = self.pack(states, grammar_masks)
+        mask = rows.mask if rows.mask is not None else np.zeros((len(states), 1), np.uint32)
+        if self.device is not None:
+            tokens, lps, top_ids, top_lps = self.device.run(logits, mask, rows)
+        else:
+            tokens, lps, top_ids, top_lps = K.sample_rows_ref(np.asarray(logits)[:len(states)], mask, rows.fparams,
+                                                              rows.iparams, rows.adj_token, rows.adj_rep, rows.adj_add)
+        out = np.asarray(tokens, dtype=np.int32).copy()
+        for r, st in enumerate(states):
+            ss = st.sampling
+            tok = int(out[r])
+            if tok < 0:    # every token was masked out (a grammar at odds with a ban): end the request
+                tok = out[r] = next(iter(ss.eos_ids), 0)
+                if not self._warned_empty:
+                    log.warning("request %s: no token allowed by its constraints; ending it with EOS",
+                                getattr(getattr(st, "seq", None), "request_id", "?"))
+                    self._warned_empty = True
+            lp, top = None, None
+            if ss.want_logprobs:
+                lp = float(lps[r]) if not np.isnan(lps[r]) else None
+                n = min(int(st.params.logprobs), K.MAX_TOP_LOGPROBS)
+                top = {int(top_ids[r, j]): float(top_lps[r, j]) for j in range(n) if top_ids[r, j] >= 0}
+            ss.accept(tok, lp, top, forced=rows.forced[r] is not None)
+        return out
+
+
+# ---------------------------------------------------------------------- older host helpers
 
 
 def make_generator(seed: int | None) -> np.random.Generator:

@@ -24,12 +24,13 @@ PREEMPTED_ERROR = "error: preempted: KV cache exhausted"
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_tokens: int
+    num_tokens: int                                  # includes the draft tokens of a verify block
+    draft: list[int] = field(default_factory=list)   # speculative tokens verified in this step
 
     @property
     def needs_logits(self) -> bool:
         """True when this chunk reaches the end of the known tokens: a new token is sampled."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_tokens - len(self.draft) == self.seq.num_tokens
 
 
 @dataclass
@@ -101,9 +102,12 @@ class Scheduler:
             is_decode = seq.num_uncomputed == 1
             if (is_decode and not decode_allowed) or budget == 0:
                 continue
-            n = self._chunk(seq, budget)
+            draft = seq.draft_tokens[:budget - 1] if is_decode else []
+            n = 1 + len(draft) if is_decode else self._chunk(seq, budget)
             if n == 0:
                 continue
+            if draft and not self.blocks.grow(seq, seq.num_computed_tokens + n):
+                draft, n = [], 1                     # drop the draft before preempting anyone
             while not self.blocks.grow(seq, seq.num_computed_tokens + n):
                 scheduled = {id(s.seq) for s in plan.scheduled}
                 victims = [s for s in self.running if id(s) not in scheduled] or [seq]
@@ -112,7 +116,7 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq in self.running:
-                plan.scheduled.append(ScheduledSeq(seq, n))
+                plan.scheduled.append(ScheduledSeq(seq, n, draft))
                 budget -= n
         # admit waiting sequences
         mixing_ok = not (self.no_mix and any(s.seq.num_uncomputed == 1 for s in plan.scheduled))

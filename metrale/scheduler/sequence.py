@@ -33,6 +33,8 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # hashes of the full blocks committed so far
     finish_reason: str | None = None
     num_preemptions: int = 0
+    draft_tokens: list[int] = field(default_factory=list)   # proposed for the next verify step
+    draft_probs: list | None = None                          # the drafter's distributions (or None: one-hot)
     arrival: int = field(default_factory=lambda: next(_ids))
 
     def __post_init__(self) -> None:

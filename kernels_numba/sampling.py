@@ -1,0 +1,454 @@
+"""The sampling pipeline over a batch of logits rows with different parameters: device kernels and
+their NumPy references (the references are also the CPU backend's sampler).
+
+Per row r of logits [R, V] (float32), two kernels, one 1024-thread block per row:
+
+  prepare_rows  1. if the row wants logprobs (num_logprobs >= 0): lse[r] = logsumexp(raw row) and the
+                   top-n raw logprobs (n <= 20; ties to the lower id);
+                2. sparse adjustments, in place: for each entry e of the row's list
+                   (adj_token, adj_rep, adj_add): x = logits[r, t]; raw_saved[e] = x;
+                   if adj_rep: x = x / rep if x > 0 else x * rep;  x += adj_add.
+                   (adj_add = logit_bias - frequency * count - presence * [count > 0], or -inf to ban
+                   a token: min_tokens.) Token ids of a row's list are distinct.
+  sample_rows   x_i = adjusted logit, -inf where the row's packed bitmask bit i is 0 (use_mask);
+                m = max x. Greedy rows (inv_temp == 0): argmax x. Others: z_i = (x_i - m) * inv_temp;
+                keep z_i >= max(top-k threshold, top-p threshold, log_min_p); sample by Gumbel-max:
+                argmax over kept i of z_i - log(-log(u_i)), u_i = uniform(Philox4x32-10,
+                key = seed, counter = (i // 4, step, 0, 0), lane i % 4). Ties go to the lower id; a
+                row with nothing left gives -1. The sampled token's raw logprob is raw - lse.
+
+Thresholds work on the order-preserving uint32 key of float32 (so a threshold is an exact value of
+the row): top-k keeps keys >= the k-th largest key; top-p keeps keys >= the largest key t with
+mass(z >= t) >= top_p * mass(z >= top-k threshold) (mass = sum of exp(z)), i.e. the smallest set of
+most likely tokens whose probability reaches top_p, ties at the border kept. The device finds both by
+bisection over the key (31 passes each, deterministic block reductions; no sort, no scratch); the
+references by sorting. Both draw the same Philox uniforms, so CPU and GPU sample the same token
+except where float rounding of the logits or of a sum sits exactly on a decision border.
+
+Parameters per row (host-packed): fparams float32 [R, NF] (F_* columns), iparams int32 [R, NI]
+(I_* columns); mask uint32 [R, ceil(V/32)] (bit i of word i >> 5); adjustment lists int32/float32
+[N] with the row's slice iparams[r, I_ADJ_START:I_ADJ_END]. Launchers take device (or host) arrays
+and allocate nothing, so they can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+from numba import cuda
+
+from kernels_numba.bf16 import NEG_INF, SIMULATOR, block_argmax, block_max, block_sum, device_function
+
+THREADS = 32 if SIMULATOR else 1024
+SCRATCH = 1024 if SIMULATOR else 32
+MAX_TOP_LOGPROBS = 20
+
+# fparams columns
+F_INV_TEMP, F_TOP_P, F_LOG_MIN_P, F_REP = range(4)
+NF = 4
+# iparams columns
+I_TOP_K, I_USE_MASK, I_NUM_LOGPROBS, I_SEED_LO, I_SEED_HI, I_STEP, I_ADJ_START, I_ADJ_END = range(8)
+NI = 8
+
+_M32 = np.uint64(0xFFFFFFFF)
+_S32 = np.uint64(32)
+_S9 = np.uint64(9)
+_ONE64 = np.uint64(1)
+_PHILOX_M0 = np.uint64(0xD2511F53)
+_PHILOX_M1 = np.uint64(0xCD9E8D57)
+_PHILOX_W0 = np.uint64(0x9E3779B9)
+_PHILOX_W1 = np.uint64(0xBB67AE85)
+_TWO_M24 = np.float32(2.0 ** -24)
+_KEY_TOP = np.uint64(0x80000000)          # key of +0.0: z <= 0 always (z = (x - max) * inv_temp)
+
+
+# ---------------------------------------------------------------- Philox4x32-10
+
+
+@device_function
+def philox4x32(c0, c1, c2, c3, k0, k1):
+    """Philox4x32-10 (Salmon et al. 2011). Words are uint64 holding 32-bit values (Numba would widen
+    uint32 arithmetic anyway, and the simulator must not overflow numpy scalars)."""
+    for _ in range(10):
+        p0 = _PHILOX_M0 * c0
+        p1 = _PHILOX_M1 * c2
+        n0 = (p1 >> _S32) ^ c1 ^ k0
+        n2 = (p0 >> _S32) ^ c3 ^ k1
+        c1 = p1 & _M32
+        c3 = p0 & _M32
+        c0 = n0
+        c2 = n2
+        k0 = (k0 + _PHILOX_W0) & _M32
+        k1 = (k1 + _PHILOX_W1) & _M32
+    return c0, c1, c2, c3
+
+
+@device_function
+def _uniform(x):
+    """uint32 -> float32 in (0, 1): odd multiples of 2^-24 (exact in float32, never 0 or 1)."""
+    return np.float32(((x >> _S9) << _ONE64) | _ONE64) * _TWO_M24
+
+
+def philox4x32_ref(c0, c1, c2, c3, k0, k1):
+    """Vectorized Philox4x32-10 on uint64 arrays (or scalars) holding 32-bit words."""
+    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) for c in (c0, c1, c2, c3))
+    k0, k1 = np.uint64(k0), np.uint64(k1)
+    for _ in range(10):
+        p0 = _PHILOX_M0 * c0
+        p1 = _PHILOX_M1 * c2
+        c0, c1, c2, c3 = (p1 >> _S32) ^ c1 ^ k0, p1 & _M32, (p0 >> _S32) ^ c3 ^ k1, p0 & _M32
+        k0 = (k0 + _PHILOX_W0) & _M32
+        k1 = (k1 + _PHILOX_W1) & _M32
+    return c0, c1, c2, c3
+
+
+def uniforms_ref(indices: np.ndarray, step: int, seed_lo: int, seed_hi: int) -> np.ndarray:
+    """The float32 uniforms of vocabulary ids `indices` at `step` for key (seed_lo, seed_hi)."""
+    idx = np.asarray(indices, dtype=np.int64)
+    groups = (idx // 4).astype(np.uint64)
+    z = np.zeros_like(groups)
+    words = np.stack(philox4x32_ref(groups, np.full_like(z, np.uint64(step) & _M32), z, z,
+                                    np.uint64(seed_lo) & _M32, np.uint64(seed_hi) & _M32), axis=1)
+    x = words[np.arange(idx.size), idx % 4]
+    return (((x >> _S9) << _ONE64) | _ONE64).astype(np.float32) * _TWO_M24
+
+
+def gumbel_ref(u: np.ndarray) -> np.ndarray:
+    return -np.log(-np.log(u.astype(np.float32)))
+
+
+# ---------------------------------------------------------------- float keys
+
+if SIMULATOR:
+
+    @cuda.jit(device=True)
+    def f32_key(x):
+        b = struct.unpack("<I", struct.pack("<f", float(x)))[0]
+        return np.uint64(b ^ 0xFFFFFFFF if b & 0x80000000 else b | 0x80000000)
+
+else:
+    from numba.cuda import libdevice
+
+    @device_function
+    def f32_key(x):
+        """Order-preserving uint32 key of a float32 (as uint64): a < b <=> key(a) < key(b)."""
+        b = np.uint64(np.uint32(libdevice.float_as_int(x)))
+        if b & _KEY_TOP:
+            return b ^ _M32
+        return b | _KEY_TOP
+
+
+def f32_key_ref(x) -> np.ndarray:
+    b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return np.where(b & _KEY_TOP, b ^ _M32, b | _KEY_TOP)
+
+
+def _key1(x) -> np.uint64:
+    return f32_key_ref(np.array([x], dtype=np.float32))[0]
+
+
+# ---------------------------------------------------------------- device helpers
+
+
+@device_function
+def _masked_x(logits, mask, r, i, use_mask):
+    x = logits[r, i]
+    if use_mask:
+        if (np.uint32(mask[r, i >> 5]) >> np.uint32(i & 31)) & np.uint32(1) == 0:
+            x = NEG_INF
+    return x
+
+
+@device_function
+def _count_at_least(logits, mask, r, use_mask, m, inv_t, t, scratch):
+    c = np.float32(0.0)
+    for i in range(cuda.threadIdx.x, logits.shape[1], cuda.blockDim.x):
+        z = (_masked_x(logits, mask, r, i, use_mask) - m) * inv_t
+        if f32_key(z) >= t:
+            c += np.float32(1.0)
+    return block_sum(c, scratch)
+
+
+@device_function
+def _mass_at_least(logits, mask, r, use_mask, m, inv_t, t, scratch):
+    s = np.float32(0.0)
+    for i in range(cuda.threadIdx.x, logits.shape[1], cuda.blockDim.x):
+        z = (_masked_x(logits, mask, r, i, use_mask) - m) * inv_t
+        if f32_key(z) >= t:
+            s += math.exp(z)
+    return block_sum(s, scratch)
+
+
+# ---------------------------------------------------------------- kernels
+
+
+@cuda.jit
+def _prepare_rows_kernel(logits, fparams, iparams, adj_token, adj_rep, adj_add, raw_saved, lse, top_ids, top_lps):
+    scratch = cuda.shared.array(SCRATCH, np.float32)
+    iscratch = cuda.shared.array(SCRATCH, np.int32)
+    r = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    V = logits.shape[1]
+    nlp = iparams[r, I_NUM_LOGPROBS]
+    if nlp >= 0:
+        m = NEG_INF
+        for i in range(tid, V, nt):
+            m = max(m, logits[r, i])
+        m = block_max(m, scratch)
+        s = np.float32(0.0)
+        for i in range(tid, V, nt):
+            s += math.exp(logits[r, i] - m)
+        s = block_sum(s, scratch)
+        l = m + math.log(s)
+        if tid == 0:
+            lse[r] = l
+        pv = np.float32(np.inf)
+        pi = np.int32(-1)
+        for j in range(min(nlp, top_ids.shape[1])):
+            bv = NEG_INF
+            bi = np.int32(-1)
+            for i in range(tid, V, nt):
+                v = logits[r, i]
+                if v < pv or (v == pv and i > pi):          # strictly after the previous pick
+                    if bi < 0 or v > bv:
+                        bv = v
+                        bi = np.int32(i)
+            bv, bi = block_argmax(bv, bi, scratch, iscratch)
+            if tid == 0:
+                top_ids[r, j] = bi
+                top_lps[r, j] = bv - l
+            pv = bv
+            pi = bi
+        cuda.syncthreads()      # every read of the raw row is done before the row is adjusted
+    rep = fparams[r, F_REP]
+    for e in range(iparams[r, I_ADJ_START] + tid, iparams[r, I_ADJ_END], nt):
+        t = adj_token[e]
+        x = logits[r, t]
+        raw_saved[e] = x
+        if adj_rep[e] != 0:
+            if x > 0:
+                x = x / rep
+            else:
+                x = x * rep
+        logits[r, t] = x + adj_add[e]
+
+
+@cuda.jit
+def _sample_rows_kernel(logits, mask, fparams, iparams, adj_token, raw_saved, lse, out_tokens, out_lps):
+    scratch = cuda.shared.array(SCRATCH, np.float32)
+    iscratch = cuda.shared.array(SCRATCH, np.int32)
+    r = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    V = logits.shape[1]
+    use_mask = iparams[r, I_USE_MASK] != 0
+    inv_t = fparams[r, F_INV_TEMP]
+
+    m = NEG_INF
+    for i in range(tid, V, nt):
+        m = max(m, _masked_x(logits, mask, r, i, use_mask))
+    m = block_max(m, scratch)
+
+    bv = NEG_INF
+    bi = np.int32(-1)
+    if m == NEG_INF:
+        pass                                    # nothing allowed: token -1
+    elif inv_t == 0:                            # greedy
+        for i in range(tid, V, nt):
+            v = _masked_x(logits, mask, r, i, use_mask)
+            if v > NEG_INF and (bi < 0 or v > bv):
+                bv = v
+                bi = np.int32(i)
+    else:
+        thr = np.uint64(0)
+        k = iparams[r, I_TOP_K]
+        if k > 0 and k < V:
+            lo = np.uint64(0)
+            hi = _KEY_TOP
+            while lo < hi:
+                mid = lo + ((hi - lo + np.uint64(1)) >> np.uint64(1))
+                if _count_at_least(logits, mask, r, use_mask, m, inv_t, mid, scratch) >= np.float32(k):
+                    lo = mid
+                else:
+                    hi = mid - np.uint64(1)
+            thr = lo
+        top_p = fparams[r, F_TOP_P]
+        if top_p < np.float32(1.0):
+            target = top_p * _mass_at_least(logits, mask, r, use_mask, m, inv_t, thr, scratch)
+            lo = thr
+            hi = _KEY_TOP
+            while lo < hi:
+                mid = lo + ((hi - lo + np.uint64(1)) >> np.uint64(1))
+                if _mass_at_least(logits, mask, r, use_mask, m, inv_t, mid, scratch) >= target:
+                    lo = mid
+                else:
+                    hi = mid - np.uint64(1)
+            thr = lo
+        kmin = f32_key(fparams[r, F_LOG_MIN_P])
+        if kmin > thr:
+            thr = kmin
+        k0 = np.uint64(np.uint32(iparams[r, I_SEED_LO]))
+        k1 = np.uint64(np.uint32(iparams[r, I_SEED_HI]))
+        step = np.uint64(np.uint32(iparams[r, I_STEP]))
+        zero = np.uint64(0)
+        for g in range(tid, (V + 3) // 4, nt):
+            w0, w1, w2, w3 = philox4x32(np.uint64(g), step, zero, zero, k0, k1)
+            for lane in range(4):
+                i = 4 * g + lane
+                if i < V:
+                    z = (_masked_x(logits, mask, r, i, use_mask) - m) * inv_t
+                    if z > NEG_INF and f32_key(z) >= thr:
+                        w = w0
+                        if lane == 1:
+                            w = w1
+                        elif lane == 2:
+                            w = w2
+                        elif lane == 3:
+                            w = w3
+                        v = z - math.log(-math.log(_uniform(w)))
+                        if bi < 0 or v > bv:
+                            bv = v
+                            bi = np.int32(i)
+    bv, bi = block_argmax(bv, bi, scratch, iscratch)
+    if tid == 0:
+        out_tokens[r] = bi
+        lp = np.float32(np.nan)
+        if iparams[r, I_NUM_LOGPROBS] >= 0 and bi >= 0:
+            raw = logits[r, bi]
+            for e in range(iparams[r, I_ADJ_START], iparams[r, I_ADJ_END]):
+                if adj_token[e] == bi:
+                    raw = raw_saved[e]
+            lp = raw - lse[r]
+        out_lps[r] = lp
+
+
+# ---------------------------------------------------------------- launchers
+
+
+def prepare_rows(logits, fparams, iparams, adj_token, adj_rep, adj_add, raw_saved, lse, top_ids, top_lps,
+                 stream=0) -> None:
+    """Logprob statistics of the raw rows, then penalties / bias in place (see the module docstring).
+    logits float32 [R, V] (modified); fparams float32 [R, NF]; iparams int32 [R, NI]; adj_token /
+    adj_rep int32 [N]; adj_add float32 [N]; raw_saved float32 [N] (out); lse float32 [R] (out);
+    top_ids int32 / top_lps float32 [R, MAX_TOP_LOGPROBS] (out)."""
+    if logits.shape[0] == 0:
+        return
+    _prepare_rows_kernel[logits.shape[0], THREADS, stream](logits, fparams, iparams, adj_token, adj_rep, adj_add,
+                                                            raw_saved, lse, top_ids, top_lps)
+
+
+def sample_rows(logits, mask, fparams, iparams, adj_token, raw_saved, lse, out_tokens, out_lps, stream=0) -> None:
+    """Mask, temperature, top-k / top-p / min-p, Gumbel-max sampling (argmax for greedy rows) and the
+    sampled token's raw logprob. mask uint32 [R, ceil(V/32)]; out_tokens int32 [R]; out_lps float32 [R]
+    (NaN where the row asked for no logprobs)."""
+    if logits.shape[0] == 0:
+        return
+    _sample_rows_kernel[logits.shape[0], THREADS, stream](logits, mask, fparams, iparams, adj_token, raw_saved, lse,
+                                                           out_tokens, out_lps)
+
+
+# ---------------------------------------------------------------- NumPy references
+
+
+def bitmask_allows_ref(mask_row: np.ndarray, V: int) -> np.ndarray:
+    """Bool [V]: bit i of the packed uint32 row."""
+    bits = np.unpackbits(np.ascontiguousarray(mask_row, dtype=np.uint32).view(np.uint8), bitorder="little")
+    return bits[:V].astype(bool)
+
+
+def apply_adjustments_ref(row: np.ndarray, rep: float, tokens, reps, adds) -> np.ndarray:
+    """Penalties and bias of one row (a new float32 array)."""
+    x = np.array(row, dtype=np.float32)
+    t = np.asarray(tokens, dtype=np.int64)
+    if t.size:
+        v = x[t]
+        rp = np.float32(rep)
+        pen = np.where(v > 0, v / rp, v * rp).astype(np.float32)
+        v = np.where(np.asarray(reps) != 0, pen, v)
+        x[t] = v + np.asarray(adds, dtype=np.float32)
+    return x
+
+
+def top_k_key_ref(keys: np.ndarray, k: int) -> np.uint64:
+    """The k-th largest key (the top-k threshold), 0 when top-k is off."""
+    if k <= 0 or k >= keys.size:
+        return np.uint64(0)
+    return np.partition(keys, keys.size - k)[keys.size - k]
+
+
+def top_p_key_ref(z: np.ndarray, keys: np.ndarray, thr: np.uint64, top_p: float) -> np.uint64:
+    """The largest key t >= thr with mass(z >= t) >= top_p * mass(z >= thr)."""
+    if top_p >= 1.0:
+        return thr
+    sel = keys >= thr
+    zs = np.sort(z[sel])[::-1]
+    cum = np.cumsum(np.exp(zs.astype(np.float64)))
+    j = int(np.searchsorted(cum, np.float64(np.float32(top_p)) * cum[-1], side="left"))
+    return _key1(zs[min(j, zs.size - 1)])
+
+
+def sample_row_ref(x: np.ndarray, allowed: np.ndarray | None, inv_temp: float, top_k: int, top_p: float,
+                   log_min_p: float, seed_lo: int, seed_hi: int, step: int) -> int:
+    """One row of sample_rows on adjusted logits x (float32 [V]); allowed: bool [V] or None."""
+    x = np.asarray(x, dtype=np.float32)
+    if allowed is not None:
+        x = np.where(allowed, x, NEG_INF)
+    m = x.max()
+    if m == NEG_INF or np.isnan(m):
+        return -1
+    if inv_temp == 0:
+        return int(np.argmax(x))
+    z = ((x - m) * np.float32(inv_temp)).astype(np.float32)
+    keys = f32_key_ref(z)
+    thr = top_k_key_ref(keys, top_k)
+    thr = top_p_key_ref(z, keys, thr, top_p)
+    thr = max(thr, _key1(log_min_p))
+    kept = np.flatnonzero((keys >= thr) & (z > NEG_INF))
+    v = z[kept] + gumbel_ref(uniforms_ref(kept, step, seed_lo, seed_hi))
+    return int(kept[np.argmax(v)])
+
+
+def logprob_stats_ref(row: np.ndarray, n: int) -> tuple[np.float32, np.ndarray, np.ndarray]:
+    """(logsumexp, top-n ids, their logprobs) of a raw row; ties to the lower id."""
+    x = np.asarray(row, dtype=np.float32)
+    m = x.max()
+    lse = np.float32(m + np.log(np.exp((x - m).astype(np.float64)).sum()))
+    n = min(n, x.size)
+    if n > 0:
+        cand = np.flatnonzero(x >= np.partition(x, x.size - n)[x.size - n])    # ties at the border included
+        ids = cand[np.lexsort((cand, -x[cand]))][:n]
+    else:
+        ids = np.zeros(0, np.int64)
+    return lse, ids.astype(np.int32), (x[ids] - lse).astype(np.float32)
+
+
+def sample_rows_ref(logits, mask, fparams, iparams, adj_token, adj_rep, adj_add):
+    """The whole pipeline (prepare_rows + sample_rows) without touching `logits`.
+    Returns tokens int32 [R], logprobs float32 [R] (NaN: not asked), top_ids int32 [R, 20] (-1 pad),
+    top_lps float32 [R, 20] (NaN pad)."""
+    logits = np.asarray(logits, dtype=np.float32)
+    R, V = logits.shape
+    tokens = np.full(R, -1, np.int32)
+    lps = np.full(R, np.nan, np.float32)
+    top_ids = np.full((R, MAX_TOP_LOGPROBS), -1, np.int32)
+    top_lps = np.full((R, MAX_TOP_LOGPROBS), np.nan, np.float32)
+    for r in range(R):
+        f, p = fparams[r], iparams[r]
+        raw = logits[r]
+        a, b = int(p[I_ADJ_START]), int(p[I_ADJ_END])
+        x = apply_adjustments_ref(raw, f[F_REP], adj_token[a:b], adj_rep[a:b], adj_add[a:b])
+        allowed = bitmask_allows_ref(mask[r], V) if p[I_USE_MASK] else None
+        tok = sample_row_ref(x, allowed, f[F_INV_TEMP], int(p[I_TOP_K]), float(f[F_TOP_P]), f[F_LOG_MIN_P],
+                             int(np.uint32(p[I_SEED_LO])), int(np.uint32(p[I_SEED_HI])), int(np.uint32(p[I_STEP])))
+        tokens[r] = tok
+        n = int(p[I_NUM_LOGPROBS])
+        if n >= 0:
+            lse, ids, vals = logprob_stats_ref(raw, min(n, MAX_TOP_LOGPROBS))
+            top_ids[r, :ids.size] = ids
+            top_lps[r, :ids.size] = vals
+            if tok >= 0:
+                lps[r] = raw[tok] - lse
+    return tokens, lps, top_ids, top_lps

@@ -1,0 +1,98 @@
+"""DevicePipeline: the sampling kernels on the CUDA backend's stream, over its device logits.
+
+Buffers are allocated once (rows = the backend's max_rows; the sparse list grows when a step needs
+more) and reused: one pinned host staging buffer and one device buffer for the inputs (int32 words:
+iparams | fparams | adj_token | adj_rep | adj_add | mask rows), copied with one transfer of the
+prefix a step uses, and one output buffer (tokens | logprobs | top ids | top logprobs) fetched
+with one transfer. The kernels themselves allocate nothing.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from kernels_numba import sampling as K
+from metrale.runtime.cuda import cu
+
+TOP = K.MAX_TOP_LOGPROBS
+
+
+def _ptr(array) -> int:
+    return array.__cuda_array_interface__["data"][0]
+
+
+def device_logits(backend, batch):
+    """Run the forward and return the device logits [R, V] (no copy to the host)."""
+    if hasattr(backend, "forward_device"):
+        return backend.forward_device(batch)
+    backend._execute(batch)      # until the backend grows forward_device: its logits buffer
+    return backend.act[f"out{backend.config.vocab_size}"][:len(batch.logits_indices)]
+
+
+class DevicePipeline:
+    def __init__(self, backend, vocab_size: int):
+        self.stream = backend.stream
+        self.words = -(-vocab_size // 32)
+        self.max_rows = int(getattr(backend, "max_rows", 256))
+        self.capacity = 0
+        self._alloc(4096)
+        R = self.max_rows
+        self.out_dev = cuda.device_array(R * (2 + 2 * TOP), np.int32)
+        self.out_host = cuda.pinned_array(R * (2 + 2 * TOP), np.int32)
+        self.lse = cuda.device_array(R, np.float32)
+
+    def _alloc(self, capacity: int) -> None:
+        R = self.max_rows
+        self.capacity = capacity
+        n = R * (K.NI + K.NF + self.words) + 3 * capacity
+        self.in_host = cuda.pinned_array(n, np.int32)
+        self.in_dev = cuda.device_array(n, np.int32)
+        self.raw_saved = cuda.device_array(max(capacity, 1), np.float32)
+
+    def forward(self, backend, batch):
+        return device_logits(backend, batch)
+
+    def run(self, logits, mask: np.ndarray, rows):
+        R, N = rows.fparams.shape[0], rows.adj_token.size
+        if R > self.max_rows:
+            raise ValueError(f"{R} sampling rows exceed the device sampler's {self.max_rows}")
+        if N > self.capacity:
+            self._alloc(max(N, 2 * self.capacity))
+        W = mask.shape[1]
+        h, d = self.in_host, self.in_dev
+        spans, off = {}, 0
+        for name, size in (("i", R * K.NI), ("f", R * K.NF), ("tok", N), ("rep", N), ("add", N), ("mask", R * W)):
+            spans[name] = (off, off + size)
+            off += size
+        h[slice(*spans["i"])] = rows.iparams.ravel()
+        h[slice(*spans["f"])] = rows.fparams.ravel().view(np.int32)
+        h[slice(*spans["tok"])] = rows.adj_token
+        h[slice(*spans["rep"])] = rows.adj_rep
+        h[slice(*spans["add"])] = rows.adj_add.view(np.int32)
+        h[slice(*spans["mask"])] = np.ascontiguousarray(mask, np.uint32).ravel().view(np.int32)
+        s = self.stream
+        cu("cuMemcpyHtoDAsync", _ptr(d), h.ctypes.data, off * 4, s.handle)
+
+        def view(name, shape=None, dtype=np.int32):
+            a, b = spans[name]
+            v = d[a:max(b, a + 1)]
+            if dtype is not np.int32:
+                v = v.view(dtype)
+            return v.reshape(shape) if shape is not None else v
+
+        iparams, fparams = view("i", (R, K.NI)), view("f", (R, K.NF), np.float32)
+        tok, rep, add = view("tok"), view("rep"), view("add", None, np.float32)
+        mask_d = view("mask", (R, W), np.uint32)
+        o = self.out_dev
+        tokens, lps = o[0:R], o[R:2 * R].view(np.float32)
+        top_ids = o[2 * R:2 * R + R * TOP].reshape(R, TOP)
+        top_lps = o[2 * R + R * TOP:2 * R + 2 * R * TOP].view(np.float32).reshape(R, TOP)
+        st = s.numba
+        K.prepare_rows(logits, fparams, iparams, tok, rep, add, self.raw_saved, self.lse, top_ids, top_lps, stream=st)
+        K.sample_rows(logits, mask_d, fparams, iparams, tok, self.raw_saved, self.lse, tokens, lps, stream=st)
+        n_out = R * (2 + 2 * TOP)
+        cu("cuMemcpyDtoHAsync", self.out_host.ctypes.data, _ptr(o), n_out * 4, s.handle)
+        s.synchronize()
+        out = self.out_host[:n_out].copy()
+        return (out[0:R], out[R:2 * R].view(np.float32), out[2 * R:2 * R + R * TOP].reshape(R, TOP),
+                out[2 * R + R * TOP:].view(np.float32).reshape(R, TOP))
