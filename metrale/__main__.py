@@ -4,6 +4,7 @@ Examples:
   python -m metrale prompt="What is the capital of France?" chat=true max_tokens=20
   python -m metrale sampling.temperature=0.7 sampling.seed=1 levers.no_mix=true
   python -m metrale model=/path/to/model.gguf device=cpu --cfg job
+  python -m metrale serve server.port=8000     (the OpenAI-compatible HTTP server; serve --help)
 Errors in settings or requests print one line and exit with status 2, never a traceback.
 """
 from __future__ import annotations
@@ -17,6 +18,9 @@ USAGE = __doc__
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "serve":
+        from metrale.server.serve import main as serve
+        return serve(argv[1:])
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0

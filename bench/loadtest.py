@@ -1,0 +1,229 @@
+"""Bounded load test of the OpenAI-compatible server: N concurrent streaming clients for T seconds
+(or M requests in all), reporting throughput and TTFT / inter-token latency percentiles.
+
+    python -m bench.loadtest --fake                              # in-process server, fake engine: seconds
+    python -m bench.loadtest --clients 64 --duration 30 device=cuda model=llama-3.2-1b-shape
+    python -m bench.loadtest --url http://127.0.0.1:8000 --model smollm2-135m --requests 200
+
+Without --url the server runs in this process on a loopback port (key=value arguments are
+engine settings, as for `python -m metrale serve`). Each client sends streaming completions
+back to back; TTFT is measured to the first chunk with text, ITL between text chunks (a chunk
+holding k tokens counts as k gaps of 1/k of its wait). --records writes bench JSON records.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wise owls count stars above "
+         "quiet hills and rivers").split()
+
+
+@dataclass
+class Stats:
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    latency: list[float] = field(default_factory=list)
+    tokens: int = 0
+    done: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def make_prompt(i: int, words: int) -> str:
+    return " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(words)) + f" #{i}"
+
+
+class Connection:
+    """A minimal HTTP/1.1 keep-alive client for streamed POSTs: httpx costs more CPU per chunk than
+    the server does, and the load generator must not be what is measured."""
+
+    def __init__(self, base_url: str, headers: dict[str, str]):
+        u = urlsplit(base_url)
+        self.host, self.port = u.hostname or "127.0.0.1", u.port or 80
+        self.prefix = u.path.rstrip("/")
+        self.headers = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        self.reader = self.writer = None
+
+    async def post_stream(self, path: str, body: dict):
+        """Yields the `data:` payloads of an event stream; raises RuntimeError on a non-200."""
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        data = json.dumps(body).encode()
+        self.writer.write(f"POST {self.prefix}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+                          f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+                          f"{self.headers}\r\n".encode() + data)
+        status = int((await self.reader.readline()).split()[1])
+        headers = {}
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            key, _, value = line.decode().partition(":")
+            headers[key.strip().lower()] = value.strip()
+        if headers.get("transfer-encoding") != "chunked":
+            payload = await self.reader.readexactly(int(headers.get("content-length", 0)))
+            if headers.get("connection") == "close":
+                self.close()
+            raise RuntimeError(f"{status}: {payload[:200]!r}")
+        buf = b""
+        while size := int((await self.reader.readline()).strip() or b"0", 16):
+            buf += (await self.reader.readexactly(size + 2))[:-2]
+            *events, buf = buf.split(b"\n\n")
+            for event in events:
+                if event.startswith(b"data: "):
+                    yield event[6:]
+        await self.reader.readline()
+        if status != 200:
+            raise RuntimeError(f"{status}: {buf[:200]!r}")
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
+async def one_request(conn: Connection, body: dict, stats: Stats) -> None:
+    t0 = time.perf_counter()
+    last, first, usage = None, None, None
+    try:
+        async for payload in conn.post_stream("/v1/completions", body):
+            if payload == b"[DONE]":
+                continue
+            chunk = json.loads(payload)
+            if "error" in chunk:
+                stats.errors.append(chunk["error"]["message"])
+                continue
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if not chunk["choices"] or not chunk["choices"][0].get("text"):
+                continue
+            now = time.perf_counter()
+            if first is None:
+                first = now
+                stats.ttft.append(now - t0)
+            else:
+                stats.itl.append(now - last)
+            last = now
+    except (OSError, RuntimeError, ValueError, asyncio.IncompleteReadError) as exc:
+        conn.close()
+        stats.errors.append(f"{type(exc).__name__}: {exc}")
+        return
+    stats.latency.append(time.perf_counter() - t0)
+    stats.tokens += usage["completion_tokens"] if usage else 0
+    stats.done += 1
+
+
+async def run_load(base_url: str, model: str, *, clients: int, duration: float, requests: int | None,
+                   max_tokens: int, prompt_words: int, api_key: str | None) -> tuple[Stats, float]:
+    stats = Stats()
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = time.perf_counter() + duration
+    issued = 0
+
+    async def client() -> None:
+        nonlocal issued
+        conn = Connection(base_url, headers)
+        try:
+            while time.perf_counter() < deadline and (requests is None or issued < requests):
+                i = issued
+                issued += 1
+                body = {"model": model, "prompt": make_prompt(i, prompt_words), "max_tokens": max_tokens,
+                        "temperature": 0.0, "ignore_eos": True, "stream": True,
+                        "stream_options": {"include_usage": True}}
+                await one_request(conn, body, stats)
+        finally:
+            conn.close()
+
+    t0 = time.perf_counter()
+    await asyncio.wait_for(asyncio.gather(*(client() for _ in range(clients))), timeout=duration + 120)
+    return stats, time.perf_counter() - t0
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def summarize(stats: Stats, wall: float) -> dict:
+    return {"requests": stats.done, "errors": len(stats.errors), "wall_s": wall,
+            "req_per_s": stats.done / wall, "out_tok_per_s": stats.tokens / wall,
+            **{f"ttft_p{q}_ms": pct(stats.ttft, q) * 1e3 for q in (50, 90, 99)},
+            **{f"itl_p{q}_ms": pct(stats.itl, q) * 1e3 for q in (50, 90, 99)},
+            **{f"latency_p{q}_s": pct(stats.latency, q) for q in (50, 99)}}
+
+
+def start_local(args, overrides: list[str]):
+    """An in-process server (fake or real engine) on a loopback port."""
+    from metrale.server import ServerThread, create_app
+    if args.fake:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from fake_model import fake_engine
+        per_request = -(-(args.prompt_words * 8 + args.max_tokens + 8) // 4)
+        engine = fake_engine(num_blocks=max(1024, args.clients * per_request + 64), block_size=4)
+        if args.fake_step_ms:
+            forward = engine.backend.forward
+            engine.backend.forward = lambda batch: (time.sleep(args.fake_step_ms / 1e3), forward(batch))[1]
+    else:
+        from metrale.engine import Engine
+        engine = Engine(overrides=overrides)
+    app = create_app(engine)
+    return ServerThread(app).start(), app.state.server.model_name
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="engine settings key=value (in-process server only)")
+    p.add_argument("--fake", action="store_true", help="in-process server around the fake engine (tests/fake_model.py)")
+    p.add_argument("--fake-step-ms", type=float, default=0.0, help="sleep this long in each fake forward")
+    p.add_argument("--url", help="an already running server (default: start one in this process)")
+    p.add_argument("--model", help="model id to send (default: the in-process server's)")
+    p.add_argument("--api-key")
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--duration", type=float, default=3.0, help="seconds to keep sending (upper bound)")
+    p.add_argument("--requests", type=int, help="stop after this many requests in all")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompt-words", type=int, default=16)
+    p.add_argument("--records", help="write bench records (a .json file or a directory)")
+    args = p.parse_args(argv)
+    if args.url and (args.fake or args.overrides):
+        p.error("--url talks to a running server; --fake and settings start one here")
+    srv = None
+    if args.url:
+        base, model = args.url, args.model or "default"
+    else:
+        srv, model = start_local(args, args.overrides)
+        base, model = srv.url, args.model or model
+    try:
+        stats, wall = asyncio.run(run_load(base, model, clients=args.clients, duration=args.duration,
+                                           requests=args.requests, max_tokens=args.max_tokens,
+                                           prompt_words=args.prompt_words, api_key=args.api_key))
+    finally:
+        if srv is not None:
+            srv.stop()
+    s = summarize(stats, wall)
+    print(f"{s['requests']} requests ({s['errors']} errors) from {args.clients} clients in {wall:.2f} s: "
+          f"{s['req_per_s']:.1f} req/s, {s['out_tok_per_s']:.0f} output tok/s")
+    print(f"TTFT ms  p50 {s['ttft_p50_ms']:8.2f}  p90 {s['ttft_p90_ms']:8.2f}  p99 {s['ttft_p99_ms']:8.2f}")
+    print(f"ITL  ms  p50 {s['itl_p50_ms']:8.2f}  p90 {s['itl_p90_ms']:8.2f}  p99 {s['itl_p99_ms']:8.2f}")
+    print(f"latency  p50 {s['latency_p50_s']:8.3f} s  p99 {s['latency_p99_s']:8.3f} s")
+    for err in stats.errors[:3]:
+        print(f"error: {err}", file=sys.stderr)
+    if args.records:
+        from bench.records import make_record, write_records
+        command = "python -m bench.loadtest " + " ".join(argv if argv is not None else sys.argv[1:])
+        extra = {"clients": args.clients, "max_tokens": args.max_tokens, "fake": args.fake, **s}
+        recs = [make_record("server_loadtest", name, s[key], unit, None, None, None, "", command, extra)
+                for name, key, unit in (("output throughput", "out_tok_per_s", "tok/s"),
+                                        ("TTFT p50", "ttft_p50_ms", "ms"), ("ITL p50", "itl_p50_ms", "ms"))]
+        write_records(recs, args.records)
+    return 0 if stats.done and not stats.errors else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,438 @@
+"""The OpenAI-compatible HTTP API: `create_app(engine, cfg)` builds a FastAPI app around an Engine.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics. Handlers check the body (protocol.py), submit requests to the EngineLoop and turn
+the StreamDeltas they get back into OpenAI responses or SSE chunks. A request whose client goes
+away is aborted (its KV blocks are freed). The app holds no engine state of its own.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import logging
+import secrets
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from metrale.outputs import StreamDelta
+from metrale.sampling.params import InvalidRequestError
+from metrale.server.loop import EngineLoop, ServerDraining
+from metrale.server.metrics import Metrics
+from metrale.server.parsing import (ChatOutputParser, ParsedChat, inline_tools, template_knows_tools,
+                                    with_system_text)
+from metrale.server.protocol import (ApiError, ApiRequest, Fields, bad, chat_messages,
+                                     chat_tools, completion_prompts, engine_error, sampling_request,
+                                     structured_param)
+
+log = logging.getLogger("metrale.server")
+
+DISCONNECT_POLL_S = 0.25   # how often a handler waiting for a whole response checks its client
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def supports_structured_output(engine) -> bool:
+    """Whether the engine enforces SamplingParams.json_schema/regex/grammar/choice: its own
+    `supports_structured_output` flag if it has one, else whether the grammar module exists."""
+    flag = getattr(engine, "supports_structured_output", None)
+    if flag is not None:
+        return bool(flag)
+    return importlib.util.find_spec("metrale.sampling.grammar") is not None
+
+
+class _Auth:
+    """ASGI middleware: every route but /health needs `Authorization: Bearer <key>`."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope.get("headers") or ()).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                err = ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
+                               None, code="invalid_api_key")
+                await JSONResponse(err.body(), 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its response was ready."""
+
+
+class Run:
+    """The engine requests behind one HTTP request (one per prompt), sharing one queue."""
+
+    def __init__(self, loop: EngineLoop, request_id: str, count: int):
+        self.loop = loop
+        self.ids = [request_id if count == 1 else f"{request_id}-{i}" for i in range(count)]
+        self.index = {rid: i for i, rid in enumerate(self.ids)}
+        self.sink: asyncio.Queue[StreamDelta] = asyncio.Queue()
+        self.unfinished: set[str] = set()
+        self.prompt_tokens = [0] * count
+        self.completion_tokens = [0] * count
+        self.checked = time.monotonic()     # when the client's connection was last checked
+
+    async def start(self, prompts: list, req: ApiRequest, *, chat: bool, arrival: float) -> None:
+        for i, (rid, prompt) in enumerate(zip(self.ids, prompts)):
+            params = replace(req.params)     # one object per engine request
+            try:
+                self.unfinished.add(rid)
+                self.prompt_tokens[i] = await self.loop.add(rid, prompt, params, self.sink, arrival)
+            except InvalidRequestError as exc:
+                self.unfinished.discard(rid)
+                self.close()
+                raise engine_error(str(exc), chat=chat, renames=req.renames) from None
+            except ServerDraining:
+                self.unfinished.discard(rid)
+                self.close()
+                raise ApiError(503, "the server is shutting down", None, "service_unavailable") from None
+            except BaseException:
+                self.close()
+                raise
+
+    async def next(self, request: Request | None = None) -> tuple[int, StreamDelta]:
+        """The next delta of any of the requests; with `request`, a client gone away aborts them."""
+        if request is not None and time.monotonic() - self.checked > DISCONNECT_POLL_S:
+            self.checked = time.monotonic()
+            if await request.is_disconnected():
+                raise ClientGone()
+        if request is None or not self.sink.empty():
+            delta = await self.sink.get()
+        else:
+            getter = asyncio.ensure_future(self.sink.get())
+            try:
+                while True:
+                    done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
+                    if done:
+                        delta = getter.result()
+                        break
+                    self.checked = time.monotonic()
+                    if await request.is_disconnected():
+                        raise ClientGone()
+            finally:
+                getter.cancel()
+        self.completion_tokens[self.index[delta.request_id]] += len(delta.token_ids)
+        if delta.finished:
+            self.unfinished.discard(delta.request_id)
+        return self.index[delta.request_id], delta
+
+    def usage(self) -> dict:
+        p, c = sum(self.prompt_tokens), sum(self.completion_tokens)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def close(self) -> None:
+        for rid in self.unfinished:
+            self.loop.abort(rid)
+        self.unfinished.clear()
+
+
+class _SSE(StreamingResponse):
+    """An event stream that aborts its engine requests however it ends (disconnect included)."""
+
+    def __init__(self, body: AsyncIterator[str], run: Run):
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.run = run
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.run.close()
+
+
+def _event(obj: Any) -> str:
+    return f"data: {dumps(obj)}\n\n"
+
+
+def _error_reason(reason: str | None) -> bool:
+    return reason is not None and reason.startswith("error")
+
+
+def _server_error(reason: str) -> ApiError:
+    return ApiError(500, reason.removeprefix("error: "), None, "server_error")
+
+
+class Server:
+    """What the routes share: the engine loop, settings and model names."""
+
+    def __init__(self, engine, cfg):
+        self.engine, self.cfg, self.scfg = engine, cfg, cfg.server
+        self.metrics = Metrics()
+        self.loop = EngineLoop(engine, self.metrics)
+        self.model_name = self.scfg.served_model_name or str(cfg.model)
+        self.aliases = {self.model_name, str(cfg.model), getattr(engine.model_config, "name", "") or self.model_name}
+        self.created = int(time.time())
+
+    # -------------------------------------------------------------------------- helpers
+    async def read_json(self, request: Request) -> dict:
+        limit = self.scfg.max_body_bytes
+        too_big = ApiError(413, f"request body is larger than server.max_body_bytes ({limit} bytes)", None)
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        try:
+            body = json.loads(b"".join(chunks))
+        except ValueError as exc:
+            raise bad(None, f"request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise bad(None, "request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise bad("model", f"model: expected a string, got {json.dumps(model)[:60]}")
+        if model is not None and model not in self.aliases:
+            raise bad("model", f"model: '{model}' is not served here; available: {self.model_name}")
+        return body
+
+    def check_structured(self, req: ApiRequest) -> None:
+        param = structured_param(req.params)
+        if param is not None and not supports_structured_output(self.engine):
+            raise bad(param, f"{param}: structured output (json_schema, regex, grammar, choice) is not "
+                             f"supported by this engine yet")
+
+    def render_chat(self, messages: list[dict], body: dict) -> tuple[str, Any, bool]:
+        """Messages -> the prompt text, the tool spec, and whether the prompt leaves the model
+        inside <think>."""
+        tok = self.engine.tokenizer
+        spec = chat_tools(body)
+        kwargs = Fields(body).dict("chat_template_kwargs") or {}
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("messages", "tools", "add_generation_prompt")}
+        try:
+            if spec.tools is not None and template_knows_tools(tok):
+                text = tok.apply_chat_template(with_system_text(messages, spec.instruction),
+                                               add_generation_prompt=True, tools=spec.tools, **kwargs)
+            else:
+                text = tok.apply_chat_template(inline_tools(messages, spec.tools, spec.instruction),
+                                               add_generation_prompt=True, **kwargs)
+        except Exception as exc:   # jinja's TemplateError, raise_exception(...), missing fields
+            raise bad("messages", f"messages: the chat template refused them: {exc}") from None
+        return text, spec, text.rstrip().endswith("<think>")
+
+    def chat_prompt(self, text: str) -> str | list[int]:
+        """The rendered conversation as the engine takes it: token ids when the template wrote a
+        BOS that encoding would add again (Llama 3), else the text."""
+        tok = self.engine.tokenizer
+        bos = getattr(tok, "bos_token", None)
+        if bos and text.startswith(bos) and tok.encode("", add_special_tokens=True):
+            return tok.encode(text, add_special_tokens=False)
+        return text
+
+    # ---------------------------------------------------------------------- completions
+    async def completions(self, request: Request):
+        arrival = time.perf_counter()
+        body = await self.read_json(request)
+        prompts = completion_prompts(body)
+        req = sampling_request(body, chat=False, default_max_tokens=16)
+        self.check_structured(req)
+        echo = Fields(body).bool("echo", False)
+        if body.get("suffix"):
+            raise bad("suffix", "suffix: not supported")
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        run = Run(self.loop, rid, len(prompts))
+        await run.start(prompts, req, chat=False, arrival=arrival)
+        echoes = [self._prompt_text(p) if echo else "" for p in prompts]
+        head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
+        if req.stream:
+            return _SSE(self._completion_events(run, head, echoes, req.include_usage), run)
+        texts, reasons = list(echoes), [None] * len(prompts)
+        try:
+            while run.unfinished:
+                i, delta = await run.next(request)
+                texts[i] += delta.text
+                reasons[i] = delta.finish_reason or reasons[i]
+        finally:
+            run.close()
+        for reason in reasons:
+            if _error_reason(reason):
+                raise _server_error(reason)
+        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r} for i, (t, r) in
+                   enumerate(zip(texts, reasons))]
+        return JSONResponse({**head, "choices": choices, "usage": run.usage()})
+
+    def _prompt_text(self, prompt) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        decode = getattr(self.engine.tokenizer, "decode", None)
+        return decode(prompt) if decode else ""
+
+    async def _completion_events(self, run: Run, head: dict, echoes: list[str],
+                                 include_usage: bool) -> AsyncIterator[str]:
+        extra = {"usage": None} if include_usage else {}
+        for i, text in enumerate(echoes):
+            if text:
+                yield _event({**head, "choices": [{"index": i, "text": text, "logprobs": None,
+                                                   "finish_reason": None}], **extra})
+        while run.unfinished:
+            i, delta = await run.next()
+            if _error_reason(delta.finish_reason):
+                yield _event(_server_error(delta.finish_reason).body())
+                continue
+            if delta.text or delta.finished:
+                yield _event({**head, "choices": [{"index": i, "text": delta.text, "logprobs": None,
+                                                   "finish_reason": delta.finish_reason}], **extra})
+        if include_usage:
+            yield _event({**head, "choices": [], "usage": run.usage()})
+        yield "data: [DONE]\n\n"
+
+    # ----------------------------------------------------------------------------- chat
+    async def chat(self, request: Request):
+        arrival = time.perf_counter()
+        body = await self.read_json(request)
+        messages = chat_messages(body)
+        req = sampling_request(body, chat=True, default_max_tokens=None)
+        self.check_structured(req)
+        prompt, spec, in_think = self.render_chat(messages, body)
+        if spec.require and hasattr(req.params, "require_tool_call"):
+            req.params.require_tool_call = True      # the engine forces the tool-call start token
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        run = Run(self.loop, rid, 1)
+        await run.start([self.chat_prompt(prompt)], req, chat=True, arrival=arrival)
+        parser = ChatOutputParser(reasoning=self.scfg.parse_reasoning, tools=spec.parse, in_reasoning=in_think)
+        head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}
+        if req.stream:
+            return _SSE(self._chat_events(run, {**head, "object": "chat.completion.chunk"}, parser,
+                                          req.include_usage), run)
+        out, reason = ParsedChat(), None
+        try:
+            while run.unfinished:
+                _, delta = await run.next(request)
+                out.add(parser.feed(delta.text))
+                reason = delta.finish_reason or reason
+        finally:
+            run.close()
+        if _error_reason(reason):
+            raise _server_error(reason)
+        out.add(parser.finish())
+        message: dict[str, Any] = {"role": "assistant", "content": out.content}
+        if out.reasoning:
+            message["reasoning_content"] = out.reasoning
+        if out.tool_calls:
+            message["tool_calls"] = [c.to_openai() for c in out.tool_calls]
+            message["content"] = out.content.strip() or None
+        choice = {"index": 0, "message": message, "logprobs": None,
+                  "finish_reason": "tool_calls" if out.tool_calls and reason == "stop" else reason}
+        return JSONResponse({**head, "choices": [choice], "usage": run.usage()})
+
+    async def _chat_events(self, run: Run, head: dict, parser: ChatOutputParser,
+                           include_usage: bool) -> AsyncIterator[str]:
+        extra = {"usage": None} if include_usage else {}
+
+        def chunk(delta: dict, finish: str | None = None) -> str:
+            return _event({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                                "finish_reason": finish}], **extra})
+
+        yield chunk({"role": "assistant", "content": ""})
+        n_calls = 0
+        while run.unfinished:
+            _, delta = await run.next()
+            if _error_reason(delta.finish_reason):
+                yield _event(_server_error(delta.finish_reason).body())
+                break
+            events = parser.feed(delta.text) + (parser.finish() if delta.finished else [])
+            for kind, value in events:
+                if kind == "tool_call":
+                    yield chunk({"tool_calls": [value.to_openai(n_calls)]})
+                    n_calls += 1
+                else:
+                    yield chunk({"reasoning_content" if kind == "reasoning" else "content": value})
+            if delta.finished:
+                reason = delta.finish_reason
+                yield chunk({}, "tool_calls" if n_calls and reason == "stop" else reason)
+        if include_usage:
+            yield _event({**head, "choices": [], "usage": run.usage()})
+        yield "data: [DONE]\n\n"
+
+    # ---------------------------------------------------------------------------- other
+    def models(self) -> dict:
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "metrale",
+                "root": str(self.cfg.model), "max_model_len": self.engine.max_model_len}
+        return {"object": "list", "data": [card]}
+
+
+def create_app(engine, cfg=None) -> FastAPI:
+    """The FastAPI app serving `engine`; settings from cfg.server (default: the engine's config).
+    The engine loop starts with the app's lifespan and drains when it ends."""
+    cfg = cfg if cfg is not None else engine.cfg
+    server = Server(engine, cfg)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        server.loop.start()
+        try:
+            yield
+        finally:
+            await server.loop.drain(0.0)
+
+    app = FastAPI(title="metrale", version="0.1.0", lifespan=lifespan, openapi_url=None,
+                  docs_url=None, redoc_url=None)
+    app.state.server = server
+    app.state.engine_loop = server.loop
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError):
+        return JSONResponse(exc.body(), exc.status)
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(_request: Request, _exc: ClientGone):
+        return Response(status_code=499)     # nobody reads it; the engine requests are aborted
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException):
+        err = ApiError(exc.status_code, str(exc.detail), None,
+                       "not_found_error" if exc.status_code == 404 else "invalid_request_error")
+        return JSONResponse(err.body(), exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_request: Request, exc: Exception):
+        log.exception("request failed")
+        return JSONResponse(ApiError(500, f"{type(exc).__name__}: {exc}", None, "server_error").body(), 500)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await server.completions(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await server.chat(request)
+
+    @app.get("/v1/models")
+    async def models():
+        return server.models()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id not in server.aliases:
+            raise ApiError(404, f"model '{model_id}' is not served here", "model", "not_found_error")
+        return server.models()["data"][0]
+
+    @app.get("/health")
+    async def health():
+        if not server.loop.alive or not server.loop.accepting:
+            return JSONResponse({"status": "unavailable"}, 503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(server.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    if cfg.server.api_key:
+        app.add_middleware(_Auth, key=str(cfg.server.api_key))
+    return app

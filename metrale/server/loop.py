@@ -1,0 +1,242 @@
+"""EngineLoop: the one thread that drives the engine for the HTTP server.
+
+HTTP handlers never touch the engine. They send commands (add, abort, stop) through a
+thread-safe queue; the loop thread applies them between steps, calls `engine.step()` while any
+request is unfinished, and hands each StreamDelta to the asyncio.Queue of the handler that owns
+the request (`call_soon_threadsafe`). With no work it blocks on the command queue.
+Invariants: every request the loop accepted gets exactly one finished delta (its finish reason,
+'abort', or 'error: <why>'), so no handler waits forever; the loop thread is the only caller
+of the engine while it runs.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from metrale.outputs import StreamDelta
+from metrale.server.metrics import Metrics, finish_label
+
+_EMPTY = np.zeros(0, dtype=np.int32)
+
+log = logging.getLogger("metrale.server")
+
+
+class ServerDraining(RuntimeError):
+    """The server is shutting down and takes no new requests."""
+
+
+@dataclass
+class _Live:
+    """What the loop knows about one request it runs."""
+    aloop: asyncio.AbstractEventLoop
+    sink: asyncio.Queue
+    arrival: float
+    last_token: float | None = None
+
+
+class EngineLoop:
+    def __init__(self, engine, metrics: Metrics | None = None):
+        self.engine = engine
+        self.metrics = metrics or Metrics()
+        self.accepting = True
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------ handler side (any thread)
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="metrale-engine-loop", daemon=True)
+            self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    async def add(self, request_id: str, prompt, params, sink: asyncio.Queue,
+                  arrival: float | None = None) -> int:
+        """Queues a request; returns its prompt length in tokens. Raises the engine's
+        InvalidRequestError (the request was refused) or ServerDraining."""
+        if not self.accepting or not self.alive:
+            raise ServerDraining("the server is shutting down")
+        aloop = asyncio.get_running_loop()
+        done = aloop.create_future()
+        live = _Live(aloop, sink, arrival if arrival is not None else time.perf_counter())
+        self._commands.put(("add", request_id, prompt, params, live, done))
+        try:
+            return await done
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+
+    def abort(self, request_id: str) -> None:
+        """Aborts a request if it still runs (no-op otherwise); its KV blocks are freed."""
+        self._commands.put(("abort", request_id))
+
+    async def drain(self, grace_s: float, cut_short: Callable[[], bool] = lambda: False) -> None:
+        """Refuses new requests, lets in-flight ones run up to grace_s (or until cut_short()),
+        aborts the rest, stops."""
+        self.accepting = False
+        deadline = time.monotonic() + grace_s
+        while self._live and time.monotonic() < deadline and self.alive and not cut_short():
+            await asyncio.sleep(0.02)
+        self.stop()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30.0)
+
+    def stop(self) -> None:
+        """Aborts whatever still runs and ends the thread."""
+        self.accepting = False
+        self._commands.put(("stop",))
+
+    # ------------------------------------------------------------------------ loop thread
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                idle = not engine.has_unfinished()
+                if not self._apply(self._commands.get() if idle else None):
+                    return
+                while True:   # drain whatever else is queued before the next step
+                    try:
+                        cmd = self._commands.get_nowait()
+                    except queue.Empty:
+                        break
+                    if not self._apply(cmd):
+                        return
+                if engine.has_unfinished():
+                    self._step()
+                self._update_gauges()
+        except BaseException:   # never leave a handler waiting on a dead loop
+            log.exception("engine loop crashed")
+            self._finish_all("error: engine loop crashed")
+            raise
+        finally:
+            self.accepting = False
+            self._refuse_queued_adds()
+
+    def _apply(self, cmd) -> bool:
+        """Applies one command; False means stop."""
+        if cmd is None:
+            return True
+        kind = cmd[0]
+        if kind == "add":
+            _, request_id, prompt, params, live, done = cmd
+            try:
+                self.engine.add_request(prompt, params, request_id=request_id)
+                n_prompt = len(self.engine.requests[request_id].seq.prompt_token_ids)
+            except Exception as exc:   # InvalidRequestError (or a tokenizer failure): the handler decides
+                _resolve(live.aloop, done, exc=exc)
+                return True
+            self._live[request_id] = live
+            with self.metrics.lock:
+                self.metrics.prompt_tokens += n_prompt
+            _resolve(live.aloop, done, value=n_prompt)
+        elif kind == "abort":
+            delta = self.engine.abort(cmd[1])
+            if delta is not None:
+                self._dispatch([delta])
+        elif kind == "stop":
+            self._finish_all("abort")
+            return False
+        return True
+
+    def _step(self) -> None:
+        try:
+            deltas = self.engine.step()
+        except Exception as exc:   # engine.step ends failed forwards itself; this is anything else
+            log.exception("engine step failed")
+            self._finish_all(f"error: {type(exc).__name__}: {exc}")
+            return
+        if deltas:
+            self._dispatch(deltas)
+        else:                # a prefill chunk, or nothing could be scheduled: do not spin hot
+            time.sleep(0.0005)
+
+    def _finish_all(self, reason: str) -> None:
+        deltas = []
+        for request_id in list(self.engine.requests):
+            delta = self.engine.abort(request_id)
+            if delta is not None:
+                delta.finish_reason = reason
+                deltas.append(delta)
+        self._dispatch(deltas)
+        for request_id in list(self._live):   # accepted but unknown to the engine: still answer
+            self._dispatch([StreamDelta(request_id, "", _EMPTY, reason)])
+
+    def _dispatch(self, deltas: list[StreamDelta]) -> None:
+        now = time.perf_counter()
+        m = self.metrics
+        batches: dict[asyncio.AbstractEventLoop, list] = {}   # one wake-up per event loop per step
+        with m.lock:
+            for delta in deltas:
+                live = self._live.get(delta.request_id)
+                if live is None:
+                    continue
+                n = len(delta.token_ids)
+                if n:
+                    m.generation_tokens += n
+                    if live.last_token is None:
+                        m.ttft.observe(now - live.arrival)
+                        if n > 1:
+                            m.itl.observe(0.0, n - 1)
+                    else:
+                        m.itl.observe((now - live.last_token) / n, n)
+                    live.last_token = now
+                if delta.finished:
+                    del self._live[delta.request_id]
+                    m.finished[finish_label(delta.finish_reason)] += 1
+                    m.latency.observe(now - live.arrival)
+                batches.setdefault(live.aloop, []).append((live.sink, delta))
+        for aloop, items in batches.items():
+            _call(aloop, _deliver, items)
+
+    def _update_gauges(self) -> None:
+        sched, blocks = self.engine.scheduler, self.engine.blocks
+        with self.metrics.lock:
+            self.metrics.waiting = len(sched.waiting)
+            self.metrics.running = len(sched.running)
+            self.metrics.kv_usage = 1.0 - blocks.num_free / blocks.num_blocks
+
+    def _refuse_queued_adds(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _resolve(cmd[4].aloop, cmd[5], exc=ServerDraining("the server is shutting down"))
+
+
+def _deliver(items: list[tuple[asyncio.Queue, StreamDelta]]) -> None:
+    for sink, delta in items:
+        sink.put_nowait(delta)
+
+
+def _settle(fut: asyncio.Future, value, exc: BaseException | None) -> None:
+    if not fut.done():
+        fut.set_exception(exc) if exc is not None else fut.set_result(value)
+
+
+def _resolve(aloop: asyncio.AbstractEventLoop, fut: asyncio.Future, *, value=None,
+             exc: BaseException | None = None) -> None:
+    """Settles a handler's future on its own event loop."""
+    _call(aloop, _settle, fut, value, exc)
+
+
+def _call(aloop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        aloop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:   # that event loop is closed: nobody is waiting any more
+        pass

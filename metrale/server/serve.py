@@ -1,0 +1,145 @@
+"""Running the app: `python -m metrale serve [key=value ...]` (also the `metrale-serve` script).
+
+Examples:
+  python -m metrale serve
+  python -m metrale serve model=/path/to/model.gguf server.port=8080 server.api_key=sk-local
+  python -m metrale serve server.host=0.0.0.0 scheduler.max_num_seqs=64 --cfg job
+Settings: every setting of `python -m metrale` plus server.* (host, port, api_key,
+served_model_name, max_body_bytes, shutdown_grace_s, parse_reasoning, access_log); see docs/server.md.
+
+Shutdown (SIGINT/SIGTERM): the listening socket closes, in-flight requests get
+server.shutdown_grace_s seconds to finish, the rest end with finish_reason "abort", then exit.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+import threading
+import time
+
+import uvicorn
+
+from metrale.server.loop import EngineLoop
+
+USAGE = __doc__
+
+
+class MetraleServer(uvicorn.Server):
+    """uvicorn.Server that drains the engine loop before it waits for connections to close."""
+
+    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop, grace_s: float):
+        super().__init__(config)
+        self.engine_loop, self.grace_s = engine_loop, grace_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for server in getattr(self, "servers", []):     # stop accepting first
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        # in-flight requests get the grace period (a second Ctrl-C cuts it short), then abort
+        await self.engine_loop.drain(self.grace_s, cut_short=lambda: self.force_exit)
+        await super().shutdown(sockets)
+        # uvicorn re-raises the signal it caught once it is done; the shutdown was clean, exit 0
+        getattr(self, "_captured_signals", []).clear()
+
+
+class ServerThread:
+    """The app under uvicorn in a background thread on a loopback port (tests, benchmarks).
+
+        with ServerThread(create_app(engine)) as srv:
+            OpenAI(base_url=srv.url + "/v1", api_key="none")
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, grace_s: float | None = None):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = self.sock.getsockname()[:2]
+        server = app.state.server
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                                timeout_graceful_shutdown=5)
+        grace = server.scfg.shutdown_grace_s if grace_s is None else grace_s
+        self.server = MetraleServer(config, app.state.engine_loop, grace)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="metrale-uvicorn", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return 0
+    show_cfg = "--cfg" in argv
+    if show_cfg:
+        i = argv.index("--cfg")
+        del argv[i:i + 2]
+    from metrale.settings import ConfigError, compose, to_yaml
+    try:
+        cfg = compose(argv)
+    except ConfigError as exc:
+        return _fail(f"bad setting: {exc}")
+    if show_cfg:
+        print(to_yaml(cfg), end="")
+        return 0
+    s = cfg.server
+    if not 0 <= s.port <= 65535:
+        return _fail(f"bad setting: server.port must be in [0, 65535], got {s.port}")
+    if s.max_body_bytes < 1 or s.shutdown_grace_s < 0:
+        return _fail("bad setting: server.max_body_bytes must be >= 1 and server.shutdown_grace_s >= 0")
+    level = str(cfg.log_level).upper()
+    logging.basicConfig(level=getattr(logging, level, logging.WARNING),
+                        format="%(levelname)s %(name)s: %(message)s")
+    from metrale.engine import Engine
+    from metrale.models.registry import ModelNotFoundError
+    from metrale.server.app import create_app
+    try:
+        engine = Engine(cfg=cfg)
+    except (ModelNotFoundError, ValueError, RuntimeError) as exc:
+        return _fail(str(exc))
+    app = create_app(engine, cfg)
+    name = app.state.server.model_name
+    print(f"[metrale] serving {name} ({engine.model_config.name} on {engine.backend.name}, loaded in "
+          f"{engine.load_seconds:.2f} s) at http://{s.host}:{s.port}/v1"
+          f"{' (API key required)' if s.api_key else ''}", file=sys.stderr)
+    config = uvicorn.Config(app, host=s.host, port=s.port, log_level=_uvicorn_level(level),
+                            access_log=s.access_log, lifespan="on", timeout_graceful_shutdown=5)
+    MetraleServer(config, app.state.engine_loop, s.shutdown_grace_s).run()
+    return 0
+
+
+def _uvicorn_level(level: str) -> str:
+    level = level.lower()
+    return level if level in uvicorn.config.LOG_LEVELS else "warning"
+
+
+def _fail(message: str) -> int:
+    print(f"metrale serve: error: {message}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
