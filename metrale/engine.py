@@ -23,10 +23,11 @@ from metrale.outputs import RequestOutput, StreamDelta
 from metrale.request import RequestState
 from metrale.runtime.batch import Segment, build_batch
 from metrale.sampling.params import InvalidRequestError, SamplingParams
-from metrale.sampling.sampler import Sampler
+from metrale.sampling.sampler import Sampler, filter_probs
 from metrale.scheduler.scheduler import Scheduler
 from metrale.scheduler.sequence import Sequence
 from metrale.settings import compose, to_overrides
+from metrale.spec.speculator import Speculator, make_speculator
 
 log = logging.getLogger("metrale")
 
@@ -64,8 +65,16 @@ class Engine:
         self.requests: dict[str, RequestState] = {}
         self.min_p_floor = self.model_config.min_p_floor if cfg.levers.min_p_floor else 0.0
         self.sampler = Sampler(self.backend, self.model_config.vocab_size, self.min_p_floor)
+        self.speculator = make_speculator(cfg, self.backend, self.model_config, self._load_draft_backend)
+        if self.speculator is not None:
+            self.scheduler.preempt_listeners.append(self.speculator.release)
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0}
         self._collect: dict[str, RequestOutput | None] = {}   # outputs generate() waits for
+
+    def _load_draft_backend(self, model: str):
+        from metrale.models.load import load_draft_backend
+        return load_draft_backend(self.cfg, model, num_blocks=self.backend.num_blocks,
+                                  vocab_size=self.model_config.vocab_size)
 
     # ------------------------------------------------------------------ requests
     def default_params(self) -> SamplingParams:
@@ -131,19 +140,30 @@ class Engine:
 
     # ---------------------------------------------------------------------- step
     def step(self) -> list[StreamDelta]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.requests, self.blocks)
         plan = self.scheduler.schedule()
         deltas = [self._finish_delta(seq.request_id, seq.finish_reason) for seq in plan.preempted]
         if not plan.scheduled:
             return deltas
-        segments = [Segment(np.asarray(s.seq.token_ids[s.seq.num_computed_tokens:
-                                                       s.seq.num_computed_tokens + s.num_tokens], dtype=np.int32),
-                            s.seq.num_computed_tokens, np.asarray(s.seq.block_table, dtype=np.int32),
-                            "last" if s.needs_logits else "none")
-                    for s in plan.scheduled]
         sampling = [s for s in plan.scheduled if s.needs_logits]
+        states = [self.requests[s.seq.request_id] for s in sampling]
+        if any(s.draft for s in sampling) and not all(Speculator.eligible(st) for st in states):
+            for s in sampling:            # a row that needs the full pipeline: verify nothing this step
+                s.num_tokens -= len(s.draft)
+                s.draft = []
+        segments = [Segment(np.asarray(s.seq.token_ids[s.seq.num_computed_tokens:
+                                                       s.seq.num_computed_tokens + s.num_tokens - len(s.draft)]
+                                       + s.draft, dtype=np.int32),
+                            s.seq.num_computed_tokens, np.asarray(s.seq.block_table, dtype=np.int32),
+                            "all" if s.draft else ("last" if s.needs_logits else "none"))
+                    for s in plan.scheduled]
         batch = build_batch(segments, self.blocks.block_size)
         try:
-            tokens = self._forward_and_sample(batch, [self.requests[s.seq.request_id] for s in sampling])
+            if any(s.draft for s in sampling):
+                emitted = self._forward_and_verify(batch, sampling, states)
+            else:
+                emitted = [[int(t)] for t in self._forward_and_sample(batch, states)]
         except Exception as exc:  # a failed step ends its requests with the reason, never silently
             log.exception("forward failed")
             for s in plan.scheduled:
@@ -152,21 +172,59 @@ class Engine:
             return deltas
         self.stats["steps"] += 1
         for s in plan.scheduled:
-            s.seq.num_computed_tokens += s.num_tokens
-            self.blocks.commit_full_blocks(s.seq)
-        for s, token in zip(sampling, tokens):
-            state = self.requests[s.seq.request_id]
-            reason = state.append(int(token))
-            self.stats["generated_tokens"] += 1
+            if not s.needs_logits:
+                s.seq.num_computed_tokens += s.num_tokens
+                self.blocks.commit_full_blocks(s.seq)
+        for s, state, tokens in zip(sampling, states, emitted):
+            seq = s.seq
+            before = seq.num_tokens
+            # K/V is right for the chunk's real tokens and for the drafts that were accepted
+            seq.num_computed_tokens += s.num_tokens - len(s.draft) + (len(tokens) - 1 if s.draft else 0)
+            reason = None
+            for token in tokens:
+                reason = state.append(int(token))
+                self.stats["generated_tokens"] += 1
+                if reason is not None:
+                    break
+            if s.draft:
+                self.speculator.committed(seq, before, len(s.draft), len(tokens) - 1)
             if reason is not None:
-                self.scheduler.finish(s.seq, reason)
-                deltas.append(self._finish_delta(s.seq.request_id, reason))
-            else:
-                deltas.append(state.delta(None))
+                self.scheduler.finish(seq, reason)
+                deltas.append(self._finish_delta(seq.request_id, reason))
+                continue
+            self.blocks.commit_full_blocks(seq)
+            if s.draft:
+                self.blocks.trim(seq)
+            deltas.append(state.delta(None))
         return deltas
+
+    def _forward_and_verify(self, batch, sampling, states: list[RequestState]) -> list[list[int]]:
+        """A step with verify blocks (every sampling row is history-independent, see
+        Speculator.eligible): each block's rows become its emitted tokens, other rows one token."""
+        greedy = all(st.params.greedy for st in states)
+        rows = self.backend.forward_greedy(batch) if greedy else np.asarray(self.backend.forward(batch))
+        out, r = [], 0
+        for s, st in zip(sampling, states):
+            n = 1 + len(s.draft)
+            block = rows[r:r + n]
+            r += n
+            if s.draft:
+                tokens = self.speculator.accept(s.seq, st, None if greedy else block, block if greedy else None,
+                                                s.draft, lambda row, p=st.params: filter_probs(row, p, self.min_p_floor))
+            elif greedy:
+                tokens = [int(block[0])]
+            else:
+                probs = filter_probs(block[0], st.params, self.min_p_floor)
+                tokens = [int(self.speculator.rng(st).choice(probs.size, p=probs))]
+            for t in tokens:
+                st.sampling.accept(int(t))
+            out.append(tokens)
+        return out
 
     def _finish_delta(self, request_id: str, reason: str | None) -> StreamDelta:
         state = self.requests.pop(request_id)
+        if self.speculator is not None:
+            self.speculator.release(state.seq)
         delta = state.delta(reason or "abort")
         if request_id in self._collect:
             self._collect[request_id] = state.output()

@@ -57,9 +57,10 @@ def make_backend(device: str, cfg, config: ModelConfig, weights):
                         dtype=cfg.levers.numpy_dtype)
 
 
-def load_draft_backend(cfg, model: str, *, num_blocks: int):
+def load_draft_backend(cfg, model: str, *, num_blocks: int, vocab_size: int):
     """The backend of a draft model: same device and block size as the target, and as many KV
-    blocks, so the target's block tables index its cache too."""
+    blocks, so the target's block tables index its cache too. Its vocabulary must be the target's
+    (checked before any weight is loaded)."""
     from omegaconf import OmegaConf
     source = resolve_model(model)
     if source.kind == "gguf":
@@ -68,5 +69,7 @@ def load_draft_backend(cfg, model: str, *, num_blocks: int):
         config, _, weights = load_hf_dir(source.path)
     else:
         config, weights = random_model_config(source.preset, source.name), None
+    if config.vocab_size != vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({config.vocab_size}) differs from the target's ({vocab_size})")
     draft_cfg = OmegaConf.merge(cfg, {"cache": {"num_blocks": num_blocks}})
     return make_backend(resolve_device(cfg.device), draft_cfg, config, weights)

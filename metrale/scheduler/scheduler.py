@@ -60,6 +60,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.preempt_listeners: list = []     # called with each preempted sequence (drafter caches)
         self._warned_preempt = False
 
     def add(self, seq: Sequence) -> None:
@@ -78,6 +79,8 @@ class Scheduler:
     def _preempt(self, victim: Sequence, plan: StepPlan) -> None:
         self.running.remove(victim)
         self.blocks.release(victim)
+        for listener in self.preempt_listeners:
+            listener(victim)
         self.num_preemptions += 1
         victim.num_preemptions += 1
         if not self._warned_preempt:

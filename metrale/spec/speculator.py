@@ -26,6 +26,15 @@ class Speculator:
     def __init__(self, drafter, *, num_drafts: int, gate: AdaptiveGate, min_confidence: float = 0.0):
         self.drafter, self.num_drafts, self.gate, self.min_confidence = drafter, num_drafts, gate, min_confidence
         self.proposed = self.accepted = self.verifies = 0
+        self._rngs: dict[str, np.random.Generator] = {}
+
+    def rng(self, state) -> np.random.Generator:
+        """The request's own stream for acceptance tests (seeded requests stay reproducible)."""
+        rid = state.seq.request_id
+        if rid not in self._rngs:
+            seed = state.params.seed
+            self._rngs[rid] = np.random.Generator(np.random.Philox(None if seed is None else [int(seed) & (2**64 - 1), 0x5EC]))
+        return self._rngs[rid]
 
     @staticmethod
     def eligible(state) -> bool:
@@ -67,7 +76,7 @@ class Speculator:
         elif state.params.greedy:
             out = accept_greedy(np.argmax(rows, axis=-1), draft)
         else:
-            rng = state.spec_rng
+            rng = self.rng(state)
             p_rows = [filter_probs(r) for r in rows]
             q = seq.draft_probs
             out = accept_sampled(p_rows, draft, q, rng.random(len(draft)),
@@ -84,6 +93,7 @@ class Speculator:
             self.drafter.accepted(seq, num_tokens_before, draft_len, accepted)
 
     def release(self, seq: Sequence) -> None:
+        self._rngs.pop(seq.request_id, None)
         self.gate.release(seq.request_id)
         self.drafter.release(seq)
 
@@ -113,11 +123,7 @@ def make_speculator(cfg, backend, model_config, load_draft_backend) -> Speculato
         from metrale.spec.model_drafter import ModelDrafter
         if not spec.draft_model:
             raise ValueError("spec.method=draft needs spec.draft_model=<preset or path>")
-        draft_backend = load_draft_backend(spec.draft_model)
-        if draft_backend.config.vocab_size != model_config.vocab_size:
-            raise ValueError(f"the draft model's vocabulary ({draft_backend.config.vocab_size}) differs "
-                             f"from the target's ({model_config.vocab_size})")
-        drafter = ModelDrafter(draft_backend, name="draft")
+        drafter = ModelDrafter(load_draft_backend(spec.draft_model), name="draft")
     gate = AdaptiveGate(spec.num_drafts, verify_cost=lv.spec_verify_cost, probe_interval=lv.spec_probe_interval,
                         max_batch=lv.spec_max_batch, ema_decay=lv.spec_ema_decay)
     log.info("speculative decoding: %s, up to %d drafts", drafter.name, spec.num_drafts)

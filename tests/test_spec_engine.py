@@ -1,0 +1,121 @@
+"""Speculative decoding end to end: greedy speculative output equals greedy plain output."""
+import numpy as np
+import pytest
+
+from fake_model import fake_engine, reference_continuation
+from metrale import Engine, SamplingParams
+from metrale.spec.drafter import Draft
+
+
+class NoisyOracle:
+    """Proposes the true continuation with some tokens corrupted: both accept and reject paths run."""
+    name = "oracle"
+
+    def __init__(self, error_rate: float, seed: int = 0):
+        self.error_rate, self.rng = error_rate, np.random.default_rng(seed)
+
+    def propose(self, seqs, ks):
+        out = []
+        for s, k in zip(seqs, ks):
+            truth = reference_continuation(s.token_ids, k)
+            toks = [t if self.rng.random() > self.error_rate else (t % 96) + 1 for t in truth]
+            out.append(Draft(toks, [1.0] * k))
+        return out
+
+    def release(self, seq):
+        pass
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("error_rate", [0.0, 0.3, 1.0])
+def test_fake_model_speculation_is_lossless(rng, error_rate):
+    eng = fake_engine(num_blocks=128, block_size=4, **{"spec.method": "ngram", "spec.num_drafts": 3})
+    eng.speculator.drafter = NoisyOracle(error_rate)
+    prompts = [[int(t) for t in rng.integers(1, 96, int(n))] for n in (3, 17, 9, 30)]
+    outs = eng.generate([np.array(p) for p in prompts], greedy(20), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert list(o.token_ids) == reference_continuation(p, 20)
+    stats = eng.speculator.stats()
+    assert stats["verifies"] > 0
+    if error_rate == 0.0:
+        assert stats["acceptance_rate"] == 1.0 and stats["tokens_per_verify"] > 2
+    eng.blocks.check_no_leaks([])
+    assert any(b.num_tokens > b.num_seqs and len(b.logits_indices) > b.num_seqs for b in eng.backend.batches)
+
+
+def test_speculation_under_preemption_is_lossless(rng):
+    eng = fake_engine(num_blocks=26, block_size=4, **{"spec.method": "ngram", "spec.num_drafts": 4})
+    eng.speculator.drafter = NoisyOracle(0.2)
+    prompts = [[int(t) for t in rng.integers(1, 96, int(n))] for n in (12, 20, 15, 18, 10)]
+    outs = eng.generate([np.array(p) for p in prompts], greedy(24), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert list(o.token_ids) == reference_continuation(p, 24)
+    eng.blocks.check_no_leaks([])
+
+
+def test_sampled_speculation_runs_and_frees_blocks(rng):
+    eng = fake_engine(num_blocks=128, block_size=4, **{"spec.method": "ngram"})
+    eng.speculator.drafter = NoisyOracle(0.3)
+    outs = eng.generate([np.array([5, 6, 7])] * 3,
+                        SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True), use_tqdm=False)
+    # the fake model's rows are nearly one-hot: sampling follows the reference continuation
+    for o in outs:
+        assert list(o.token_ids) == reference_continuation([5, 6, 7], 12)
+    eng.blocks.check_no_leaks([])
+
+
+def test_unknown_method_is_a_clear_error():
+    with pytest.raises(ValueError, match="spec.method"):
+        fake_engine(**{"spec.method": "telepathy"})
+
+
+REPETITIVE = ["1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3,", "The cat sat on the mat. The cat sat on the",
+              "def f(x):\n    return x\n\ndef g(x):\n    return"]
+
+
+@pytest.fixture(scope="module")
+def exact_plain():
+    eng = Engine(model="smollm2-135m", device="cpu", levers={"numpy_dtype": "float64"})
+    return eng, eng.generate(REPETITIVE, greedy(12), use_tqdm=False)
+
+
+@pytest.mark.parametrize("method, extra", [("ngram", {}), ("self", {"self_layers": 10})])
+def test_smollm2_greedy_speculative_equals_plain(exact_plain, method, extra):
+    plain_engine, plain = exact_plain
+    be = plain_engine.backend
+    cfg_spec = {"method": method, "num_drafts": 4, **extra}
+    from metrale.settings import compose, to_overrides
+    cfg = compose(to_overrides({"device": "cpu", "levers": {"numpy_dtype": "float64"}, "spec": cfg_spec}))
+    # share the loaded weights: a fresh backend over the same arrays, its own KV pool
+    from metrale.runtime.numpy_backend import NumpyBackend
+    twin = NumpyBackend(be.config, be.weights.items(), num_blocks=256, block_size=be.block_size, dtype="float64")
+    eng = Engine(cfg=cfg, parts=(be.config, plain_engine.tokenizer, twin))
+    outs = eng.generate(REPETITIVE, greedy(12), use_tqdm=False)
+    for a, b in zip(plain, outs):
+        np.testing.assert_array_equal(a.token_ids, b.token_ids)
+    assert eng.speculator.stats()["verifies"] > 0
+    eng.blocks.check_no_leaks([])
+
+
+def test_draft_model_speculation_equals_plain(smollm2):
+    """The draft model here is SmolLM2 itself (a second backend with its own KV pool): every
+    greedy draft is accepted, and the output equals plain decoding."""
+    eng = Engine(model="smollm2-135m", device="cpu", spec={"method": "draft", "num_drafts": 4,
+                                                           "draft_model": "smollm2-135m"})
+    prompts = ["Once upon a time", "The capital of France is"]
+    outs = eng.generate(prompts, greedy(16), use_tqdm=False)
+    plain = smollm2.generate(prompts, greedy(16), use_tqdm=False)
+    for a, b in zip(outs, plain):
+        np.testing.assert_array_equal(a.token_ids, b.token_ids)
+    stats = eng.speculator.stats()
+    assert stats["acceptance_rate"] == 1.0 and stats["tokens_per_verify"] > 3
+    eng.blocks.check_no_leaks([])
+
+
+def test_draft_model_with_another_vocabulary_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="vocabulary"):
+        Engine(model="smollm2-135m", device="cpu", spec={"method": "draft", "draft_model": "llama-3.2-1b-shape"},
+               cache={"num_blocks": 64})
