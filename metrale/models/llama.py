@@ -25,10 +25,12 @@ class Ops(Protocol):
     def logits_rows(self, x: Tensor) -> Tensor: ...
 
 
-def llama_forward(ops: Ops, w: dict[str, Tensor], config: ModelConfig, num_layers: int | None = None) -> Tensor:
-    """Runs the batch bound to `ops`; returns logits [R, vocab] for the rows that need them.
-    num_layers < config.num_layers runs the first layers only, then the final norm and LM head:
-    the self-speculative (layer-skip) drafter."""
+def llama_forward(ops: Ops, w: dict[str, Tensor], config: ModelConfig, num_layers: int | None = None,
+                  return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Runs the batch bound to `ops`; returns logits [R, vocab] for the rows that need them
+    (and, with return_hidden, those rows' last hidden states before the final norm: what MTP
+    heads read). num_layers < config.num_layers runs the first layers only, then the final norm
+    and LM head: the self-speculative (layer-skip) drafter."""
     residual = ops.embed(w["embed"])
     for i in range(config.num_layers if num_layers is None else num_layers):
         p = f"layers.{i}."
@@ -38,5 +40,6 @@ def llama_forward(ops: Ops, w: dict[str, Tensor], config: ModelConfig, num_layer
         residual = ops.linear_residual(ops.attention(q, i), w[p + "o"], residual)
         h = ops.rms_norm(residual, w[p + "mlp_norm"])
         residual = ops.linear_residual(ops.silu_mul(ops.linear(h, w[p + "gate_up"])), w[p + "down"], residual)
-    h = ops.rms_norm(ops.logits_rows(residual), w["final_norm"])
-    return ops.linear(h, w.get("lm_head", w["embed"]))
+    rows = ops.logits_rows(residual)
+    logits = ops.linear(ops.rms_norm(rows, w["final_norm"]), w.get("lm_head", w["embed"]))
+    return (logits, rows) if return_hidden else logits

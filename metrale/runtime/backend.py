@@ -19,9 +19,11 @@ class Backend(Protocol):
     block_size: int
     num_blocks: int
 
-    def forward(self, batch: ForwardBatch, num_layers: int | None = None) -> np.ndarray:
-        """Logits [R, vocab] float32 for the rows batch.logits_indices. num_layers runs only the
-        first layers (then the final norm and LM head): the self-speculative drafter."""
+    def forward(self, batch: ForwardBatch, num_layers: int | None = None, return_hidden: bool = False):
+        """Logits [R, vocab] for the rows batch.logits_indices (float32; float64 with
+        levers.numpy_dtype=float64). num_layers runs only the first layers (then the final norm
+        and LM head): the self-speculative drafter. return_hidden: (logits, hidden rows before
+        the final norm), for MTP heads."""
 
     def forward_greedy(self, batch: ForwardBatch, num_layers: int | None = None) -> np.ndarray:
         """Argmax token ids [R] int32 for the rows batch.logits_indices (argmax on the device)."""

@@ -338,10 +338,13 @@ class CudaBackend:
         self.stream.synchronize()
         return host
 
-    def forward(self, batch: ForwardBatch, num_layers: int | None = None) -> np.ndarray:
+    def forward(self, batch: ForwardBatch, num_layers: int | None = None, return_hidden: bool = False):
         self._execute(batch, num_layers)
         R = len(batch.logits_indices)
-        return self._fetch(self.act[f"out{self.config.vocab_size}"], np.empty((R, self.config.vocab_size), np.float32))
+        logits = self._fetch(self.act[f"out{self.config.vocab_size}"], np.empty((R, self.config.vocab_size), np.float32))
+        if return_hidden:   # the rows before the final norm (gathered by logits_rows)
+            return logits, self._fetch(self.act["rows"], np.empty((R, self.config.hidden_size), np.float32))
+        return logits
 
     def forward_greedy(self, batch: ForwardBatch, num_layers: int | None = None) -> np.ndarray:
         self._execute(batch, num_layers)

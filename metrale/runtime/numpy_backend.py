@@ -127,10 +127,10 @@ class NumpyBackend:
     def rope_for(self, batch: ForwardBatch) -> tuple[np.ndarray, np.ndarray]:
         return rope_cos_sin(self.config, batch.positions)
 
-    def forward(self, batch: ForwardBatch, num_layers: int | None = None) -> np.ndarray:
+    def forward(self, batch: ForwardBatch, num_layers: int | None = None, return_hidden: bool = False):
         with np.errstate(over="ignore"):
-            logits = llama_forward(NumpyOps(self, batch), self.weights, self.config, num_layers)
-        return np.asarray(logits, dtype=np.float32) if self.dtype == np.float32 else logits
+            out = llama_forward(NumpyOps(self, batch), self.weights, self.config, num_layers, return_hidden)
+        return out
 
     def forward_greedy(self, batch: ForwardBatch, num_layers: int | None = None) -> np.ndarray:
         return np.argmax(self.forward(batch, num_layers), axis=-1).astype(np.int32)
