@@ -20,30 +20,7 @@ U16_2, U16_4, U64_4 = (types.Array(types.uint16, 2, "C"), types.Array(types.uint
 I32_2 = types.Array(I32, 2, "C")
 
 
-class _SM90:
-    compute_capability = (9, 0)
-
-
-@pytest.fixture(autouse=True)
-def no_gpu_needed(monkeypatch):
-    """Device functions are compiled for the current device's compute capability; there is none
-    here, so report sm_90 (the target compile_ptx is asked for anyway)."""
-    import numba.cuda.dispatcher as dispatcher
-
-    monkeypatch.setattr(dispatcher, "get_current_device", lambda: _SM90())
-
-
-def ptx_of(kernel, sig):
-    try:
-        ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
-    except Exception as e:  # pragma: no cover - depends on the installed toolkit
-        if "NVVM" in str(e) or "nvvm" in str(e) or "NVRTC" in str(e):
-            pytest.skip(f"NVVM unavailable: {e}")
-        raise
-    body = ptx.split(".entry", 1)[1]
-    assert not re.search(r"\b(add|mul|fma|sub|div|cvt\.rn\.f32)\S*\.f64", body), "float64 arithmetic in a kernel"
-    assert ".local" not in body, "register arrays spilled to local memory"
-    return ptx
+from ptx_util import no_gpu_needed, ptx_of  # noqa: E402,F401  (autouse fixture)
 
 
 def sass_info(ptx):

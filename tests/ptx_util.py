@@ -1,0 +1,35 @@
+"""compile_ptx helpers for tests that prove the real (non-simulator) kernel path compiles.
+
+Numba compiles `@cuda.jit(device=True)` helpers for the current device's compute capability;
+without a GPU there is none, so `no_gpu_needed` reports sm_90 (the target compile_ptx is asked
+for anyway). Use it as an autouse fixture: `from ptx_util import no_gpu_needed  # noqa: F401`.
+"""
+import re
+
+import pytest
+from numba import cuda
+
+
+class _SM90:
+    compute_capability = (9, 0)
+
+
+@pytest.fixture(autouse=True)
+def no_gpu_needed(monkeypatch):
+    import numba.cuda.dispatcher as dispatcher
+
+    monkeypatch.setattr(dispatcher, "get_current_device", lambda: _SM90())
+
+
+def ptx_of(kernel, sig) -> str:
+    """PTX of a kernel for sm_90, checked for float64 arithmetic and local-memory spills."""
+    try:
+        ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
+    except Exception as e:  # pragma: no cover - depends on the installed toolkit
+        if "NVVM" in str(e) or "nvvm" in str(e) or "NVRTC" in str(e):
+            pytest.skip(f"NVVM unavailable: {e}")
+        raise
+    body = ptx.split(".entry", 1)[1]
+    assert not re.search(r"\b(add|mul|fma|sub|div|setp\.\w+|cvt\.rn\.f32)\S*\.f64", body), "float64 arithmetic"
+    assert ".local" not in body, "register arrays spilled to local memory"
+    return ptx
