@@ -17,7 +17,8 @@ class Levers:
     no_mix: bool = False                 # run prefill chunks and decode rows in separate forwards
     cuda_graphs: bool = True             # replay decode steps as CUDA graphs
     graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256])
-    gemv_max_rows: int = 16              # rows at or below which linear layers use the GEMV kernel
+    gemv_max_rows: int = 256             # rows up to which linear layers stream the weights (GEMV /
+                                         # streaming mma, kernels_numba/gemm.py) rather than tile
     prefix_caching: bool = True          # reuse KV blocks of identical prompt prefixes
     preempt_mode: str = "recompute"      # recompute | abort  (what happens to a preempted request)
     min_p_floor: bool = True             # raise min_p to the model's floor

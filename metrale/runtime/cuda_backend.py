@@ -177,7 +177,8 @@ class CudaBackend:
         self.config = c = config
         self.block_size = int(cfg.cache.block_size)
         levers = cfg.levers
-        self.skinny_max_t = max(gemm.FMA_MAX_T, min(16, int(levers.gemv_max_rows)))
+        # the streaming path's own table (gemm.skinny_cfg) still sends shapes it loses on to the tiled GEMM
+        self.skinny_max_t = max(gemm.FMA_MAX_T, int(levers.gemv_max_rows))
         self.prefill_min_tokens = int(levers.prefill_attention_min_tokens)
         self.use_graphs = bool(levers.cuda_graphs)
         self.graph_sizes = sorted(int(s) for s in levers.graph_batch_sizes)
