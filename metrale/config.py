@@ -16,6 +16,7 @@ class Levers:
     """Tuning and bisecting knobs. Each is a typed field; presets live in conf/lever/."""
     no_mix: bool = False                 # run prefill chunks and decode rows in separate forwards
     cuda_graphs: bool = True             # replay decode steps as CUDA graphs
+    # decode batch sizes captured as CUDA graphs (a batch is padded to the next size)
     graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256])
     gemv_max_rows: int = 256             # rows up to which linear layers stream the weights (GEMV /
                                          # streaming mma, kernels_numba/gemm.py) rather than tile
@@ -23,7 +24,6 @@ class Levers:
     preempt_mode: str = "recompute"      # recompute | abort  (what happens to a preempted request)
     min_p_floor: bool = True             # raise min_p to the model's floor
     numpy_dtype: str = "float32"         # float32 | float64: arithmetic of the NumPy backend
-    weight_dtype: str = "bfloat16"       # weights on the CUDA backend
     prefill_attention_min_tokens: int = 64  # segments this long use the tiled prefill kernel
     spec_min_confidence: float = 0.0     # cut a draft at its first token below this confidence
     spec_verify_cost: float = 0.1        # cost of one verified draft token, in plain decode steps
