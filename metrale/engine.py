@@ -6,13 +6,17 @@
 
 Every request ends with an output: finished normally ('stop' / 'length'), aborted ('abort'),
 or with 'error: <why>'. Requests that cannot run are refused by add_request with an
-InvalidRequestError that names the field.
+InvalidRequestError that names the field. A request with n > 1 or best_of > 1 runs one child
+sequence per candidate (sampling/fanout.py) and returns its n completions in `outputs`; its
+stream deltas carry their completion's `index` (docs/sampling.md, "n > 1 and best_of").
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
+import uuid
 from typing import Any, AsyncIterator, Iterable, Iterator, Sequence as Seq
 
 import numpy as np
@@ -22,16 +26,27 @@ from metrale.models.config import ModelConfig
 from metrale.outputs import RequestOutput, StreamDelta
 from metrale.request import RequestState
 from metrale.runtime.batch import Segment, build_batch
+from metrale.sampling import fanout
 from metrale.sampling.params import InvalidRequestError, SamplingParams
-from metrale.sampling.sampler import Sampler, filter_probs
+from metrale.sampling.sampler import Drawn, Sampler
 from metrale.scheduler.scheduler import Scheduler
 from metrale.scheduler.sequence import Sequence
 from metrale.settings import compose, to_overrides
-from metrale.spec.speculator import Speculator, make_speculator
+from metrale.spec.speculator import make_speculator
 
 log = logging.getLogger("metrale")
 
 Prompt = str | list[int] | np.ndarray
+
+
+@dataclasses.dataclass
+class _Group:
+    """A request with n > 1 or best_of > 1: one child request per candidate (`f"{id}-{j}"`)."""
+    request_id: str
+    params: SamplingParams
+    children: list[str]
+    hidden: bool                                   # best_of > n: candidates are not streamed
+    outputs: dict[str, RequestOutput] = dataclasses.field(default_factory=dict)   # finished children
 
 
 class Engine:
@@ -68,8 +83,13 @@ class Engine:
         self.speculator = make_speculator(cfg, self.backend, self.model_config, self._load_draft_backend)
         if self.speculator is not None:
             self.scheduler.preempt_listeners.append(self.speculator.release)
+            if getattr(self.speculator.drafter, "needs_hidden", False):   # MTP: forwards keep hidden rows
+                self.backend = self.speculator.drafter.tap(self.backend)
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0}
         self._collect: dict[str, RequestOutput | None] = {}   # outputs generate() waits for
+        self._groups: dict[str, _Group] = {}                  # requests with n > 1 / best_of > 1
+        self._hidden: set[str] = set()                        # best_of candidates whose deltas poll() drops
+        self._outbox: list[StreamDelta] = []                  # completions of finished best_of groups
 
     def _load_draft_backend(self, model: str):
         from metrale.models.load import load_draft_backend
@@ -106,10 +126,15 @@ class Engine:
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, *,
                     request_id: str | None = None, chat: bool = False) -> str:
+        """Queues a request; returns its id. n > 1 / best_of > 1 runs best_of (default n) child
+        requests `f"{id}-{j}"` with seeds derived from params.seed (sampling/fanout.py); the
+        first computes the prompt and the others start once it has, reusing its KV blocks."""
         params = params or self.default_params()
         params.validate(self.model_config.vocab_size)
-        if params.n != 1:
-            raise InvalidRequestError("n: only n=1 is supported so far")
+        k = params.best_of or params.n
+        if k > self.scheduler.max_num_seqs:
+            raise InvalidRequestError(f"n/best_of: {k} sequences exceed scheduler.max_num_seqs "
+                                      f"({self.scheduler.max_num_seqs})")
         ids = self.encode_prompt(prompt, chat=chat, system=self.cfg.system if chat else None)
         capacity = self.blocks.num_blocks * self.blocks.block_size
         if len(ids) >= self.max_model_len:
@@ -119,24 +144,101 @@ class Engine:
         if min(need, self.max_model_len) > capacity:
             raise InvalidRequestError(f"prompt + max_tokens: {need} tokens exceed the whole KV cache "
                                       f"({capacity} tokens); lower max_tokens or enlarge the cache")
-        if request_id is not None and request_id in self.requests:
+        text = prompt if isinstance(prompt, str) else None
+        if k == 1:
+            self._check_free_id(request_id)
+            self.stats["prompt_tokens"] += len(ids)
+            return self._add_sequence(ids, params, request_id or "", text).seq.request_id
+        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        children = [f"{rid}-{j}" for j in range(k)]
+        for cid in [rid] + children:
+            self._check_free_id(cid)
+        self.stats["prompt_tokens"] += len(ids)       # one prompt, computed once (then shared)
+        group = self._groups[rid] = _Group(rid, params, children, hidden=k > params.n)
+        states = [self._add_sequence(ids, child, cid, text, queue=j == 0)
+                  for j, (cid, child) in enumerate(zip(children, fanout.expand(params)))]
+        for j, st in enumerate(states):
+            st.group, st.index = rid, j
+            if group.hidden:
+                self._hidden.add(st.public_id)     # its own id: poll() drops its deltas
+            else:
+                st.public_id = rid
+        siblings = [st.seq for st in states[1:]]
+        if self.blocks.prefix_caching and (len(ids) - 1) // self.blocks.block_size > 0:
+            states[0].on_first_delta = lambda: self._start(siblings)
+        else:                  # no full block to share: nothing to wait for
+            self._start(siblings)
+        return rid
+
+    def _start(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            if not seq.is_finished:
+                self.scheduler.add(seq)
+
+    def _check_free_id(self, request_id: str | None) -> None:
+        if request_id is not None and (request_id in self.requests or request_id in self._groups):
             raise InvalidRequestError(f"request_id: '{request_id}' is already running")
-        seq = Sequence(ids, params, request_id=request_id or "",
-                       prompt=prompt if isinstance(prompt, str) else None)
-        self.requests[seq.request_id] = RequestState(seq, self.tokenizer, self.eos_ids, self.max_model_len)
-        self.scheduler.add(seq)
-        self.stats["prompt_tokens"] += len(ids)
-        return seq.request_id
+
+    def _add_sequence(self, ids: list[int], params: SamplingParams, request_id: str, prompt: str | None,
+                      queue: bool = True) -> RequestState:
+        seq = Sequence(list(ids), params, request_id=request_id, prompt=prompt)
+        state = self.requests[seq.request_id] = RequestState(seq, self.tokenizer, self.eos_ids, self.max_model_len)
+        if queue:
+            self.scheduler.add(seq)
+        return state
 
     def abort(self, request_id: str) -> StreamDelta | None:
-        state = self.requests.pop(request_id, None)
-        if state is None:
-            return None
-        self.scheduler.finish(state.seq, "abort")
-        return state.delta("abort")
+        """Aborts a request (every completion of one with n > 1); returns the finished delta of its
+        first unfinished completion, None if it is not running. abort_completions gives them all."""
+        deltas = self.abort_completions(request_id)
+        return deltas[0] if deltas else None
+
+    def abort_completions(self, request_id: str) -> list[StreamDelta]:
+        """Aborts a request; one finished delta per completion that was still running (best_of > n:
+        the n best candidates so far, whole)."""
+        group = self._groups.get(request_id)
+        deltas = []
+        for cid in group.children if group is not None else [request_id]:
+            state = self.requests.get(cid)
+            if state is not None:
+                self.scheduler.finish(state.seq, "abort")
+                deltas.append(self._finish_delta(cid, "abort"))
+        return self._route(deltas)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def is_running(self, request_id: str) -> bool:
+        return request_id in self.requests or request_id in self._groups
+
+    def request_ids(self) -> list[str]:
+        """The ids of the requests still running, as add_request returned them."""
+        child = {c for g in self._groups.values() for c in g.children}
+        return [r for r in self.requests if r not in child] + list(self._groups)
+
+    def prompt_token_ids(self, request_id: str) -> list[int]:
+        group = self._groups.get(request_id)
+        return self.requests[group.children[0] if group else request_id].seq.prompt_token_ids
+
+    def poll(self) -> list[StreamDelta]:
+        """One step, as requests see it: step() gives a delta per sequence that advanced; here the
+        candidates of best_of > n requests are dropped, and when the last of them ends the n
+        selected completions come whole (one delta each, `index` 0..n-1). stream(), generate()
+        and the server use this."""
+        return self._route(self.step())
+
+    def _route(self, deltas: list[StreamDelta]) -> list[StreamDelta]:
+        out = []
+        for d in deltas:
+            if d.request_id in self._hidden:
+                if d.finished:
+                    self._hidden.discard(d.request_id)
+                continue
+            out.append(d)
+        if self._outbox:
+            out.extend(self._outbox)
+            self._outbox = []
+        return out
 
     # ---------------------------------------------------------------------- step
     def step(self) -> list[StreamDelta]:
@@ -148,10 +250,6 @@ class Engine:
             return deltas
         sampling = [s for s in plan.scheduled if s.needs_logits]
         states = [self.requests[s.seq.request_id] for s in sampling]
-        if any(s.draft for s in sampling) and not all(Speculator.eligible(st) for st in states):
-            for s in sampling:            # a row that needs the full pipeline: verify nothing this step
-                s.num_tokens -= len(s.draft)
-                s.draft = []
         segments = [Segment(np.asarray(s.seq.token_ids[s.seq.num_computed_tokens:
                                                        s.seq.num_computed_tokens + s.num_tokens - len(s.draft)]
                                        + s.draft, dtype=np.int32),
@@ -159,8 +257,9 @@ class Engine:
                             "all" if s.draft else ("last" if s.needs_logits else "none"))
                     for s in plan.scheduled]
         batch = build_batch(segments, self.blocks.block_size)
+        verifying = any(s.draft for s in sampling)
         try:
-            if any(s.draft for s in sampling):
+            if verifying:
                 emitted = self._forward_and_verify(batch, sampling, states)
             else:
                 emitted = [[int(t)] for t in self._forward_and_sample(batch, states)]
@@ -170,6 +269,8 @@ class Engine:
                 self.scheduler.finish(s.seq, f"error: {type(exc).__name__}: {exc}")
                 deltas.append(self._finish_delta(s.seq.request_id, s.seq.finish_reason))
             return deltas
+        if self.speculator is not None and getattr(self.speculator.drafter, "needs_hidden", False):
+            self.speculator.drafter.observe(sampling, emitted, self.backend.take_hidden())
         self.stats["steps"] += 1
         for s in plan.scheduled:
             if not s.needs_logits:
@@ -182,6 +283,9 @@ class Engine:
             seq.num_computed_tokens += s.num_tokens - len(s.draft) + (len(tokens) - 1 if s.draft else 0)
             reason = None
             for token in tokens:
+                if verifying:     # drawn, not yet accepted: advance sampling as plain decoding would
+                    state.sampling.accept(*token)
+                    token = token.token
                 reason = state.append(int(token))
                 self.stats["generated_tokens"] += 1
                 if reason is not None:
@@ -198,37 +302,55 @@ class Engine:
             deltas.append(state.delta(None))
         return deltas
 
-    def _forward_and_verify(self, batch, sampling, states: list[RequestState]) -> list[list[int]]:
-        """A step with verify blocks (every sampling row is history-independent, see
-        Speculator.eligible): each block's rows become its emitted tokens, other rows one token."""
-        greedy = all(st.params.greedy for st in states)
-        rows = self.backend.forward_greedy(batch) if greedy else np.asarray(self.backend.forward(batch))
-        out, r = [], 0
-        for s, st in zip(sampling, states):
-            n = 1 + len(s.draft)
-            block = rows[r:r + n]
-            r += n
-            if s.draft:
-                tokens = self.speculator.accept(s.seq, st, None if greedy else block, block if greedy else None,
-                                                s.draft, lambda row, p=st.params: filter_probs(row, p, self.min_p_floor))
-            elif greedy:
-                tokens = [int(block[0])]
-            else:
-                probs = filter_probs(block[0], st.params, self.min_p_floor)
-                tokens = [int(self.speculator.rng(st).choice(probs.size, p=probs))]
-            for t in tokens:
-                st.sampling.accept(int(t))
-            out.append(tokens)
-        return out
+    def _forward_and_verify(self, batch, sampling, states: list[RequestState]) -> list[list[Drawn]]:
+        """A step with verify blocks (metrale/spec/speculator.py): row j of a block is sampled as
+        plain decoding would sample it after the block's first j drafts (penalties, bias, min_tokens,
+        grammar mask, forced tokens, logprobs, the seeded draw of that step); each block emits its
+        accepted tokens, other rows one token. SamplingStates are advanced by the caller."""
+        rows = self.speculator.rows(sampling, states)
+        if self.sampler.plain_greedy(rows):
+            drawn = [Drawn(int(t)) for t in self.backend.forward_greedy(batch)]
+            return self.speculator.accept_blocks(sampling, rows, drawn)
+        self.sampler.start_masks(rows)
+        try:
+            logits = self.sampler.forward(self.backend, batch, rows)
+        finally:
+            masks = self.sampler.finish_masks()
+        drawn, packed = self.sampler.draw(logits, rows, masks)
+        return self.speculator.accept_blocks(sampling, rows, drawn,
+                                             lambda r: self.sampler.row_distribution(logits, packed, r))
 
     def _finish_delta(self, request_id: str, reason: str | None) -> StreamDelta:
         state = self.requests.pop(request_id)
         if self.speculator is not None:
             self.speculator.release(state.seq)
         delta = state.delta(reason or "abort")
-        if request_id in self._collect:
+        group = self._groups.get(state.group) if state.group is not None else None
+        if group is not None:
+            group.outputs[request_id] = state.output()
+            if len(group.outputs) == len(group.children):
+                self._finish_group(group)
+        elif request_id in self._collect:
             self._collect[request_id] = state.output()
         return delta
+
+    def _finish_group(self, group: _Group) -> None:
+        del self._groups[group.request_id]
+        outs = [group.outputs[c] for c in group.children]
+        leader = outs[0]                       # it computed the whole prompt
+        chosen = [dataclasses.replace(o, index=i, prompt_logprobs=leader.prompt_logprobs)
+                  for i, o in enumerate(fanout.select(outs, group.params))]
+        metrics = {"time_to_first_token": min(o.metrics["time_to_first_token"] for o in outs),
+                   "latency": max(o.metrics["latency"] for o in outs),
+                   "num_preemptions": sum(o.metrics["num_preemptions"] for o in outs),
+                   "num_generated_tokens": sum(len(o.token_ids) for o in outs)}
+        parent = dataclasses.replace(chosen[0], request_id=group.request_id, metrics=metrics)
+        parent.outputs = chosen
+        if group.hidden:
+            self._outbox.extend(StreamDelta(group.request_id, o.text, o.token_ids, o.finish_reason, o.index,
+                                            o.logprobs) for o in chosen)
+        if group.request_id in self._collect:
+            self._collect[group.request_id] = parent
 
     def _forward_and_sample(self, batch, states: list[RequestState]) -> np.ndarray:
         """One forward, then the sampling pipeline (metrale/sampling/sampler.py). Grammar bitmasks
@@ -248,6 +370,7 @@ class Engine:
     # ------------------------------------------------------------ convenience API
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
                  *, chat: bool = False, use_tqdm: bool = True) -> list[RequestOutput]:
+        """One RequestOutput per prompt; with n > 1 its `outputs` holds the n completions."""
         if isinstance(prompts, str) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1):
             prompts = [prompts]
         prompts = list(prompts)
@@ -257,34 +380,44 @@ class Engine:
             raise InvalidRequestError(f"params: {len(params)} SamplingParams for {len(prompts)} prompts")
         for sp in params:
             sp.validate(self.model_config.vocab_size)   # refuse the batch before any request starts
-        ids = [self.add_request(p, sp, chat=chat) for p, sp in zip(prompts, params)]
+        ids = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.add_request(p, sp, chat=chat))
+        except BaseException:
+            for i in ids:
+                self.abort_completions(i)
+            raise
         self._collect.update({i: None for i in ids})
         bar = _progress(len(ids), use_tqdm)
         try:
-            while any(self._collect[i] is None for i in ids):
-                for delta in self.step():
-                    if delta.finished and bar is not None:
-                        bar.update(1)
+            done = 0
+            while done < len(ids):
+                self.poll()
+                now = sum(self._collect[i] is not None for i in ids)
+                if bar is not None and now > done:
+                    bar.update(now - done)
+                done = now
         finally:
             if bar is not None:
                 bar.close()
             for i in ids:
-                if i in self.requests:
-                    self.abort(i)
+                if self.is_running(i):
+                    self.abort_completions(i)
         return [self._collect.pop(i) for i in ids]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = False) -> Iterator[StreamDelta]:
+        """Deltas of one request until it ends; with n > 1 they interleave, told apart by `index`
+        (best_of > n: the n selected completions come whole at the end)."""
         rid = self.add_request(prompt, params, chat=chat)
         try:
-            while True:
-                for delta in self.step():
+            while self.is_running(rid):
+                for delta in self.poll():
                     if delta.request_id == rid:
                         yield delta
-                        if delta.finished:
-                            return
         finally:
-            if rid in self.requests:
-                self.abort(rid)
+            if self.is_running(rid):
+                self.abort_completions(rid)
 
     async def astream(self, prompt: Prompt, params: SamplingParams | None = None, *,
                       chat: bool = False) -> AsyncIterator[StreamDelta]:

@@ -32,6 +32,10 @@ class RequestState:
         self.tokens_emitted = 0
         self.t_arrival = time.perf_counter()
         self.t_first_token: float | None = None
+        self.public_id = seq.request_id   # the id its deltas carry (a request with n > 1: the parent's)
+        self.index = 0                    # which completion of that request
+        self.group: str | None = None     # the id of the request with n > 1 it is a candidate of
+        self.on_first_delta = None        # called once, at the first delta (n > 1: start the siblings)
 
     @property
     def eos_masked(self) -> bool:
@@ -62,6 +66,9 @@ class RequestState:
         return None
 
     def delta(self, finish_reason: str | None) -> StreamDelta:
+        if self.on_first_delta is not None:
+            start, self.on_first_delta = self.on_first_delta, None
+            start()
         if finish_reason is None:
             upto = max(self.emitted, len(self.text) - self.holdback)
         else:
@@ -70,15 +77,21 @@ class RequestState:
             upto = len(self.text)
         text = self.text[self.emitted:upto]
         self.emitted = upto
-        toks = self.seq.output_array()[self.tokens_emitted:]
-        self.tokens_emitted = len(self.seq.output_token_ids)
-        return StreamDelta(self.seq.request_id, text, toks, finish_reason)
+        first, last = self.tokens_emitted, len(self.seq.output_token_ids)
+        toks = self.seq.output_array()[first:]
+        self.tokens_emitted = last
+        lps = self.sampling.logprobs
+        return StreamDelta(self.public_id, text, toks, finish_reason, self.index,
+                           lps[first:last] if lps is not None else None)
 
     def output(self) -> RequestOutput:
         now = time.perf_counter()
         metrics = {"time_to_first_token": (self.t_first_token or now) - self.t_arrival,
                    "latency": now - self.t_arrival, "num_preemptions": self.seq.num_preemptions}
+        fields = self.sampling.output_fields()
+        if fields.get("logprobs") is not None:   # one entry per kept token (not those after a stop)
+            fields["logprobs"] = fields["logprobs"][:len(self.seq.output_token_ids)]
         return RequestOutput(self.seq.request_id, self.seq.prompt,
                              np.asarray(self.seq.prompt_token_ids, dtype=np.int32), self.text,
                              self.seq.output_array(), self.seq.finish_reason or "abort", metrics,
-                             **self.sampling.output_fields())
+                             index=self.index, **fields)

@@ -274,8 +274,8 @@ def _cmpl(**kw):
     ("completions", _cmpl(logit_bias={"the": 1}), "logit_bias", "token id"),
     ("completions", _cmpl(stop_token_ids=[5, 10**6]), "stop_token_ids", "stop_token_ids: "),
     ("completions", _cmpl(prompt="x" * 5000), "prompt", "4096"),
-    ("completions", _cmpl(n=2), "n", "n: "),
-    ("completions", _cmpl(logprobs=2), "logprobs", "not supported"),
+    ("completions", _cmpl(n=0), "n", "n/best_of: "),
+    ("completions", _cmpl(logprobs=21), "logprobs", "logprobs: "),
     ("chat/completions", _chat(max_completion_tokens=-1), "max_completion_tokens", "max_tokens: "),
     ("chat/completions", _chat(messages="hi"), "messages", "non-empty array"),
     ("chat/completions", _chat(messages=[{"role": "wizard", "content": "x"}]), "messages", "role"),
@@ -286,7 +286,7 @@ def _cmpl(**kw):
     ("chat/completions", _chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}),
      "response_format", "schema"),
     ("chat/completions", _chat(tool_choice="required"), "tool_choice", "needs tools"),
-    ("chat/completions", _chat(logprobs=True, top_logprobs=2), "logprobs", "not supported"),
+    ("chat/completions", _chat(logprobs=True, top_logprobs=21), "top_logprobs", "logprobs: "),
     ("chat/completions", _chat(stream_options={"include_usage": True}), "stream_options", "stream=true"),
 ])
 def test_bad_requests_get_openai_errors(fake, path, body, param, needle):

@@ -82,21 +82,68 @@ def exact_plain():
     return eng, eng.generate(REPETITIVE, greedy(12), use_tqdm=False)
 
 
+def twin(plain_engine, spec: dict) -> Engine:
+    """A speculative engine over the same loaded float64 weights (a fresh backend, its own KV pool)."""
+    be = plain_engine.backend
+    from metrale.settings import compose, to_overrides
+    cfg = compose(to_overrides({"device": "cpu", "levers": {"numpy_dtype": "float64"}, "spec": spec}))
+    from metrale.runtime.numpy_backend import NumpyBackend
+    backend = NumpyBackend(be.config, be.weights.items(), num_blocks=256, block_size=be.block_size, dtype="float64")
+    return Engine(cfg=cfg, parts=(be.config, plain_engine.tokenizer, backend))
+
+
 @pytest.mark.parametrize("method, extra", [("ngram", {}), ("self", {"self_layers": 10})])
 def test_smollm2_greedy_speculative_equals_plain(exact_plain, method, extra):
     plain_engine, plain = exact_plain
-    be = plain_engine.backend
-    cfg_spec = {"method": method, "num_drafts": 4, **extra}
-    from metrale.settings import compose, to_overrides
-    cfg = compose(to_overrides({"device": "cpu", "levers": {"numpy_dtype": "float64"}, "spec": cfg_spec}))
-    # share the loaded weights: a fresh backend over the same arrays, its own KV pool
-    from metrale.runtime.numpy_backend import NumpyBackend
-    twin = NumpyBackend(be.config, be.weights.items(), num_blocks=256, block_size=be.block_size, dtype="float64")
-    eng = Engine(cfg=cfg, parts=(be.config, plain_engine.tokenizer, twin))
+    eng = twin(plain_engine, {"method": method, "num_drafts": 4, **extra})
     outs = eng.generate(REPETITIVE, greedy(12), use_tqdm=False)
     for a, b in zip(plain, outs):
         np.testing.assert_array_equal(a.token_ids, b.token_ids)
     assert eng.speculator.stats()["verifies"] > 0
+    eng.blocks.check_no_leaks([])
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+CONTROL_PROMPTS = REPETITIVE + ["The cat sat on the mat. The dog sat on the log. The cat sat on the",
+                                "1, 2, 3, 4, 1, 2, 3, 4, 1,",
+                                'Ann as JSON: {"name": "Ann", "age": 31}\n'
+                                'Bob as JSON: {"name": "Bob", "age": 42}\nCid as JSON: ']
+
+
+def control_params(tokenizer) -> list[SamplingParams]:
+    g = dict(max_tokens=10, temperature=0.0, ignore_eos=True)
+    dog = tokenizer.encode(" dog")[-1]
+    return [SamplingParams(**g, repetition_penalty=1.3),
+            SamplingParams(**g, presence_penalty=0.6, frequency_penalty=0.4),
+            SamplingParams(**g, logit_bias={dog: 4.0}, logprobs=3),
+            SamplingParams(**{**g, "ignore_eos": False}, min_tokens=8, logprobs=2),
+            SamplingParams(**g, repetition_penalty=1.1, presence_penalty=0.3, logit_bias={dog: -5.0}),
+            SamplingParams(**{**g, "max_tokens": 16, "ignore_eos": False}, json_schema=PERSON, logprobs=1)]
+
+
+@pytest.fixture(scope="module")
+def controls_plain(exact_plain):
+    plain_engine, _ = exact_plain
+    return plain_engine.generate(CONTROL_PROMPTS, control_params(plain_engine.tokenizer), use_tqdm=False)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "replay"])
+def test_smollm2_controls_speculative_equals_plain(exact_plain, controls_plain, drafter):
+    """Penalties, logit_bias, min_tokens, logprobs and a JSON schema: the speculative run gives the
+    plain run's tokens, and the logprobs of the accepted tokens within 1e-6 (float64 NumPy)."""
+    from test_spec_controls import Replay, assert_same
+    plain_engine, _ = exact_plain
+    eng = twin(plain_engine, {"method": "ngram", "num_drafts": 4})
+    if drafter == "replay":
+        record = {tuple(o.prompt_token_ids.tolist()): list(o.token_ids) for o in controls_plain}
+        eng.speculator.drafter = Replay(record, eng.model_config.vocab_size, 0.3)
+    outs = eng.generate(CONTROL_PROMPTS, control_params(plain_engine.tokenizer), use_tqdm=False)
+    assert_same(controls_plain, outs)
+    assert controls_plain[-1].text.startswith('{"name": "')
+    stats = eng.speculator.stats()
+    assert stats["accepted"] > 0
     eng.blocks.check_no_leaks([])
 
 

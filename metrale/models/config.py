@@ -33,6 +33,104 @@ class ModelConfig:
     min_p_floor: float = 0.0         # per-model floor for min_p (sampling issue)
     name: str = ""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
+    # Hybrid models (Qwen3-Next style; docs/hybrid.md). layer_types[i] is "full_attention" or
+    # "linear_attention" (Gated DeltaNet); () means every layer is full attention.
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    rotary_dim: int = 0              # partial RoPE: rotate the first rotary_dim dims; 0 = head_dim
+    attn_output_gate: bool = False   # Qwen3-Next: attention output * sigmoid(gate projection)
+    # ---- DeepSeek-V2/V3 (docs/deepseek.md); all optional, the defaults mean "not used"
+    # MLA: kv_lora_rank > 0 turns it on; the latent cache holds kv_lora_rank + qk_rope_head_dim
+    # values per token and layer (num_kv_heads = 1, head_dim = qk_nope_head_dim + qk_rope_head_dim).
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # MoE: n_routed_experts > 0 turns it on for layers >= first_k_dense_replace (every
+    # moe_layer_freq-th); the others are dense MLPs of intermediate_size.
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    scoring_func: str = "softmax"            # softmax | sigmoid
+    topk_method: str = "greedy"              # greedy | group_limited_greedy | noaux_tc
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_routed_experts > 0
+
+    @property
+    def latent_dim(self) -> int:
+        """Values per token and layer in the MLA latent cache: compressed KV + the shared RoPE key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (self.is_moe and layer >= self.first_k_dense_replace
+                and (layer - self.first_k_dense_replace) % self.moe_layer_freq == 0)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return "linear_attention" in self.layer_types
+
+    def is_linear_layer(self, i: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[i] == "linear_attention"
+
+    def kv_layer(self, i: int) -> int:
+        """Index of layer i among the full-attention layers (its slice of the KV cache)."""
+        if not self.is_hybrid:
+            return i
+        return sum(1 for t in self.layer_types[:i] if t != "linear_attention")
+
+    def state_layer(self, i: int) -> int:
+        """Index of layer i among the linear-attention layers (its slice of the state pool)."""
+        return sum(1 for t in self.layer_types[:i] if t == "linear_attention")
+
+    @property
+    def num_state_layers(self) -> int:
+        return sum(1 for t in self.layer_types if t == "linear_attention")
+
+    @property
+    def num_kv_layers(self) -> int:
+        return self.num_layers - self.num_state_layers
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the short convolution: q | k | v of a Gated DeltaNet layer."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def linear_proj_size(self) -> int:
+        """Rows of a Gated DeltaNet input projection: q | k | v | z | b | a."""
+        return self.linear_conv_dim + self.linear_value_dim + 2 * self.linear_num_value_heads
+
+    def state_bytes_per_slot(self, dtype_bytes: int = 4) -> int:
+        """Conv state + recurrent state of one sequence over all linear-attention layers."""
+        per_layer = (self.linear_conv_dim * (self.linear_conv_kernel_dim - 1)
+                     + self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim)
+        return self.num_state_layers * per_layer * dtype_bytes
 
     @property
     def q_size(self) -> int:
@@ -44,9 +142,32 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        per_layer = d * (self.q_size + 2 * self.kv_size) + self.q_size * d + 3 * d * f + 2 * d
         head = 0 if self.tie_word_embeddings else v * d
-        return v * d + self.num_layers * per_layer + d + head
+        if not (self.is_mla or self.is_moe or self.is_hybrid or self.attn_output_gate):
+            per_layer = d * (self.q_size + 2 * self.kv_size) + self.q_size * d + 3 * d * f + 2 * d
+            return v * d + self.num_layers * per_layer + d + head
+        total = v * d + d + head
+        for i in range(self.num_layers):
+            if self.is_linear_layer(i):
+                total += (d * self.linear_proj_size + self.linear_conv_dim * self.linear_conv_kernel_dim
+                          + 2 * self.linear_num_value_heads + self.linear_value_head_dim + self.linear_value_dim * d)
+            elif self.is_mla:
+                h, qk = self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim
+                ql = self.q_lora_rank
+                total += (d * ql + ql + ql * h * qk) if ql else d * h * qk
+                total += d * self.latent_dim + self.kv_lora_rank
+                total += self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim) + h * self.v_head_dim * d
+            else:
+                total += d * (self.q_size + 2 * self.kv_size) + self.q_size * d * (2 if self.attn_output_gate else 1)
+            if self.is_moe_layer(i):
+                fm, e = self.moe_intermediate_size, self.n_routed_experts
+                total += (e + self.n_shared_experts) * 3 * d * fm + e * d + (e if self.topk_method == "noaux_tc" else 0)
+            else:
+                total += 3 * d * f
+            total += 2 * d
+        return total
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        return 2 * self.num_layers * self.kv_size * dtype_bytes
+        if self.is_mla:
+            return self.num_layers * self.latent_dim * dtype_bytes
+        return 2 * self.num_kv_layers * self.kv_size * dtype_bytes

@@ -1,7 +1,11 @@
 """The Llama/Qwen-family decoder forward, written once against the Ops interface.
 
 Each backend supplies Ops bound to one ForwardBatch; the model never sees devices, streams or
-KV layouts. Dense Llama, Qwen2 (qkv bias) and Qwen3 (per-head q/k norm) share this code path.
+KV layouts. Dense Llama, Qwen2 (qkv bias) and Qwen3 (per-head q/k norm) share this code path, and
+so do hybrid models (Qwen3-Next style, docs/hybrid.md): a layer whose config.layer_types entry is
+"linear_attention" mixes tokens with a Gated DeltaNet (ops.gated_delta_net, state kept per
+segment in its state slot) instead of paged attention; attention layers index the KV cache by
+their rank among the attention layers (config.kv_layer).
 The residual stream is updated by the o and down products themselves (linear_residual), so a
 layer is nine ops: norm, qkv, rope+store, attention, o(+res), norm, gate_up, silu*mul, down(+res).
 """
@@ -23,6 +27,10 @@ class Ops(Protocol):
     def attention(self, q: Tensor, layer: int) -> Tensor: ...
     def silu_mul(self, gate_up: Tensor) -> Tensor: ...
     def logits_rows(self, x: Tensor) -> Tensor: ...
+    # hybrid models only
+    def sigmoid_mul(self, x: Tensor, gate: Tensor) -> Tensor: ...
+    def gated_delta_net(self, proj: Tensor, layer: int, conv: Tensor, a_log: Tensor, dt_bias: Tensor,
+                        norm: Tensor) -> Tensor: ...
 
 
 def llama_forward(ops: Ops, w: dict[str, Tensor], config: ModelConfig, num_layers: int | None = None,
@@ -35,9 +43,17 @@ def llama_forward(ops: Ops, w: dict[str, Tensor], config: ModelConfig, num_layer
     for i in range(config.num_layers if num_layers is None else num_layers):
         p = f"layers.{i}."
         h = ops.rms_norm(residual, w[p + "attn_norm"])
-        q = ops.qkv_to_cache(ops.linear(h, w[p + "qkv"], w.get(p + "qkv_bias")), i,
-                             w.get(p + "q_norm"), w.get(p + "k_norm"))
-        residual = ops.linear_residual(ops.attention(q, i), w[p + "o"], residual)
+        if config.is_linear_layer(i):
+            mixed = ops.gated_delta_net(ops.linear(h, w[p + "lin_in"]), config.state_layer(i), w[p + "lin_conv"],
+                                        w[p + "lin_a_log"], w[p + "lin_dt_bias"], w[p + "lin_norm"])
+        else:
+            kv = config.kv_layer(i)
+            q = ops.qkv_to_cache(ops.linear(h, w[p + "qkv"], w.get(p + "qkv_bias")), kv,
+                                 w.get(p + "q_norm"), w.get(p + "k_norm"))
+            mixed = ops.attention(q, kv)
+            if p + "attn_gate" in w:
+                mixed = ops.sigmoid_mul(mixed, ops.linear(h, w[p + "attn_gate"]))
+        residual = ops.linear_residual(mixed, w[p + "o"], residual)
         h = ops.rms_norm(residual, w[p + "mlp_norm"])
         residual = ops.linear_residual(ops.silu_mul(ops.linear(h, w[p + "gate_up"])), w[p + "down"], residual)
     rows = ops.logits_rows(residual)

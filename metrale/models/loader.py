@@ -110,8 +110,12 @@ def _replace(config: ModelConfig, **changes) -> ModelConfig:
 
 def hf_model_config(cfg: dict, name: str = "") -> ModelConfig:
     arch = str(cfg.get("model_type", "llama"))
+    from metrale.models.hybrid import HYBRID_TYPES, hybrid_model_config
+    if arch in HYBRID_TYPES:
+        return hybrid_model_config(cfg, name)
     if arch not in ("llama", "qwen2", "qwen3", "mistral"):
-        raise ValueError(f"unsupported model_type '{arch}' (supported: llama, qwen2, qwen3, mistral)")
+        raise ValueError(f"unsupported model_type '{arch}' (supported: llama, qwen2, qwen3, mistral, "
+                         f"{', '.join(HYBRID_TYPES)})")
     heads = int(cfg["num_attention_heads"])
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -150,6 +154,10 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict, Callable[[], WeightStrea
             return _to_f32(st.get_tensor(key))
 
     def stream() -> WeightStream:
+        if config.is_hybrid:
+            from metrale.models.hybrid import hybrid_weight_stream
+            yield from hybrid_weight_stream(config, get, where.__contains__)
+            return
         yield "embed", get("model.embed_tokens.weight")
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -187,6 +195,10 @@ def random_model_config(preset: dict, name: str) -> ModelConfig:
 
 def random_weights(config: ModelConfig, seed: int = 0) -> WeightStream:
     """Host-side random weights with sane scales (the CUDA backend builds its own on the device)."""
+    if config.is_hybrid:
+        from metrale.models.hybrid import random_hybrid_weights
+        yield from random_hybrid_weights(config, seed)
+        return
     rng = np.random.default_rng(seed)
     d, f = config.hidden_size, config.intermediate_size
 
@@ -209,3 +221,128 @@ def random_weights(config: ModelConfig, seed: int = 0) -> WeightStream:
     yield "final_norm", np.ones(d, dtype=np.float32)
     if not config.tie_word_embeddings:
         yield "lm_head", normal(config.vocab_size, d, fan_in=d)
+
+
+# ------------------------------------------------------------------ DeepSeek-V2/V3 (MLA + MoE)
+
+DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+
+
+def is_deepseek_config(cfg: dict) -> bool:
+    return str(cfg.get("model_type", "")) in DEEPSEEK_MODEL_TYPES
+
+
+def deepseek_model_config(cfg: dict, name: str = "") -> ModelConfig:
+    """ModelConfig of a DeepSeek-V2/V3-style config.json (docs/deepseek.md). num_kv_heads = 1
+    and head_dim = qk_nope + qk_rope: the latent cache is one shared "kv head" per token.
+    routed_scaling_factor is applied after normalisation (V3); a V2 config that normalises
+    (norm_topk_prob) never scaled, so its factor becomes 1."""
+    arch = str(cfg.get("model_type", ""))
+    if arch not in DEEPSEEK_MODEL_TYPES:
+        raise ValueError(f"not a DeepSeek config: model_type '{arch}' (expected one of {DEEPSEEK_MODEL_TYPES})")
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    nope, rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
+    norm = bool(cfg.get("norm_topk_prob", False))
+    scaling = float(cfg.get("routed_scaling_factor", 1.0) or 1.0)
+    if arch == "deepseek_v2" and norm:
+        scaling = 1.0
+    n_routed = int(cfg.get("n_routed_experts") or 0)
+    q_lora = cfg.get("q_lora_rank")
+    return ModelConfig(
+        architecture=arch, vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=int(cfg["num_attention_heads"]), num_kv_heads=1, head_dim=nope + rope,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rope_interleaved=True, max_position=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, name=name,
+        extra={"rope_scaling": cfg.get("rope_scaling")},
+        q_lora_rank=int(q_lora) if q_lora else None, kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=int(cfg["v_head_dim"]),
+        n_routed_experts=n_routed, num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+        n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+        first_k_dense_replace=int(cfg.get("first_k_dense_replace", 0)),
+        moe_layer_freq=int(cfg.get("moe_layer_freq", 1)),
+        scoring_func=str(cfg.get("scoring_func", "softmax")),
+        topk_method=str(cfg.get("topk_method", "greedy")),
+        n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
+        norm_topk_prob=norm, routed_scaling_factor=scaling,
+    )
+
+
+def load_deepseek_dir(path: Path, expert_range: tuple[int, int] | None = None
+                      ) -> tuple[ModelConfig, dict, Callable[[], WeightStream]]:
+    """A DeepSeek-V2/V3 safetensors directory (bf16/f32 tensors; FP8 block-scaled checkpoints
+    are not read yet). Canonical names (docs/deepseek.md):
+      layers.{i}.attn_norm, .q_a, .q_a_norm, .q_b (or .q without q_lora_rank), .kv_a, .kv_a_norm,
+      .kv_b, .o, .mlp_norm; dense layers .gate_up, .down; MoE layers .router [E, D],
+      .router_bias [E] (noaux_tc), .experts_gate_up [E', 2F, D], .experts_down [E', D, F] (E' =
+      the experts of expert_range, all by default: an expert-parallel rank loads only its own),
+      .shared_gate_up, .shared_down. Layers past num_hidden_layers (MTP heads) are skipped."""
+    from safetensors import safe_open
+    cfg = json.loads((path / "config.json").read_text())
+    config = deepseek_model_config(cfg, name=path.name)
+    lo, hi = expert_range or (0, config.n_routed_experts)
+    if not 0 <= lo <= hi <= config.n_routed_experts:
+        raise ValueError(f"expert range {lo}..{hi} outside the {config.n_routed_experts} experts")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors files")
+    where: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="numpy") as st:
+            where.update({k: f for k in st.keys()})
+    if "lm_head.weight" not in where and not config.tie_word_embeddings:
+        config = _replace(config, tie_word_embeddings=True)
+
+    def get(key: str) -> np.ndarray:
+        if key not in where:
+            raise ValueError(f"{path}: tensor '{key}' missing")
+        with safe_open(str(where[key]), framework="numpy") as st:
+            return _to_f32(st.get_tensor(key))
+
+    def mlp(prefix: str) -> tuple[np.ndarray, np.ndarray]:
+        return np.concatenate([get(prefix + "gate_proj.weight"), get(prefix + "up_proj.weight")]), \
+            get(prefix + "down_proj.weight")
+
+    def stream() -> WeightStream:
+        yield "embed", get("model.embed_tokens.weight")
+        for i in range(config.num_layers):
+            p, a, q = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"layers.{i}."
+            yield q + "attn_norm", get(p + "input_layernorm.weight")
+            if config.q_lora_rank:
+                yield q + "q_a", get(a + "q_a_proj.weight")
+                yield q + "q_a_norm", get(a + "q_a_layernorm.weight")
+                yield q + "q_b", get(a + "q_b_proj.weight")
+            else:
+                yield q + "q", get(a + "q_proj.weight")
+            yield q + "kv_a", get(a + "kv_a_proj_with_mqa.weight")
+            yield q + "kv_a_norm", get(a + "kv_a_layernorm.weight")
+            yield q + "kv_b", get(a + "kv_b_proj.weight")
+            yield q + "o", get(a + "o_proj.weight")
+            yield q + "mlp_norm", get(p + "post_attention_layernorm.weight")
+            if not config.is_moe_layer(i):
+                gate_up, down = mlp(p + "mlp.")
+                yield q + "gate_up", gate_up
+                yield q + "down", down
+                continue
+            yield q + "router", get(p + "mlp.gate.weight")
+            if p + "mlp.gate.e_score_correction_bias" in where:
+                yield q + "router_bias", get(p + "mlp.gate.e_score_correction_bias")
+            experts = [mlp(p + f"mlp.experts.{e}.") for e in range(lo, hi)]
+            yield q + "experts_gate_up", np.stack([g for g, _ in experts]) if experts else \
+                np.zeros((0, 2 * config.moe_intermediate_size, config.hidden_size), np.float32)
+            yield q + "experts_down", np.stack([d for _, d in experts]) if experts else \
+                np.zeros((0, config.hidden_size, config.moe_intermediate_size), np.float32)
+            del experts
+            if config.n_shared_experts:
+                gate_up, down = mlp(p + "mlp.shared_experts.")
+                yield q + "shared_gate_up", gate_up
+                yield q + "shared_down", down
+        yield "final_norm", get("model.norm.weight")
+        if not config.tie_word_embeddings:
+            yield "lm_head", get("lm_head.weight")
+
+    return config, cfg, stream

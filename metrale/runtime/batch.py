@@ -17,6 +17,9 @@ class Segment:
     start_pos: int             # position of token_ids[0]
     block_table: np.ndarray    # int32 [num_blocks of the sequence]
     logits: str = "last"       # "last" | "all" | "none": which of this segment's rows need logits
+    state_slot: int = -1       # hybrid models: the sequence's state slot (cache/state_slots.py)
+    state_checkpoint: int = -1 # hybrid models: a checkpoint taken before this verify block, which
+                               # records the block's inputs for a partial rollback (docs/hybrid.md)
 
 
 @dataclass
@@ -30,6 +33,8 @@ class ForwardBatch:
     block_tables: np.ndarray     # int32 [S, max_blocks] (padded with 0)
     logits_indices: np.ndarray   # int32 [R]
     block_size: int
+    state_slots: np.ndarray | None = None        # int32 [S] (-1: none); hybrid models
+    state_checkpoints: np.ndarray | None = None  # int32 [S] (-1: none); hybrid models
 
     @property
     def num_tokens(self) -> int:
@@ -77,5 +82,8 @@ def build_batch(segments: list[Segment], block_size: int) -> ForwardBatch:
             rows.append(np.arange(a, b, dtype=np.int32))
     logits_indices = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int32)
     context_lens = np.array([s.start_pos + n for s, n in zip(segments, lens)], dtype=np.int32)
+    state_slots = np.array([s.state_slot for s in segments], dtype=np.int32)
+    state_checkpoints = np.array([s.state_checkpoint for s in segments], dtype=np.int32)
     return ForwardBatch(token_ids, positions, slot_mapping.astype(np.int32), token_seq, starts,
-                        context_lens, tables, logits_indices.astype(np.int32), block_size)
+                        context_lens, tables, logits_indices.astype(np.int32), block_size,
+                        state_slots, state_checkpoints)

@@ -339,6 +339,13 @@ class CudaBackend:
         self.stream.synchronize()
         return host
 
+    def forward_device(self, batch: ForwardBatch, num_layers: int | None = None):
+        """Runs the step; returns its logits on the device, [R, V] float32, not copied to the host:
+        a view of the backend's buffer, valid until the next step, written on `self.stream` (work
+        queued on that stream after this call sees them)."""
+        self._execute(batch, num_layers)
+        return self.act[f"out{self.config.vocab_size}"][:len(batch.logits_indices)]
+
     def forward(self, batch: ForwardBatch, num_layers: int | None = None, return_hidden: bool = False):
         self._execute(batch, num_layers)
         R = len(batch.logits_indices)

@@ -14,8 +14,9 @@ from metrale.runtime.batch import ForwardBatch
 
 
 def rope_cos_sin(config: ModelConfig, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    half = config.head_dim // 2
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(half, dtype=np.float64) * 2.0 / config.head_dim))
+    rot = config.rotary_dim or config.head_dim      # partial RoPE rotates the first rot dims
+    half = rot // 2
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(half, dtype=np.float64) * 2.0 / rot))
     scaling = (config.extra or {}).get("rope_scaling") or {}
     if scaling.get("rope_type", scaling.get("type")) == "llama3":
         inv_freq = _llama3_scaling(inv_freq, scaling)
@@ -34,7 +35,10 @@ def _llama3_scaling(inv_freq: np.ndarray, s: dict) -> np.ndarray:
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
-    """x [T, H, hd]; cos/sin [T, hd/2]."""
+    """x [T, H, hd]; cos/sin [T, rot/2]: the first rot dims rotate, the rest pass (partial RoPE)."""
+    if 2 * cos.shape[-1] < x.shape[-1]:
+        rot = 2 * cos.shape[-1]
+        return np.concatenate([apply_rope(x[..., :rot], cos, sin, interleaved), x[..., rot:]], axis=-1)
     c, s = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
     if interleaved:
         a, b = x[..., 0::2], x[..., 1::2]
@@ -109,20 +113,33 @@ class NumpyOps:
     def logits_rows(self, x):
         return x[self.batch.logits_indices]
 
+    def sigmoid_mul(self, x, gate):
+        return x / (1.0 + np.exp(-gate))
+
+    def gated_delta_net(self, proj, layer, conv, a_log, dt_bias, norm):
+        return self.b.states.gated_delta_net(self.batch, proj, layer, conv, a_log, dt_bias, norm, self.cfg.rms_norm_eps)
+
 
 class NumpyBackend:
     name = "cpu"
 
     def __init__(self, config: ModelConfig, weights: WeightStream, *, num_blocks: int,
-                 block_size: int = 16, dtype: str = "float32"):
+                 block_size: int = 16, dtype: str = "float32", num_state_slots: int = 8,
+                 num_state_checkpoints: int | None = None, state_norm_bound: float = 0.0):
         if dtype not in ("float32", "float64"):
             raise ValueError(f"levers.numpy_dtype must be float32 or float64, not '{dtype}'")
         self.config, self.block_size, self.num_blocks = config, block_size, num_blocks
         self.dtype = np.dtype(dtype)
         self.weights = {name: np.ascontiguousarray(a, dtype=self.dtype) for name, a in weights}
-        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        shape = (config.num_kv_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.k_cache = np.zeros(shape, dtype=self.dtype)
         self.v_cache = np.zeros(shape, dtype=self.dtype)
+        self.states = None   # hybrid models: conv + recurrent state slots and checkpoints (docs/hybrid.md)
+        if config.is_hybrid:
+            from metrale.models.hybrid import HostStatePool
+            ckpts = num_state_slots if num_state_checkpoints is None else num_state_checkpoints
+            self.states = HostStatePool(config, self.weights, num_state_slots, ckpts, self.dtype,
+                                        state_norm_bound=state_norm_bound)
 
     def rope_for(self, batch: ForwardBatch) -> tuple[np.ndarray, np.ndarray]:
         return rope_cos_sin(self.config, batch.positions)
@@ -138,4 +155,5 @@ class NumpyBackend:
     def memory_report(self) -> dict:
         return {"weights_bytes": sum(a.nbytes for a in self.weights.values()),
                 "kv_pool_bytes": self.k_cache.nbytes + self.v_cache.nbytes,
+                "state_pool_bytes": self.states.nbytes if self.states is not None else 0,
                 "kv_pool_tokens": self.num_blocks * self.block_size}

@@ -23,10 +23,7 @@ def _ptr(array) -> int:
 
 def device_logits(backend, batch):
     """Run the forward and return the device logits [R, V] (no copy to the host)."""
-    if hasattr(backend, "forward_device"):
-        return backend.forward_device(batch)
-    backend._execute(batch)      # until the backend grows forward_device: its logits buffer
-    return backend.act[f"out{backend.config.vocab_size}"][:len(batch.logits_indices)]
+    return backend.forward_device(batch)
 
 
 class DevicePipeline:

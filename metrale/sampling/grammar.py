@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import threading
@@ -167,12 +168,21 @@ class GrammarState:
         self.matcher = matcher
         self.tokenizer_words = -(-tokenizer_vocab // 32)
         self.failed = False
+        self._shared = False      # a fork's matcher is its parent's until it consumes a token
+
+    def fork(self) -> "GrammarState":
+        """A look-ahead copy that shares the matcher until its first consume (copy on write)."""
+        g = copy.copy(self)
+        g._shared = True
+        return g
 
     @property
     def stopped(self) -> bool:
         return self.matcher.is_stopped()
 
     def consume(self, token: int) -> bool:
+        if self._shared:
+            self.matcher, self._shared = self.matcher.deep_copy(), False
         ok = self.matcher.consume_token(int(token))
         if not ok:
             self.failed = True

@@ -5,6 +5,7 @@
     logits = sampler.forward(backend, batch)    device logits on CUDA, host logits otherwise
     masks = sampler.finish_masks()
     tokens = sampler.sample(logits, states, masks)
+    drawn, packed = sampler.draw(logits, states, masks)   # the same pipeline, advancing no state
 
 `sample` packs each row's parameters (kernels_numba/sampling.py: fparams/iparams, sparse
 penalty/bias/ban lists, packed uint32 bitmask), runs the one pipeline (NumPy reference on the CPU,
@@ -20,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -167,6 +169,14 @@ class Sampler:
         return rows
 
     def sample(self, logits, states, grammar_masks: np.ndarray | None = None) -> np.ndarray:
+        drawn, _ = self.draw(logits, states, grammar_masks)
+        for st, d in zip(states, drawn):
+            st.sampling.accept(*d)
+        return np.fromiter((d.token for d in drawn), dtype=np.int32, count=len(drawn))
+
+    def draw(self, logits, states, grammar_masks: np.ndarray | None = None) -> tuple[list["Drawn"], PackedRows]:
+        """The pipeline over the rows, advancing no state: each row's token with its logprobs (what
+        `SamplingState.accept` takes), and the packed rows (for `row_distribution`)."""
         rows = self.pack(states, grammar_masks)
         mask = rows.mask if rows.mask is not None else np.zeros((len(states), 1), np.uint32)
         if self.device is not None:
@@ -174,12 +184,12 @@ class Sampler:
         else:
             tokens, lps, top_ids, top_lps = K.sample_rows_ref(np.asarray(logits)[:len(states)], mask, rows.fparams,
                                                               rows.iparams, rows.adj_token, rows.adj_rep, rows.adj_add)
-        out = np.asarray(tokens, dtype=np.int32).copy()
+        out = []
         for r, st in enumerate(states):
             ss = st.sampling
-            tok = int(out[r])
+            tok = int(tokens[r])
             if tok < 0:    # every token was masked out (a grammar at odds with a ban): end the request
-                tok = out[r] = next(iter(ss.eos_ids), 0)
+                tok = next(iter(ss.eos_ids), 0)
                 if not self._warned_empty:
                     log.warning("request %s: no token allowed by its constraints; ending it with EOS",
                                 getattr(getattr(st, "seq", None), "request_id", "?"))
@@ -189,8 +199,53 @@ class Sampler:
                 lp = float(lps[r]) if not np.isnan(lps[r]) else None
                 n = min(int(st.params.logprobs), K.MAX_TOP_LOGPROBS)
                 top = {int(top_ids[r, j]): float(top_lps[r, j]) for j in range(n) if top_ids[r, j] >= 0}
-            ss.accept(tok, lp, top, forced=rows.forced[r] is not None)
-        return out
+            out.append(Drawn(tok, lp, top, rows.forced[r] is not None))
+        return out, rows
+
+    def row_distribution(self, logits, rows: PackedRows, r: int) -> tuple[np.ndarray, np.ndarray]:
+        """(probabilities, raw log-softmax) of row r, float64 [V] each: the distribution `draw`
+        samples row r from (adjustments, mask, temperature, top-k / top-p / min-p; one-hot at the
+        argmax when greedy) and the model's own logprobs. Host NumPy (rejection sampling)."""
+        row = logits[r:r + 1]
+        raw = np.asarray(row.copy_to_host() if hasattr(row, "copy_to_host") else row, dtype=np.float32)[0]
+        f, i = rows.fparams[r], rows.iparams[r]
+        a, b = int(i[K.I_ADJ_START]), int(i[K.I_ADJ_END])
+        x = K.apply_adjustments_ref(raw, f[K.F_REP], rows.adj_token[a:b], rows.adj_rep[a:b], rows.adj_add[a:b])
+        if i[K.I_USE_MASK]:
+            x = np.where(K.bitmask_allows_ref(rows.mask[r], x.size), x, K.NEG_INF)
+        probs = filtered_probs_ref(x, float(f[K.F_INV_TEMP]), int(i[K.I_TOP_K]), float(f[K.F_TOP_P]),
+                                   float(f[K.F_LOG_MIN_P]))
+        lse = K.logprob_stats_ref(raw, 0)[0]
+        return probs, (raw - lse).astype(np.float64)
+
+
+class Drawn(NamedTuple):
+    """One row's outcome, in the order `SamplingState.accept` takes it."""
+    token: int
+    logprob: float | None = None
+    top: dict[int, float] | None = None
+    forced: bool = False
+
+
+def filtered_probs_ref(x: np.ndarray, inv_temp: float, top_k: int, top_p: float, log_min_p: float) -> np.ndarray:
+    """The distribution K.sample_row_ref draws from on adjusted, masked logits x (float64 [V]):
+    softmax of z = (x - max) * inv_temp over the kept set (Gumbel-max samples exactly this);
+    one-hot at the argmax when greedy; all zero when nothing is allowed."""
+    x = np.asarray(x, dtype=np.float32)
+    probs = np.zeros(x.size, np.float64)
+    m = x.max()
+    if m == K.NEG_INF or np.isnan(m):
+        return probs
+    if inv_temp == 0:
+        probs[int(np.argmax(x))] = 1.0
+        return probs
+    z = ((x - m) * np.float32(inv_temp)).astype(np.float32)
+    keys = K.f32_key_ref(z)
+    thr = K.top_p_key_ref(z, keys, K.top_k_key_ref(keys, top_k), top_p)
+    thr = max(thr, K.f32_key_ref(np.array([log_min_p], np.float32))[0])
+    kept = np.flatnonzero((keys >= thr) & (z > K.NEG_INF))
+    probs[kept] = np.exp(z[kept].astype(np.float64))
+    return probs / probs.sum()
 
 
 # ---------------------------------------------------------------------- older host helpers

@@ -11,9 +11,13 @@
 - the first-token policy: `require_tool_call` forces the tool-call START token as the first token
   of the answer (the first token outside a think span);
 - the logprobs of the generated tokens ({token id: logprob} per step) and their cumulative sum.
+
+`fork()` gives the state as it would be after more tokens without touching this one (speculative
+decoding samples each verified position from a fork advanced by the draft tokens before it).
 """
 from __future__ import annotations
 
+import copy
 import secrets
 from dataclasses import dataclass
 
@@ -151,6 +155,16 @@ class SamplingState:
         toks = np.fromiter(add.keys(), dtype=np.int32, count=len(add))
         return (toks, np.fromiter((rep[t] for t in add), dtype=np.int32, count=len(add)),
                 np.fromiter(add.values(), dtype=np.float32, count=len(add)))
+
+    def fork(self) -> "SamplingState":
+        """A look-ahead copy: accept() on it leaves this state as it is (penalty counts copied, the
+        grammar matcher copied on its first token, no logprobs recorded, no prompt logprobs)."""
+        f = copy.copy(self)
+        f.counts = dict(self.counts) if self.penalized else {}
+        f.grammar = self.grammar.fork() if self.grammar is not None else None
+        f.logprobs = f.cumulative_logprob = None
+        f.wants_prompt_logprobs = False
+        return f
 
     # ------------------------------------------------------------ after sampling
     def accept(self, token: int, logprob: float | None = None, top: dict[int, float] | None = None,

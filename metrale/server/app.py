@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from metrale.outputs import StreamDelta
 from metrale.sampling.params import InvalidRequestError
+from metrale.server.logprobs import CompletionLogprobs, TokenText, chat_content
 from metrale.server.loop import EngineLoop, ServerDraining
 from metrale.server.metrics import Metrics
 from metrale.server.parsing import (ChatOutputParser, ParsedChat, inline_tools, template_knows_tools,
@@ -72,17 +73,23 @@ class ClientGone(Exception):
 
 
 class Run:
-    """The engine requests behind one HTTP request (one per prompt), sharing one queue."""
+    """The engine requests behind one HTTP request (one per prompt, each with n completions),
+    sharing one queue. Choice c is completion c % n of prompt c // n."""
 
-    def __init__(self, loop: EngineLoop, request_id: str, count: int):
-        self.loop = loop
+    def __init__(self, loop: EngineLoop, request_id: str, count: int, n: int = 1):
+        self.loop, self.n = loop, n
         self.ids = [request_id if count == 1 else f"{request_id}-{i}" for i in range(count)]
         self.index = {rid: i for i, rid in enumerate(self.ids)}
         self.sink: asyncio.Queue[StreamDelta] = asyncio.Queue()
         self.unfinished: set[str] = set()
+        self.open: dict[str, set[int]] = {rid: set(range(n)) for rid in self.ids}
         self.prompt_tokens = [0] * count
-        self.completion_tokens = [0] * count
+        self.completion_tokens = 0           # every returned choice's tokens
         self.checked = time.monotonic()     # when the client's connection was last checked
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.ids) * self.n
 
     async def start(self, prompts: list, req: ApiRequest, *, chat: bool, arrival: float) -> None:
         for i, (rid, prompt) in enumerate(zip(self.ids, prompts)):
@@ -103,7 +110,8 @@ class Run:
                 raise
 
     async def next(self, request: Request | None = None) -> tuple[int, StreamDelta]:
-        """The next delta of any of the requests; with `request`, a client gone away aborts them."""
+        """(choice index, the next delta of any of the requests); with `request`, a client gone
+        away aborts them."""
         if request is not None and time.monotonic() - self.checked > DISCONNECT_POLL_S:
             self.checked = time.monotonic()
             if await request.is_disconnected():
@@ -123,13 +131,16 @@ class Run:
                         raise ClientGone()
             finally:
                 getter.cancel()
-        self.completion_tokens[self.index[delta.request_id]] += len(delta.token_ids)
+        rid = delta.request_id
+        self.completion_tokens += len(delta.token_ids)
         if delta.finished:
-            self.unfinished.discard(delta.request_id)
-        return self.index[delta.request_id], delta
+            self.open[rid].discard(delta.index)
+            if not self.open[rid]:
+                self.unfinished.discard(rid)
+        return self.index[rid] * self.n + delta.index, delta
 
     def usage(self) -> dict:
-        p, c = sum(self.prompt_tokens), sum(self.completion_tokens)
+        p, c = sum(self.prompt_tokens), self.completion_tokens
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def close(self) -> None:
@@ -175,6 +186,7 @@ class Server:
         self.model_name = self.scfg.served_model_name or str(cfg.model)
         self.aliases = {self.model_name, str(cfg.model), getattr(engine.model_config, "name", "") or self.model_name}
         self.created = int(time.time())
+        self.token_text = TokenText(engine.tokenizer)
 
     # -------------------------------------------------------------------------- helpers
     async def read_json(self, request: Request) -> dict:
@@ -246,25 +258,31 @@ class Server:
         if body.get("suffix"):
             raise bad("suffix", "suffix: not supported")
         rid = f"cmpl-{uuid.uuid4().hex}"
-        run = Run(self.loop, rid, len(prompts))
+        n = req.params.n
+        run = Run(self.loop, rid, len(prompts), n)
         await run.start(prompts, req, chat=False, arrival=arrival)
         echoes = [self._prompt_text(p) if echo else "" for p in prompts]
+        echoes = [echoes[c // n] for c in range(run.num_choices)]           # per choice
+        lps = [CompletionLogprobs(self.token_text, len(e)) if req.params.logprobs is not None else None
+               for e in echoes]
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
         if req.stream:
-            return _SSE(self._completion_events(run, head, echoes, req.include_usage), run)
-        texts, reasons = list(echoes), [None] * len(prompts)
+            return _SSE(self._completion_events(run, head, echoes, lps, req.include_usage), run)
+        texts, reasons = list(echoes), [None] * run.num_choices
         try:
             while run.unfinished:
-                i, delta = await run.next(request)
-                texts[i] += delta.text
-                reasons[i] = delta.finish_reason or reasons[i]
+                c, delta = await run.next(request)
+                texts[c] += delta.text
+                reasons[c] = delta.finish_reason or reasons[c]
+                if lps[c] is not None:
+                    lps[c].add(delta.token_ids, delta.logprobs or [])
         finally:
             run.close()
         for reason in reasons:
             if _error_reason(reason):
                 raise _server_error(reason)
-        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r} for i, (t, r) in
-                   enumerate(zip(texts, reasons))]
+        choices = [{"index": c, "text": t, "logprobs": lp.body() if lp is not None else None, "finish_reason": r}
+                   for c, (t, r, lp) in enumerate(zip(texts, reasons, lps))]
         return JSONResponse({**head, "choices": choices, "usage": run.usage()})
 
     def _prompt_text(self, prompt) -> str:
@@ -273,21 +291,27 @@ class Server:
         decode = getattr(self.engine.tokenizer, "decode", None)
         return decode(prompt) if decode else ""
 
-    async def _completion_events(self, run: Run, head: dict, echoes: list[str],
+    async def _completion_events(self, run: Run, head: dict, echoes: list[str], lps: list,
                                  include_usage: bool) -> AsyncIterator[str]:
         extra = {"usage": None} if include_usage else {}
-        for i, text in enumerate(echoes):
+
+        def chunk(c: int, text: str, finish: str | None = None) -> str:
+            lp = lps[c].take() if lps[c] is not None else None
+            return _event({**head, "choices": [{"index": c, "text": text, "logprobs": lp,
+                                                "finish_reason": finish}], **extra})
+
+        for c, text in enumerate(echoes):
             if text:
-                yield _event({**head, "choices": [{"index": i, "text": text, "logprobs": None,
-                                                   "finish_reason": None}], **extra})
+                yield chunk(c, text)
         while run.unfinished:
-            i, delta = await run.next()
+            c, delta = await run.next()
             if _error_reason(delta.finish_reason):
                 yield _event(_server_error(delta.finish_reason).body())
                 continue
+            if lps[c] is not None:        # held-back text: its tokens go with the next chunk
+                lps[c].add(delta.token_ids, delta.logprobs or [])
             if delta.text or delta.finished:
-                yield _event({**head, "choices": [{"index": i, "text": delta.text, "logprobs": None,
-                                                   "finish_reason": delta.finish_reason}], **extra})
+                yield chunk(c, delta.text, delta.finish_reason)
         if include_usage:
             yield _event({**head, "choices": [], "usage": run.usage()})
         yield "data: [DONE]\n\n"
@@ -303,59 +327,76 @@ class Server:
         if spec.require and hasattr(req.params, "require_tool_call"):
             req.params.require_tool_call = True      # the engine forces the tool-call start token
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        run = Run(self.loop, rid, 1)
+        run = Run(self.loop, rid, 1, req.params.n)
         await run.start([self.chat_prompt(prompt)], req, chat=True, arrival=arrival)
-        parser = ChatOutputParser(reasoning=self.scfg.parse_reasoning, tools=spec.parse, in_reasoning=in_think)
+        parsers = [ChatOutputParser(reasoning=self.scfg.parse_reasoning, tools=spec.parse, in_reasoning=in_think)
+                   for _ in range(run.num_choices)]
+        top = req.params.logprobs                    # None: no logprobs asked
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}
         if req.stream:
-            return _SSE(self._chat_events(run, {**head, "object": "chat.completion.chunk"}, parser,
+            return _SSE(self._chat_events(run, {**head, "object": "chat.completion.chunk"}, parsers, top,
                                           req.include_usage), run)
-        out, reason = ParsedChat(), None
+        outs = [ParsedChat() for _ in parsers]
+        reasons: list[str | None] = [None] * run.num_choices
+        items: list[list] = [[] for _ in parsers]
         try:
             while run.unfinished:
-                _, delta = await run.next(request)
-                out.add(parser.feed(delta.text))
-                reason = delta.finish_reason or reason
+                c, delta = await run.next(request)
+                outs[c].add(parsers[c].feed(delta.text))
+                reasons[c] = delta.finish_reason or reasons[c]
+                if top is not None:
+                    items[c] += chat_content(delta.token_ids, delta.logprobs or [], top, self.token_text)
         finally:
             run.close()
-        if _error_reason(reason):
-            raise _server_error(reason)
-        out.add(parser.finish())
-        message: dict[str, Any] = {"role": "assistant", "content": out.content}
-        if out.reasoning:
-            message["reasoning_content"] = out.reasoning
-        if out.tool_calls:
-            message["tool_calls"] = [c.to_openai() for c in out.tool_calls]
-            message["content"] = out.content.strip() or None
-        choice = {"index": 0, "message": message, "logprobs": None,
-                  "finish_reason": "tool_calls" if out.tool_calls and reason == "stop" else reason}
-        return JSONResponse({**head, "choices": [choice], "usage": run.usage()})
+        for reason in reasons:
+            if _error_reason(reason):
+                raise _server_error(reason)
+        choices = []
+        for c, (out, parser, reason) in enumerate(zip(outs, parsers, reasons)):
+            out.add(parser.finish())
+            message: dict[str, Any] = {"role": "assistant", "content": out.content}
+            if out.reasoning:
+                message["reasoning_content"] = out.reasoning
+            if out.tool_calls:
+                message["tool_calls"] = [t.to_openai() for t in out.tool_calls]
+                message["content"] = out.content.strip() or None
+            choices.append({"index": c, "message": message,
+                            "logprobs": {"content": items[c], "refusal": None} if top is not None else None,
+                            "finish_reason": "tool_calls" if out.tool_calls and reason == "stop" else reason})
+        return JSONResponse({**head, "choices": choices, "usage": run.usage()})
 
-    async def _chat_events(self, run: Run, head: dict, parser: ChatOutputParser,
+    async def _chat_events(self, run: Run, head: dict, parsers: list[ChatOutputParser], top: int | None,
                            include_usage: bool) -> AsyncIterator[str]:
         extra = {"usage": None} if include_usage else {}
+        pending: list[list] = [[] for _ in parsers]     # logprobs of tokens whose text is not sent yet
 
-        def chunk(delta: dict, finish: str | None = None) -> str:
-            return _event({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+        def chunk(c: int, delta: dict, finish: str | None = None) -> str:
+            lp = None
+            if top is not None and (pending[c] or finish is not None):
+                lp, pending[c] = {"content": pending[c], "refusal": None}, []
+            return _event({**head, "choices": [{"index": c, "delta": delta, "logprobs": lp,
                                                 "finish_reason": finish}], **extra})
 
-        yield chunk({"role": "assistant", "content": ""})
-        n_calls = 0
+        for c in range(len(parsers)):
+            yield chunk(c, {"role": "assistant", "content": ""})
+        n_calls = [0] * len(parsers)
         while run.unfinished:
-            _, delta = await run.next()
+            c, delta = await run.next()
             if _error_reason(delta.finish_reason):
                 yield _event(_server_error(delta.finish_reason).body())
                 break
-            events = parser.feed(delta.text) + (parser.finish() if delta.finished else [])
+            if top is not None:
+                pending[c] += chat_content(delta.token_ids, delta.logprobs or [], top, self.token_text)
+            events = parsers[c].feed(delta.text) + (parsers[c].finish() if delta.finished else [])
             for kind, value in events:
                 if kind == "tool_call":
-                    yield chunk({"tool_calls": [value.to_openai(n_calls)]})
-                    n_calls += 1
+                    yield chunk(c, {"tool_calls": [value.to_openai(n_calls[c])]})
+                    n_calls[c] += 1
                 else:
-                    yield chunk({"reasoning_content" if kind == "reasoning" else "content": value})
+                    yield chunk(c, {"reasoning_content" if kind == "reasoning" else "content": value})
             if delta.finished:
                 reason = delta.finish_reason
-                yield chunk({}, "tool_calls" if n_calls and reason == "stop" else reason)
+                yield chunk(c, {}, "tool_calls" if n_calls[c] and reason == "stop" else reason)
         if include_usage:
             yield _event({**head, "choices": [], "usage": run.usage()})
         yield "data: [DONE]\n\n"

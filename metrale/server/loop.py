@@ -1,12 +1,12 @@
 """EngineLoop: the one thread that drives the engine for the HTTP server.
 
 HTTP handlers never touch the engine. They send commands (add, abort, stop) through a
-thread-safe queue; the loop thread applies them between steps, calls `engine.step()` while any
-request is unfinished, and hands each StreamDelta to the asyncio.Queue of the handler that owns
-the request (`call_soon_threadsafe`). With no work it blocks on the command queue.
-Invariants: every request the loop accepted gets exactly one finished delta (its finish reason,
-'abort', or 'error: <why>'), so no handler waits forever; the loop thread is the only caller
-of the engine while it runs.
+thread-safe queue; the loop thread applies them between steps, calls `engine.poll()` (one step)
+while any request is unfinished, and hands each StreamDelta to the asyncio.Queue of the handler
+that owns the request (`call_soon_threadsafe`). With no work it blocks on the command queue.
+Invariants: every completion of a request the loop accepted (n of them; `index` tells them apart)
+gets exactly one finished delta (its finish reason, 'abort', or 'error: <why>'), so no handler
+waits forever; the loop thread is the only caller of the engine while it runs.
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ class _Live:
     aloop: asyncio.AbstractEventLoop
     sink: asyncio.Queue
     arrival: float
+    open: set[int]                        # completions not finished yet (indexes)
     last_token: float | None = None
 
 
@@ -72,7 +73,8 @@ class EngineLoop:
             raise ServerDraining("the server is shutting down")
         aloop = asyncio.get_running_loop()
         done = aloop.create_future()
-        live = _Live(aloop, sink, arrival if arrival is not None else time.perf_counter())
+        live = _Live(aloop, sink, arrival if arrival is not None else time.perf_counter(),
+                     set(range(getattr(params, "n", 1))))
         self._commands.put(("add", request_id, prompt, params, live, done))
         try:
             return await done
@@ -135,7 +137,7 @@ class EngineLoop:
             _, request_id, prompt, params, live, done = cmd
             try:
                 self.engine.add_request(prompt, params, request_id=request_id)
-                n_prompt = len(self.engine.requests[request_id].seq.prompt_token_ids)
+                n_prompt = len(self.engine.prompt_token_ids(request_id))
             except Exception as exc:   # InvalidRequestError (or a tokenizer failure): the handler decides
                 _resolve(live.aloop, done, exc=exc)
                 return True
@@ -144,9 +146,7 @@ class EngineLoop:
                 self.metrics.prompt_tokens += n_prompt
             _resolve(live.aloop, done, value=n_prompt)
         elif kind == "abort":
-            delta = self.engine.abort(cmd[1])
-            if delta is not None:
-                self._dispatch([delta])
+            self._dispatch(self.engine.abort_completions(cmd[1]))
         elif kind == "stop":
             self._finish_all("abort")
             return False
@@ -154,8 +154,8 @@ class EngineLoop:
 
     def _step(self) -> None:
         try:
-            deltas = self.engine.step()
-        except Exception as exc:   # engine.step ends failed forwards itself; this is anything else
+            deltas = self.engine.poll()
+        except Exception as exc:   # the step ends failed forwards itself; this is anything else
             log.exception("engine step failed")
             self._finish_all(f"error: {type(exc).__name__}: {exc}")
             return
@@ -166,14 +166,13 @@ class EngineLoop:
 
     def _finish_all(self, reason: str) -> None:
         deltas = []
-        for request_id in list(self.engine.requests):
-            delta = self.engine.abort(request_id)
-            if delta is not None:
+        for request_id in self.engine.request_ids():
+            for delta in self.engine.abort_completions(request_id):
                 delta.finish_reason = reason
                 deltas.append(delta)
         self._dispatch(deltas)
-        for request_id in list(self._live):   # accepted but unknown to the engine: still answer
-            self._dispatch([StreamDelta(request_id, "", _EMPTY, reason)])
+        for request_id, live in list(self._live.items()):   # accepted but unknown to the engine: still answer
+            self._dispatch([StreamDelta(request_id, "", _EMPTY, reason, i) for i in sorted(live.open)])
 
     def _dispatch(self, deltas: list[StreamDelta]) -> None:
         now = time.perf_counter()
@@ -195,9 +194,11 @@ class EngineLoop:
                         m.itl.observe((now - live.last_token) / n, n)
                     live.last_token = now
                 if delta.finished:
-                    del self._live[delta.request_id]
-                    m.finished[finish_label(delta.finish_reason)] += 1
-                    m.latency.observe(now - live.arrival)
+                    live.open.discard(delta.index)
+                    if not live.open:
+                        del self._live[delta.request_id]
+                        m.finished[finish_label(delta.finish_reason)] += 1
+                        m.latency.observe(now - live.arrival)
                 batches.setdefault(live.aloop, []).append((live.sink, delta))
         for aloop, items in batches.items():
             _call(aloop, _deliver, items)

@@ -146,20 +146,20 @@ def sampling_request(body: dict, *, chat: bool, default_max_tokens: int | None) 
 
     n = f.int("n", 1)
     best_of = f.int("best_of")
-    if best_of is not None and best_of > 1:
-        raise bad("best_of", "best_of: only best_of=1 is supported so far")
+    if best_of is not None and chat:
+        raise bad("best_of", "best_of: only /v1/completions takes best_of")
 
     logprobs = None
     if chat:
         top = f.int("top_logprobs")
         if f.bool("logprobs", False):
             logprobs = top or 0
+            if top is not None:
+                renames["logprobs"] = "top_logprobs"
         elif top is not None:
             raise bad("top_logprobs", "top_logprobs: needs logprobs=true")
     else:
         logprobs = f.int("logprobs")
-    if logprobs is not None:
-        raise bad("logprobs", "logprobs: not supported by this engine yet")
     if f.bool("echo", False) and chat:
         raise bad("echo", "echo: only /v1/completions takes echo")
 
@@ -179,7 +179,7 @@ def sampling_request(body: dict, *, chat: bool, default_max_tokens: int | None) 
         presence_penalty=f.num("presence_penalty", 0.0), frequency_penalty=f.num("frequency_penalty", 0.0),
         logit_bias=logit_bias, min_tokens=f.int("min_tokens", 0), stop=f.str_list("stop"),
         stop_token_ids=f.int_list("stop_token_ids"), ignore_eos=f.bool("ignore_eos", False), seed=f.int("seed"),
-        n=n, best_of=best_of, skip_special_tokens=f.bool("skip_special_tokens", True),
+        n=n, best_of=best_of, logprobs=logprobs, skip_special_tokens=f.bool("skip_special_tokens", True),
     )
     _structured(body, f, params)
 

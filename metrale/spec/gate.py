@@ -46,8 +46,11 @@ class AdaptiveGate:
             return False
         return True
 
+    def _stats(self, request_id: str) -> SeqSpecStats:
+        return self.stats.setdefault(request_id, SeqSpecStats(ema=self.num_drafts / 2))
+
     def drafts_for(self, request_id: str) -> int:
-        st = self.stats.setdefault(request_id, SeqSpecStats(ema=self.num_drafts / 2))
+        st = self._stats(request_id)
         if self.step < st.suspended_until:
             return 0
         return max(1, min(self.num_drafts, math.ceil(st.ema) + 1))
@@ -55,7 +58,7 @@ class AdaptiveGate:
     def update(self, request_id: str, proposed: int, accepted: int) -> None:
         if proposed == 0:
             return
-        st = self.stats[request_id]
+        st = self._stats(request_id)
         st.proposed += proposed
         st.accepted += accepted
         st.verifies += 1

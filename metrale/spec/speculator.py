@@ -1,61 +1,115 @@
-"""Speculator: the engine's one propose/verify path for every drafter and every k.
+"""Speculator: the engine's one propose/verify path for every drafter, every k and every request.
 
-Before scheduling, eligible decoding sequences get a draft (`seq.draft_tokens`); the scheduler
-turns each into a verify block of 1 + k tokens in the same ragged forward as everything else;
-after the forward, `accept` turns the block's target rows into emitted tokens (greedy match or
-rejection sampling) and the engine commits only the tokens whose K/V is right. Rejected drafts
-leave K/V past the sequence's length: block tables are trimmed, the slots are overwritten later.
+Before scheduling, decoding sequences get a draft (`seq.draft_tokens`); the scheduler turns each
+into a verify block of 1 + k tokens in the same ragged forward as everything else.
+
+Row j of a block is processed exactly as plain decoding would process it after draft[:j] were
+accepted: `lookahead` builds, per row, the request as of that position (a `SamplingState.fork`
+advanced by the earlier drafts: penalty window, grammar matcher, think span, forced first token,
+step counter; min_tokens from the output length there), and the rows go through the sampler's one
+pipeline (`Sampler.draw`). The same walk cuts a draft at its first token that the request could not
+emit (a refused forced token, a grammar violation, an EOS masked by min_tokens) and after a token
+that would end it, so such tokens never reach the forward.
+
+Acceptance (`accept`): each row's drawn token is what plain decoding would have drawn at that
+position (same seed, same step, same logits row), so the block emits its drawn tokens while they
+match the draft, plus the first that does not (or the bonus row). For greedy rows this is the greedy
+match; for sampled rows with a one-hot drafter it is rejection sampling: the draft token is kept
+with probability p(d), otherwise a token of p with d removed. Either way the output is the one plain
+decoding gives with the same seed. Drafters that give their distribution q use
+`verify.accept_sampled` on the rows' processed probabilities, with the request's Philox key.
+The engine then advances the real SamplingState by the emitted tokens only, one at a time.
+Rejected drafts leave K/V past the sequence's length: block tables are trimmed, the slots are
+overwritten later.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 
+from kernels_numba import sampling as K
+from metrale.sampling.params import SamplingParams
+from metrale.sampling.sampler import Drawn
+from metrale.sampling.state import SamplingState
 from metrale.scheduler.sequence import Sequence
-from metrale.spec.drafter import Draft, NgramDrafter
+from metrale.spec.drafter import NgramDrafter
 from metrale.spec.gate import AdaptiveGate
 from metrale.spec.verify import accept_greedy, accept_sampled
 
 log = logging.getLogger("metrale.spec")
 
-METHODS = ("none", "ngram", "self", "draft")
+METHODS = ("none", "ngram", "self", "draft", "mtp")
+
+_ACCEPT_DRAW, _RESIDUAL_DRAW = 0x5EC0, 0x5EC1     # Philox counter word 2 (the pipeline's Gumbel draws use 0)
+
+
+@dataclass
+class RowView:
+    """One verify row: the request as plain decoding would see it after the block's earlier drafts
+    (the RequestState-like shape the sampler takes)."""
+    seq: Sequence
+    params: SamplingParams
+    sampling: SamplingState
+    stop_ids: set[int]
+    eos_masked: bool
+
+
+def lookahead(state, draft: list[int]) -> list:
+    """The rows of a verify block for `draft`: [state, state after draft[:1], ...]. Stops before the
+    first draft token the request could not emit at its position and after one that ends it, so
+    len(result) - 1 is how much of the draft is worth verifying."""
+    rows = [state]
+    n_out = len(state.seq.output_token_ids)
+    for j, d in enumerate(draft):
+        cur = rows[-1]
+        ss = cur.sampling
+        forced = ss.forced_token()
+        if forced is not None and d != forced:
+            break
+        grammar_done = forced is None and ss.grammar_active() and ss.grammar.stopped
+        if d in cur.stop_ids and cur.eos_masked and forced is None and not grammar_done:
+            break                                   # banned until min_tokens
+        nxt = ss.fork()
+        nxt.accept(d, forced=forced is not None)
+        if nxt.grammar is not None and nxt.grammar.failed and not ss.grammar.failed:
+            break                                   # the grammar refuses it
+        rows.append(RowView(state.seq, state.params, nxt, state.stop_ids, n_out + j + 1 < state.params.min_tokens))
+        if d in cur.stop_ids and not cur.eos_masked:
+            break                                   # the request would end with d
+    return rows
+
+
+def philox_uniform(ss: SamplingState, draw: int) -> float:
+    """A uniform in (0, 1) of the request's key at its step: reproducible per seed, independent of
+    the pipeline's Gumbel draws."""
+    w = K.philox4x32_ref(np.uint64(0), np.uint64(ss.step & 0xFFFFFFFF), np.uint64(draw), np.uint64(0),
+                         ss.seed_lo, ss.seed_hi)[0]
+    return (float(w) + 0.5) / 2.0 ** 32
 
 
 class Speculator:
     def __init__(self, drafter, *, num_drafts: int, gate: AdaptiveGate, min_confidence: float = 0.0):
         self.drafter, self.num_drafts, self.gate, self.min_confidence = drafter, num_drafts, gate, min_confidence
-        self.proposed = self.accepted = self.verifies = 0
-        self._rngs: dict[str, np.random.Generator] = {}
-
-    def rng(self, state) -> np.random.Generator:
-        """The request's own stream for acceptance tests (seeded requests stay reproducible)."""
-        rid = state.seq.request_id
-        if rid not in self._rngs:
-            seed = state.params.seed
-            self._rngs[rid] = np.random.Generator(np.random.Philox(None if seed is None else [int(seed) & (2**64 - 1), 0x5EC]))
-        return self._rngs[rid]
-
-    @staticmethod
-    def eligible(state) -> bool:
-        """Requests whose sampling depends only on the row's logits (no history-dependent
-        controls): their verified rows are exactly the rows plain decoding would compute."""
-        p = state.params
-        return (p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
-                and not p.logit_bias and not state.eos_masked and p.logprobs is None
-                and p.json_schema is None and p.regex is None and p.grammar is None and not p.choice
-                and not getattr(p, "require_tool_call", False))
+        self.proposed = self.accepted = self.verifies = self.cut = 0
+        self._rows: dict[str, list] = {}                       # this step's verify rows per request
+        self._pending: dict[str, tuple[Sequence, int, int]] = {}   # proposed, not yet verified
 
     def propose(self, running: list[Sequence], states: dict, blocks) -> None:
+        for seq, before, k in self._pending.values():          # proposed last step, never verified
+            self.committed(seq, before, k, 0)
+        self._pending.clear()
+        self._rows.clear()
         for seq in running:
-            seq.draft_tokens = []
+            seq.draft_tokens, seq.draft_probs = [], None
         decoding = [s for s in running if s.num_uncomputed == 1]
         if not self.gate.begin_step(len(decoding)):
             return
         seqs, ks = [], []
         for seq in decoding:
             state = states.get(seq.request_id)
-            if state is None or not self.eligible(state):
+            if state is None:
                 continue
             left = (state.params.max_tokens or 1 << 30) - len(seq.output_token_ids)
             k = min(self.gate.drafts_for(seq.request_id), left - 1, state.max_model_len - seq.num_tokens - 1)
@@ -66,21 +120,46 @@ class Speculator:
             return
         for seq, k, draft in zip(seqs, ks, self.drafter.propose(seqs, ks)):
             kept = draft.cut(k, self.min_confidence)
-            seq.draft_tokens, seq.draft_probs = kept.tokens, kept.probs
+            rows = lookahead(states[seq.request_id], kept.tokens)
+            n = len(rows) - 1
+            self.cut += len(kept.tokens) - n
+            self._pending[seq.request_id] = (seq, seq.num_tokens, k)
+            if n:
+                seq.draft_tokens = kept.tokens[:n]
+                seq.draft_probs = None if kept.probs is None else kept.probs[:n]
+                self._rows[seq.request_id] = rows
+            if n < k:
+                blocks.trim(seq)
 
-    def accept(self, seq: Sequence, state, rows, greedy_ids: np.ndarray | None, draft: list[int],
-               filter_probs) -> list[int]:
-        """Tokens to emit from a verify block. rows: the block's logits (None on the argmax path)."""
-        if greedy_ids is not None:
-            out = accept_greedy(greedy_ids, draft)
-        elif state.params.greedy:
-            out = accept_greedy(np.argmax(rows, axis=-1), draft)
+    def rows(self, sampling: list, states: list) -> list:
+        """One row per logits row of the step: verify blocks expand to their look-ahead rows."""
+        out = []
+        for s, st in zip(sampling, states):
+            out.extend(self._rows[s.seq.request_id][:1 + len(s.draft)] if s.draft else [st])
+        return out
+
+    def accept_blocks(self, sampling: list, rows: list, drawn: list[Drawn], distribution=None) -> list[list[Drawn]]:
+        """The tokens each sampling row emits (Drawn, not yet accepted by its SamplingState).
+        distribution(r) -> (probs, raw logprobs) of logits row r (None on the argmax path)."""
+        out, r = [], 0
+        for s in sampling:
+            n = 1 + len(s.draft)
+            block = drawn[r:r + n]
+            if s.draft:
+                dist = None if distribution is None else (lambda j, r=r: distribution(r + j))
+                block = self.accept(s.seq, rows[r:r + n], block, s.draft, dist)
+            out.append(block)
+            r += n
+        return out
+
+    def accept(self, seq: Sequence, rows: list, block: list[Drawn], draft: list[int], distribution=None) -> list[Drawn]:
+        """Tokens to emit from a verify block whose row j drew block[j] (see the module docstring)."""
+        self._pending.pop(seq.request_id, None)
+        q = seq.draft_probs
+        if q is None or rows[0].params.greedy or distribution is None:
+            out = block[:len(accept_greedy(np.asarray([d.token for d in block]), draft))]
         else:
-            rng = self.rng(state)
-            p_rows = [filter_probs(r) for r in rows]
-            q = seq.draft_probs
-            out = accept_sampled(p_rows, draft, q, rng.random(len(draft)),
-                                 lambda j, probs: rng.choice(probs.size, p=probs))
+            out = self._accept_with_q(rows, block, draft, q, distribution)
         accepted = len(out) - 1
         self.proposed += len(draft)
         self.accepted += accepted
@@ -88,18 +167,41 @@ class Speculator:
         self.gate.update(seq.request_id, len(draft), accepted)
         return out
 
+    @staticmethod
+    def _accept_with_q(rows, block: list[Drawn], draft: list[int], q, distribution) -> list[Drawn]:
+        dists = [distribution(j) for j in range(len(block))]
+        states = [row.sampling for row in rows]
+        uniforms = np.array([philox_uniform(states[j], _ACCEPT_DRAW) for j in range(len(draft))])
+
+        def sample_from(j: int, probs: np.ndarray) -> int:
+            if j == len(draft):                  # the bonus row: its pipeline draw is a sample of p
+                return block[j].token
+            cum = np.cumsum(probs)
+            return int(min(np.searchsorted(cum, philox_uniform(states[j], _RESIDUAL_DRAW) * cum[-1], side="right"),
+                           probs.size - 1))
+
+        tokens = accept_sampled([p for p, _ in dists], draft, q, uniforms, sample_from)
+        out = []
+        for j, t in enumerate(tokens):
+            d = block[j]
+            if t != d.token:
+                d = d._replace(token=t, logprob=None if d.logprob is None else float(dists[j][1][t]))
+            out.append(d)
+        return out
+
     def committed(self, seq: Sequence, num_tokens_before: int, draft_len: int, accepted: int) -> None:
         if hasattr(self.drafter, "accepted"):
             self.drafter.accepted(seq, num_tokens_before, draft_len, accepted)
 
     def release(self, seq: Sequence) -> None:
-        self._rngs.pop(seq.request_id, None)
+        self._rows.pop(seq.request_id, None)
+        self._pending.pop(seq.request_id, None)
         self.gate.release(seq.request_id)
         self.drafter.release(seq)
 
     def stats(self) -> dict:
         return {"proposed": self.proposed, "accepted": self.accepted, "verifies": self.verifies,
-                "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+                "cut": self.cut, "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
                 "tokens_per_verify": (self.accepted + self.verifies) / self.verifies if self.verifies else 0.0}
 
 
@@ -119,6 +221,9 @@ def make_speculator(cfg, backend, model_config, load_draft_backend) -> Speculato
         if not 1 <= layers < model_config.num_layers:
             raise ValueError(f"spec.self_layers must be in [1, {model_config.num_layers}), got {layers}")
         drafter = ModelDrafter(backend, num_layers=layers, shares_target_cache=True, name="self")
+    elif spec.method == "mtp":
+        from metrale.spec.mtp import MtpDrafter
+        drafter = MtpDrafter.from_config(spec, backend, model_config)
     else:
         from metrale.spec.model_drafter import ModelDrafter
         if not spec.draft_model:

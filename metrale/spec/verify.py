@@ -7,6 +7,10 @@ draft token d with probability min(1, p(d)/q(d)); on rejection draw from max(0, 
 renormalised; after all k accepted draw the bonus token from p. With a deterministic drafter
 (q one-hot) this is "accept with probability p(d), else sample p with d removed".
 Either way the output has exactly the target's distribution.
+
+The engine applies accept_greedy to the tokens each row drew through the sampling pipeline (the
+draw plain decoding makes at that step): for a one-hot q that IS the rule above, and a seeded
+request gets plain decoding's output. accept_sampled serves drafters that give q (Draft.probs).
 """
 from __future__ import annotations
 

@@ -1,0 +1,368 @@
+"""DeepSeek-V2/V3 decoder: multi-head latent attention (MLA) + mixture of experts, written once
+against the DeepseekOps interface, and the NumPy backend that runs it (CPU runtime and oracle).
+
+A layer: norm, MLA (q [via q_lora], kv_a -> latent c + k_pe, store the latent row, attention over
+the paged latent cache), o(+res), norm, then a dense SwiGLU MLP (layers < first_k_dense_replace)
+or MoE (router, top-k experts, shared experts) added into the residual.
+
+The latent cache holds Dk = kv_lora_rank + qk_rope_head_dim values per token and layer in blocks
+of the KV block size, addressed by the batch's block tables and slot mapping like the KV cache.
+Attention per segment takes the naive form (K/V decompressed per head from the cached latents:
+cheaper when many query tokens share one context) or the absorbed form (q_nope absorbed through
+W_UK into the latent space, scores against the latent rows, output up-projected through W_UV: the
+decode form); `mla_mode` = auto (naive for multi-token segments) | naive | absorbed. Both read the
+cache, so a chunk attends to the latents of earlier chunks and chunked prefill equals one-shot.
+
+Expert parallelism: with `ep` (metrale.parallel.ExpertParallel) the backend holds only its rank's
+experts (weights experts_* of [E_local, ...]) and the routed part of every MoE layer goes through
+ep.dispatch_combine; every rank must then run the same layers each step (`idle_step` when it has
+no tokens).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from kernels_numba.moe import RouteConfig, route_ref
+from metrale.models.config import ModelConfig
+from metrale.models.llama import Ops
+from metrale.models.loader import WeightStream
+from metrale.parallel.ep import combine_slots
+from metrale.runtime.batch import ForwardBatch
+from metrale.runtime.numpy_backend import NumpyOps, apply_rope
+
+Tensor = Any
+
+
+class DeepseekOps(Ops, Protocol):
+    def mla_attention(self, h: Tensor, layer: int, w: dict, prefix: str) -> Tensor: ...
+    def moe_residual(self, h: Tensor, layer: int, w: dict, prefix: str, residual: Tensor) -> Tensor: ...
+
+
+def deepseek_forward(ops: DeepseekOps, w: dict[str, Tensor], config: ModelConfig,
+                     num_layers: int | None = None) -> Tensor:
+    """Runs the batch bound to `ops`; returns logits [R, vocab] of the rows that need them."""
+    residual = ops.embed(w["embed"])
+    for i in range(config.num_layers if num_layers is None else num_layers):
+        p = f"layers.{i}."
+        h = ops.rms_norm(residual, w[p + "attn_norm"])
+        residual = ops.linear_residual(ops.mla_attention(h, i, w, p), w[p + "o"], residual)
+        h = ops.rms_norm(residual, w[p + "mlp_norm"])
+        if config.is_moe_layer(i):
+            residual = ops.moe_residual(h, i, w, p, residual)
+        else:
+            residual = ops.linear_residual(ops.silu_mul(ops.linear(h, w[p + "gate_up"])), w[p + "down"], residual)
+    h = ops.rms_norm(ops.logits_rows(residual), w["final_norm"])
+    return ops.linear(h, w.get("lm_head", w["embed"]))
+
+
+# ------------------------------------------------------------------------------- RoPE (YaRN)
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def deepseek_rope(config: ModelConfig) -> tuple[np.ndarray, float, float]:
+    """(inv_freq [rope/2] float64, cos/sin multiplier, softmax scale) with DeepSeek's YaRN
+    rope_scaling (type yarn: factor, original_max_position_embeddings, beta_fast/slow, mscale,
+    mscale_all_dim) or plain RoPE."""
+    dim, base = config.qk_rope_head_dim, config.rope_theta
+    inv_freq = 1.0 / base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    scale = (config.qk_nope_head_dim + dim) ** -0.5
+    s = (config.extra or {}).get("rope_scaling") or {}
+    if s.get("type", s.get("rope_type")) != "yarn":
+        return inv_freq, 1.0, scale
+    factor = float(s["factor"])
+    orig = float(s.get("original_max_position_embeddings", 4096))
+
+    def corr_dim(rot: float) -> float:
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(corr_dim(float(s.get("beta_fast", 32)))), 0)
+    high = min(math.ceil(corr_dim(float(s.get("beta_slow", 1)))), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    keep = 1.0 - ramp                              # 1: extrapolate (high frequencies), 0: interpolate
+    inv_freq = inv_freq / factor * (1.0 - keep) + inv_freq * keep
+    all_dim = float(s.get("mscale_all_dim", 0) or 0)
+    cos_scale = _yarn_mscale(factor, float(s.get("mscale", 1))) / _yarn_mscale(factor, all_dim)
+    if all_dim:
+        scale *= _yarn_mscale(factor, all_dim) ** 2
+    return inv_freq, cos_scale, scale
+
+
+# ------------------------------------------------------------------------------- NumPy experts
+
+def expert_mlp(rows: np.ndarray, local_ids: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
+    """Unweighted SwiGLU expert outputs [N, D] of rows [N, D], row i through expert local_ids[i]
+    (indices into the stacked w_gate_up [E', 2F, D] / w_down [E', D, F])."""
+    out = np.zeros((rows.shape[0], w_down.shape[1]), rows.dtype)
+    if rows.shape[0] == 0:
+        return out
+    order = np.argsort(local_ids, kind="stable")
+    counts = np.bincount(local_ids, minlength=w_gate_up.shape[0])
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            idx = order[start:start + n]
+            h = rows[idx] @ w_gate_up[e].T
+            f = h.shape[1] // 2
+            out[idx] = (h[:, :f] / (1.0 + np.exp(-h[:, :f])) * h[:, f:]) @ w_down[e].T
+            start += n
+    return out
+
+
+def local_experts(x: np.ndarray, topk_ids: np.ndarray, topk_weights: np.ndarray,
+                  w_gate_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
+    """Routed MoE output [T, D] with every expert on this process."""
+    k = topk_ids.shape[1]
+    rows = np.repeat(x, k, axis=0)
+    return combine_slots(expert_mlp(rows, topk_ids.reshape(-1), w_gate_up, w_down), topk_weights)
+
+
+def route_config(config: ModelConfig) -> RouteConfig:
+    return RouteConfig(config.n_routed_experts, config.num_experts_per_tok, config.scoring_func,
+                       config.topk_method, config.n_group, config.topk_group, config.norm_topk_prob,
+                       config.routed_scaling_factor)
+
+
+# ------------------------------------------------------------------------------- NumPy ops
+
+class NumpyDeepseekOps(NumpyOps):
+    def mla_attention(self, h, layer, w, p):
+        c, bt, be = self.cfg, self.batch, self.b
+        t, nh = h.shape[0], c.num_heads
+        nope, rope, r, vd = c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank, c.v_head_dim
+        if c.q_lora_rank:
+            q = self.linear(self.rms_norm(self.linear(h, w[p + "q_a"]), w[p + "q_a_norm"]), w[p + "q_b"])
+        else:
+            q = self.linear(h, w[p + "q"])
+        q = q.reshape(t, nh, nope + rope)
+        kv = self.linear(h, w[p + "kv_a"])
+        c_kv = self.rms_norm(kv[:, :r], w[p + "kv_a_norm"])
+        cos, sin = be.rope_for(bt)
+        q_pe = apply_rope(q[..., nope:], cos, sin, True)
+        k_pe = apply_rope(kv[:, None, r:], cos, sin, True)[:, 0]
+        cache = be.latent_cache[layer]
+        flat = cache.reshape(-1, c.latent_dim)
+        keep = bt.slot_mapping >= 0
+        flat[bt.slot_mapping[keep], :r] = c_kv[keep]
+        flat[bt.slot_mapping[keep], r:] = k_pe[keep]
+        w_kv_b = w[p + "kv_b"].reshape(nh, nope + vd, r)
+        w_uk, w_uv = w_kv_b[:, :nope], w_kv_b[:, nope:]
+        out = np.empty((t, nh, vd), h.dtype)
+        for s in range(bt.num_seqs):
+            a, b, ctx = bt.seq_query_start[s], bt.seq_query_start[s + 1], bt.context_lens[s]
+            blocks = bt.block_tables[s, :-(-ctx // bt.block_size)]
+            lat = cache[blocks].reshape(-1, c.latent_dim)[:ctx]
+            lat_c, lat_pe = lat[:, :r], lat[:, r:]
+            qn, qp = q[a:b, :, :nope], q_pe[a:b]
+            naive = be.mla_mode == "naive" or (be.mla_mode == "auto" and b - a > 1)
+            if naive:
+                k_nope = np.einsum("lr,hnr->hln", lat_c, w_uk)
+                scores = np.einsum("qhn,hln->hql", qn, k_nope)
+            else:
+                q_lat = np.einsum("qhn,hnr->qhr", qn, w_uk)
+                scores = np.einsum("qhr,lr->hql", q_lat, lat_c)
+            scores = (scores + np.einsum("qhd,ld->hql", qp, lat_pe)) * be.softmax_scale
+            scores[:, np.arange(ctx)[None, :] > bt.positions[a:b][:, None]] = -np.inf
+            scores -= scores.max(axis=-1, keepdims=True)
+            prob = np.exp(scores)
+            prob /= prob.sum(axis=-1, keepdims=True)
+            if naive:
+                out[a:b] = np.einsum("hql,hlv->qhv", prob, np.einsum("lr,hvr->hlv", lat_c, w_uv))
+            else:
+                out[a:b] = np.einsum("qhr,hvr->qhv", np.einsum("hql,lr->qhr", prob, lat_c), w_uv)
+        return out.reshape(t, nh * vd)
+
+    def moe_residual(self, h, layer, w, p, residual):
+        return residual + self.b.moe(h, w, p)
+
+
+class DeepseekBackend:
+    """NumPy backend of the DeepSeek family: same surface as NumpyBackend (forward,
+    forward_greedy, memory_report, config, block_size, num_blocks) plus idle_step for EP ranks."""
+    name = "cpu"
+
+    def __init__(self, config: ModelConfig, weights: WeightStream | dict, *, num_blocks: int,
+                 block_size: int = 16, dtype: str = "float32", mla_mode: str = "auto", ep=None):
+        if not config.is_mla:
+            raise ValueError(f"{config.name or config.architecture}: DeepseekBackend needs an MLA config (kv_lora_rank > 0)")
+        if dtype not in ("float32", "float64"):
+            raise ValueError(f"levers.numpy_dtype must be float32 or float64, not '{dtype}'")
+        if mla_mode not in ("auto", "naive", "absorbed"):
+            raise ValueError(f"mla_mode must be auto, naive or absorbed, not '{mla_mode}'")
+        self.config, self.block_size, self.num_blocks = config, block_size, num_blocks
+        self.dtype, self.mla_mode, self.ep = np.dtype(dtype), mla_mode, ep
+        items = weights.items() if isinstance(weights, dict) else weights
+        self.weights = {name: np.ascontiguousarray(a, dtype=self.dtype) for name, a in items}
+        self.latent_cache = np.zeros((config.num_layers, num_blocks, block_size, config.latent_dim), self.dtype)
+        self.inv_freq, self.rope_mscale, self.softmax_scale = deepseek_rope(config)
+        self.route_cfg = route_config(config) if config.is_moe else None
+        local = config.n_routed_experts if ep is None else ep.num_local
+        for i in range(config.num_layers):
+            gu = self.weights.get(f"layers.{i}.experts_gate_up")
+            if config.is_moe_layer(i) and (gu is None or gu.shape[0] != local):
+                have = None if gu is None else gu.shape[0]
+                raise ValueError(f"layer {i}: {have} experts loaded, this rank needs {local}")
+
+    def rope_for(self, batch: ForwardBatch) -> tuple[np.ndarray, np.ndarray]:
+        angles = batch.positions.astype(np.float64)[:, None] * self.inv_freq[None, :]
+        return np.cos(angles) * self.rope_mscale, np.sin(angles) * self.rope_mscale
+
+    def moe(self, h: np.ndarray, w: dict, p: str) -> np.ndarray:
+        """Routed experts (local or expert-parallel) + shared experts of one MoE layer."""
+        logits = h @ w[p + "router"].T
+        ids, weights = route_ref(logits, self.route_cfg, w.get(p + "router_bias"))
+        weights = weights.astype(h.dtype)
+        gu, down = w[p + "experts_gate_up"], w[p + "experts_down"]
+        if self.ep is None:
+            out = local_experts(h, ids, weights, gu, down)
+        else:
+            out = self.ep.dispatch_combine(h, ids, weights, lambda rows, local: expert_mlp(rows, local, gu, down))
+        if p + "shared_gate_up" in w:
+            sg = h @ w[p + "shared_gate_up"].T
+            f = sg.shape[1] // 2
+            out = out + (sg[:, :f] / (1.0 + np.exp(-sg[:, :f])) * sg[:, f:]) @ w[p + "shared_down"].T
+        return out
+
+    def forward(self, batch: ForwardBatch, num_layers: int | None = None) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            logits = deepseek_forward(NumpyDeepseekOps(self, batch), self.weights, self.config, num_layers)
+        return np.asarray(logits, dtype=np.float32) if self.dtype == np.float32 else logits
+
+    def forward_greedy(self, batch: ForwardBatch, num_layers: int | None = None) -> np.ndarray:
+        return np.argmax(self.forward(batch, num_layers), axis=-1).astype(np.int32)
+
+    def idle_step(self, num_layers: int | None = None) -> None:
+        """An expert-parallel rank without tokens this step: serve its experts to the others in
+        every MoE layer (the collectives of a step must be entered by every rank)."""
+        if self.ep is None:
+            return
+        d, k = self.config.hidden_size, self.config.num_experts_per_tok
+        for i in range(self.config.num_layers if num_layers is None else num_layers):
+            if self.config.is_moe_layer(i):
+                p = f"layers.{i}."
+                gu, down = self.weights[p + "experts_gate_up"], self.weights[p + "experts_down"]
+                self.ep.dispatch_combine(np.zeros((0, d), self.dtype), np.zeros((0, k), np.int32),
+                                         np.zeros((0, k), self.dtype),
+                                         lambda rows, local, gu=gu, down=down: expert_mlp(rows, local, gu, down))
+
+    def memory_report(self) -> dict:
+        return {"weights_bytes": sum(a.nbytes for a in self.weights.values()),
+                "kv_pool_bytes": self.latent_cache.nbytes,
+                "kv_pool_tokens": self.num_blocks * self.block_size}
+
+
+# ------------------------------------------------------------------------------- random models
+
+def tiny_deepseek_hf_config(**overrides) -> dict:
+    """A DeepSeek-V3-shaped config.json small enough for CPU tests: MLA with q_lora, YaRN,
+    one dense layer then MoE layers with sigmoid noaux_tc group-limited routing + a shared expert."""
+    cfg = {
+        "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+        "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+        "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "n_group": 4, "topk_group": 2, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+        "norm_topk_prob": True, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
+        "moe_layer_freq": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "max_position_embeddings": 128, "tie_word_embeddings": False,
+        "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "float32",
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def random_hf_tensors(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random float32 weights under Hugging Face DeepSeek-V3 tensor names."""
+    rng = np.random.default_rng(seed)
+    d, h = cfg["hidden_size"], cfg["num_attention_heads"]
+    nope, rope, r, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["kv_lora_rank"], cfg["v_head_dim"]
+    fm, e = cfg["moe_intermediate_size"], cfg["n_routed_experts"]
+
+    def lin(n: int, k: int) -> np.ndarray:
+        return (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    def mlp(prefix: str, f: int) -> None:
+        t[prefix + "gate_proj.weight"], t[prefix + "up_proj.weight"] = lin(f, d), lin(f, d)
+        t[prefix + "down_proj.weight"] = lin(d, f)
+
+    t: dict[str, np.ndarray] = {"model.embed_tokens.weight": (0.5 * rng.standard_normal((cfg["vocab_size"], d))).astype(np.float32)}
+    for i in range(cfg["num_hidden_layers"]):
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        t[p + "input_layernorm.weight"], t[p + "post_attention_layernorm.weight"] = norm(d), norm(d)
+        if cfg.get("q_lora_rank"):
+            t[a + "q_a_proj.weight"], t[a + "q_a_layernorm.weight"] = lin(cfg["q_lora_rank"], d), norm(cfg["q_lora_rank"])
+            t[a + "q_b_proj.weight"] = lin(h * (nope + rope), cfg["q_lora_rank"])
+        else:
+            t[a + "q_proj.weight"] = lin(h * (nope + rope), d)
+        t[a + "kv_a_proj_with_mqa.weight"], t[a + "kv_a_layernorm.weight"] = lin(r + rope, d), norm(r)
+        t[a + "kv_b_proj.weight"], t[a + "o_proj.weight"] = lin(h * (nope + vd), r), lin(d, h * vd)
+        if e and i >= cfg.get("first_k_dense_replace", 0) and (i - cfg.get("first_k_dense_replace", 0)) % cfg.get("moe_layer_freq", 1) == 0:
+            t[p + "mlp.gate.weight"] = lin(e, d)
+            if cfg.get("topk_method") == "noaux_tc":
+                t[p + "mlp.gate.e_score_correction_bias"] = (0.05 * rng.standard_normal(e)).astype(np.float32)
+            for j in range(e):
+                mlp(p + f"mlp.experts.{j}.", fm)
+            if cfg.get("n_shared_experts"):
+                mlp(p + "mlp.shared_experts.", fm * cfg["n_shared_experts"])
+        else:
+            mlp(p + "mlp.", cfg["intermediate_size"])
+    t["model.norm.weight"] = norm(d)
+    if not cfg.get("tie_word_embeddings"):
+        t["lm_head.weight"] = lin(cfg["vocab_size"], d)
+    return t
+
+
+def write_random_checkpoint(path: Path, cfg: dict, seed: int = 0) -> Path:
+    """config.json + model.safetensors of random weights (a directory load_deepseek_dir reads)."""
+    from safetensors.numpy import save_file
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    save_file(random_hf_tensors(cfg, seed), str(path / "model.safetensors"))
+    return path
+
+
+def greedy_generate(backend, prompt: list[int], max_new_tokens: int, chunk: int | None = None,
+                    first_block: int = 0) -> list[int]:
+    """Greedy decode of one sequence on a backend: prefill in chunks of `chunk` tokens (None =
+    one shot), then one token a step. Blocks first_block.. hold the sequence."""
+    from metrale.runtime.batch import Segment, build_batch
+    bs = backend.block_size
+    total = len(prompt) + max_new_tokens
+    table = np.arange(first_block, first_block + -(-total // bs), dtype=np.int32)
+    if table[-1] >= backend.num_blocks:
+        raise ValueError(f"{total} tokens need blocks up to {table[-1]}, the pool has {backend.num_blocks}")
+    step = chunk or len(prompt)
+    tokens, pos, nxt = list(prompt), 0, None
+    while pos < len(prompt):
+        piece = np.array(prompt[pos:pos + step], np.int32)
+        nxt = int(backend.forward_greedy(build_batch([Segment(piece, pos, table)], bs))[0])
+        pos += len(piece)
+    out = [nxt]
+    while len(out) < max_new_tokens:
+        seg = Segment(np.array([out[-1]], np.int32), len(tokens) + len(out) - 1, table)
+        out.append(int(backend.forward_greedy(build_batch([seg], bs))[0]))
+    return out
+
+
+def load_deepseek_backend(path: Path, *, num_blocks: int, block_size: int = 16, dtype: str = "float32",
+                          mla_mode: str = "auto", ep=None) -> DeepseekBackend:
+    """A DeepseekBackend from a checkpoint directory; with `ep`, only that rank's experts load."""
+    from metrale.models.loader import load_deepseek_dir
+    config, _, stream = load_deepseek_dir(Path(path), None if ep is None else ep.expert_range)
+    return DeepseekBackend(config, stream(), num_blocks=num_blocks, block_size=block_size, dtype=dtype,
+                           mla_mode=mla_mode, ep=ep)

@@ -1,0 +1,122 @@
+"""The Communicator protocol (one collective: all_to_all_v of rows), collectives built on it
+(broadcast, gather), and FakeCommunicator: ranks as threads of one process, for CPU tests.
+
+all_to_all_v(send, send_counts, recv_counts=None) -> (recv, recv_counts): send holds rows
+[N, ...] grouped by destination rank in rank order, send_counts[r] rows for rank r; recv holds
+the rows sent to this rank grouped by source rank in rank order. Every rank calls it the same
+number of times in the same order (a collective), with one dtype and one row shape. recv_counts,
+when the caller knows them (the reverse of an earlier exchange), saves the count exchange.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+
+class Communicator(Protocol):
+    rank: int
+    world_size: int
+
+    def all_to_all_v(self, send: np.ndarray, send_counts: Sequence[int],
+                     recv_counts: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+def _offsets(counts: np.ndarray) -> np.ndarray:
+    off = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=off[1:])
+    return off
+
+
+def broadcast(comm: Communicator, data: np.ndarray | None, root: int = 0, dtype=np.int32) -> np.ndarray:
+    """root's 1-D array on every rank (others pass None; `dtype` must be root's)."""
+    world = comm.world_size
+    if comm.rank == root:
+        data = np.ascontiguousarray(data, dtype=dtype).reshape(-1)
+        send, counts = np.tile(data, world), np.full(world, data.size, np.int64)
+    else:
+        send, counts = np.zeros(0, dtype), np.zeros(world, np.int64)
+    recv, _ = comm.all_to_all_v(send, counts)
+    return recv
+
+
+def gather(comm: Communicator, rows: np.ndarray, root: int = 0) -> list[np.ndarray] | None:
+    """Every rank's rows at root (a list by rank); None elsewhere."""
+    counts = np.zeros(comm.world_size, np.int64)
+    counts[root] = rows.shape[0]
+    recv, got = comm.all_to_all_v(rows, counts)
+    if comm.rank != root:
+        return None
+    off = _offsets(got)
+    return [recv[off[r]:off[r + 1]] for r in range(comm.world_size)]
+
+
+class FakeWorld:
+    """Mailboxes and a barrier shared by `size` FakeCommunicators (one per thread)."""
+
+    def __init__(self, size: int, timeout: float = 60.0):
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=timeout)
+        self.box: list[list[np.ndarray | None]] = [[None] * size for _ in range(size)]
+
+    def communicators(self) -> list["FakeCommunicator"]:
+        return [FakeCommunicator(self, r) for r in range(self.size)]
+
+
+class FakeCommunicator:
+    def __init__(self, world: FakeWorld, rank: int):
+        self.world, self.rank, self.world_size = world, rank, world.size
+        self.calls = 0
+
+    def _wait(self) -> None:
+        try:
+            self.world.barrier.wait()
+        except threading.BrokenBarrierError:
+            raise RuntimeError(f"rank {self.rank}: another rank failed or never reached collective #{self.calls}") from None
+
+    def all_to_all_v(self, send, send_counts, recv_counts=None):
+        send = np.asarray(send)
+        counts = np.asarray(send_counts, np.int64)
+        if counts.shape != (self.world_size,) or counts.sum() != send.shape[0] or (counts < 0).any():
+            raise ValueError(f"rank {self.rank}: send_counts {counts.tolist()} do not split {send.shape[0]} rows over {self.world_size} ranks")
+        off = _offsets(counts)
+        for dst in range(self.world_size):
+            self.world.box[self.rank][dst] = send[off[dst]:off[dst + 1]].copy()
+        self._wait()
+        pieces = [self.world.box[src][self.rank] for src in range(self.world_size)]
+        self._wait()     # all have read before anyone's next call overwrites the boxes
+        self.calls += 1
+        for src, p in enumerate(pieces):
+            if p.dtype != send.dtype or p.shape[1:] != send.shape[1:]:
+                raise ValueError(f"rank {self.rank}: rows {send.dtype}{send.shape[1:]} but rank {src} sent {p.dtype}{p.shape[1:]}")
+        got = np.array([p.shape[0] for p in pieces], np.int64)
+        if recv_counts is not None and not np.array_equal(got, np.asarray(recv_counts, np.int64)):
+            raise ValueError(f"rank {self.rank}: expected {list(recv_counts)} rows, got {got.tolist()}")
+        return np.concatenate(pieces), got
+
+
+def run_ranks(size: int, fn: Callable[[FakeCommunicator], object], timeout: float = 60.0) -> list:
+    """fn(comm) on `size` threads, one FakeCommunicator each; their results by rank. The first
+    failure breaks the barrier (the others stop at their next collective) and is re-raised."""
+    world = FakeWorld(size, timeout)
+    results: list = [None] * size
+    errors: list[BaseException | None] = [None] * size
+
+    def body(comm: FakeCommunicator) -> None:
+        try:
+            results[comm.rank] = fn(comm)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors[comm.rank] = e
+            world.barrier.abort()
+
+    threads = [threading.Thread(target=body, args=(c,), name=f"rank{c.rank}") for c in world.communicators()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    first = next((e for e in errors if e is not None and not (isinstance(e, RuntimeError) and "another rank failed" in str(e))), None)
+    first = first or next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    return results
