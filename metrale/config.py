@@ -30,6 +30,7 @@ class Levers:
     spec_probe_interval: int = 16        # steps a sequence stays unspeculated after a losing streak
     spec_max_batch: int = 64             # no speculation while more sequences than this decode
     spec_ema_decay: float = 0.7          # weight of history in the accepted-tokens average
+    state_norm_bound: float = 0.0        # hybrid models: clamp recurrent-state norms in long prefills (0: off)
 
 
 @dataclass

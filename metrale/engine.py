@@ -70,7 +70,10 @@ class Engine:
         self.load_seconds = time.perf_counter() - t0
         self.config: ModelConfig = self.model_config
         bs = self.backend.block_size
-        self.blocks = BlockManager(self.backend.num_blocks, bs, cfg.levers.prefix_caching)
+        hybrid = self.model_config.is_hybrid
+        if hybrid and cfg.levers.prefix_caching:
+            log.info("prefix caching is off for hybrid models: a cached prefix has no recurrent state")
+        self.blocks = BlockManager(self.backend.num_blocks, bs, cfg.levers.prefix_caching and not hybrid)
         self.max_model_len = min(self.model_config.max_position,
                                  cfg.scheduler.max_model_len or self.model_config.max_position)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.scheduler.max_num_seqs,
@@ -80,7 +83,15 @@ class Engine:
         self.requests: dict[str, RequestState] = {}
         self.min_p_floor = self.model_config.min_p_floor if cfg.levers.min_p_floor else 0.0
         self.sampler = Sampler(self.backend, self.model_config.vocab_size, self.min_p_floor)
+        if hybrid and cfg.spec.method != "none":
+            raise ValueError("speculative decoding is not wired for hybrid (Gated DeltaNet) models yet: "
+                             "use spec.method=none (docs/hybrid.md)")
         self.speculator = make_speculator(cfg, self.backend, self.model_config, self._load_draft_backend)
+        self.state_slots = None        # hybrid models: a recurrent-state slot per running sequence
+        if getattr(self.backend, "states", None) is not None:
+            from metrale.cache.state_slots import StateSlots
+            self.state_slots = StateSlots.for_store(self.backend.states)
+            self.scheduler.preempt_listeners.append(self.state_slots.free)
         if self.speculator is not None:
             self.scheduler.preempt_listeners.append(self.speculator.release)
             if getattr(self.speculator.drafter, "needs_hidden", False):   # MTP: forwards keep hidden rows
@@ -254,7 +265,8 @@ class Engine:
                                                        s.seq.num_computed_tokens + s.num_tokens - len(s.draft)]
                                        + s.draft, dtype=np.int32),
                             s.seq.num_computed_tokens, np.asarray(s.seq.block_table, dtype=np.int32),
-                            "all" if s.draft else ("last" if s.needs_logits else "none"))
+                            "all" if s.draft else ("last" if s.needs_logits else "none"),
+                            state_slot=self._state_slot(s.seq))
                     for s in plan.scheduled]
         batch = build_batch(segments, self.blocks.block_size)
         verifying = any(s.draft for s in sampling)
@@ -320,10 +332,20 @@ class Engine:
         return self.speculator.accept_blocks(sampling, rows, drawn,
                                              lambda r: self.sampler.row_distribution(logits, packed, r))
 
+    def _state_slot(self, seq: Sequence) -> int:
+        if self.state_slots is None:
+            return -1
+        slot = self.state_slots.allocate(seq)
+        if slot is None:   # slots are sized to max_num_seqs, so a running sequence always has one
+            raise RuntimeError("no free recurrent-state slot")
+        return slot
+
     def _finish_delta(self, request_id: str, reason: str | None) -> StreamDelta:
         state = self.requests.pop(request_id)
         if self.speculator is not None:
             self.speculator.release(state.seq)
+        if self.state_slots is not None:
+            self.state_slots.free(state.seq)
         delta = state.delta(reason or "abort")
         group = self._groups.get(state.group) if state.group is not None else None
         if group is not None:

@@ -135,3 +135,19 @@ def test_engine_runs_the_deepseek_backend(ckpt):
     outs = engine.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     for p, o in zip(prompts, outs):
         assert o.token_ids.tolist() == DS.greedy_generate(_backend(ckpt), p, 5)
+
+
+def test_engine_loads_a_deepseek_directory_by_path(ckpt):
+    """model=<directory> picks the DeepSeek reader and backend from config.json (load.py)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from metrale import Engine, SamplingParams
+    vocab_size = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(ckpt / "tokenizer.json"))
+    engine = Engine(model=str(ckpt), device="cpu", cache={"block_size": BS}, levers={"numpy_dtype": "float64"})
+    assert type(engine.backend).__name__ == "DeepseekBackend"
+    prompt = [3, 17, 5, 60, 2, 9]
+    out = engine.generate(np.array(prompt), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                          use_tqdm=False)[0]
+    assert out.token_ids.tolist() == DS.greedy_generate(_backend(ckpt), prompt, 4)

@@ -20,7 +20,7 @@ def load_model(cfg) -> tuple[ModelConfig, Tokenizer, object]:
         config, fields, weights = load_gguf(source.path)
         tokenizer = Tokenizer.from_gguf(fields)
     elif source.kind == "hf":
-        config, _, weights = load_hf_dir(source.path)
+        config, _, weights = _load_hf(source.path)
         tokenizer = Tokenizer.from_pretrained_dir(source.path)
     else:
         config = random_model_config(source.preset, source.name)
@@ -45,16 +45,37 @@ def _default_tokenizer():
     return Tokenizer.from_gguf(read_gguf_fields(_gguf_reader(path)))
 
 
+def _load_hf(path):
+    """An HF directory: the DeepSeek family (MLA/MoE) has its own reader, the rest is Llama-like."""
+    import json
+    from metrale.models.loader import is_deepseek_config, load_deepseek_dir
+    if is_deepseek_config(json.loads((path / "config.json").read_text())):
+        return load_deepseek_dir(path)
+    return load_hf_dir(path)
+
+
 def make_backend(device: str, cfg, config: ModelConfig, weights):
     block_size = int(cfg.cache.block_size)
+    if device == "cuda" and (config.is_mla or config.is_hybrid or config.is_moe):
+        raise ValueError(f"{config.name or config.architecture}: MLA, MoE and hybrid (Gated DeltaNet) models "
+                         f"run on the NumPy backend only so far; use device=cpu")
+    if config.is_mla:
+        from metrale.models.deepseek import DeepseekBackend
+        num_blocks = cfg.cache.num_blocks or max(1, cfg.cache.cpu_kv_tokens // block_size)
+        return DeepseekBackend(config, weights(), num_blocks=int(num_blocks), block_size=block_size,
+                               dtype=cfg.levers.numpy_dtype)
     if device == "cuda":
         from metrale.runtime.cuda_backend import CudaBackend
         return CudaBackend(config, weights() if weights else None, cfg=cfg, random_seed=int(cfg.seed))
     from metrale.runtime.numpy_backend import NumpyBackend
     num_blocks = cfg.cache.num_blocks or max(1, cfg.cache.cpu_kv_tokens // block_size)
     stream = weights() if weights else random_weights(config, int(cfg.seed))
+    hybrid = {}
+    if config.is_hybrid:   # a state slot for every sequence that can run (docs/hybrid.md)
+        hybrid = dict(num_state_slots=int(cfg.scheduler.max_num_seqs), num_state_checkpoints=0,
+                      state_norm_bound=float(cfg.levers.state_norm_bound))
     return NumpyBackend(config, stream, num_blocks=int(num_blocks), block_size=block_size,
-                        dtype=cfg.levers.numpy_dtype)
+                        dtype=cfg.levers.numpy_dtype, **hybrid)
 
 
 def load_draft_backend(cfg, model: str, *, num_blocks: int, vocab_size: int):
@@ -66,7 +87,7 @@ def load_draft_backend(cfg, model: str, *, num_blocks: int, vocab_size: int):
     if source.kind == "gguf":
         config, _, weights = load_gguf(source.path)
     elif source.kind == "hf":
-        config, _, weights = load_hf_dir(source.path)
+        config, _, weights = _load_hf(source.path)
     else:
         config, weights = random_model_config(source.preset, source.name), None
     if config.vocab_size != vocab_size:
