@@ -26,7 +26,8 @@ class Levers:
     numpy_dtype: str = "float32"         # float32 | float64: arithmetic of the NumPy backend
     prefill_attention_min_tokens: int = 64  # segments this long use the tiled prefill kernel
     spec_min_confidence: float = 0.0     # cut a draft at its first token below this confidence
-    spec_verify_cost: float = 0.1        # cost of one verified draft token, in plain decode steps
+    spec_verify_cost: float = -1.0       # cost of one verified draft token, in plain decode steps
+                                         # (-1: 0.1 on CUDA, where decode is memory-bound; 0.5 on CPU)
     spec_probe_interval: int = 16        # steps a sequence stays unspeculated after a losing streak
     spec_max_batch: int = 64             # no speculation while more sequences than this decode
     spec_ema_decay: float = 0.7          # weight of history in the accepted-tokens average

@@ -84,7 +84,9 @@ class Replay:
 
 
 def engine(spec: bool, *, vocab: int = VOCAB, tokenizer=None, eos_boost: float = 0.0, num_drafts: int = 4):
-    settings = ["cache.block_size=4"] + (["spec.method=ngram", f"spec.num_drafts={num_drafts}"] if spec else [])
+    # verify cost 0: the gate never pauses, so every draft is verified (these tests are about verification)
+    settings = ["cache.block_size=4", "levers.spec_verify_cost=0.0"] + (
+        ["spec.method=ngram", f"spec.num_drafts={num_drafts}"] if spec else [])
     backend = SoftBackend(128, 4, vocab, eos_boost)
     return Engine(cfg=compose(settings), parts=(backend.config, tokenizer or MarkerTokenizer(), backend))
 

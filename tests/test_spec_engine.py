@@ -158,7 +158,7 @@ def test_draft_model_speculation_equals_plain(smollm2):
     for a, b in zip(outs, plain):
         np.testing.assert_array_equal(a.token_ids, b.token_ids)
     stats = eng.speculator.stats()
-    assert stats["acceptance_rate"] == 1.0 and stats["tokens_per_verify"] > 3
+    assert stats["acceptance_rate"] == 1.0 and stats["tokens_per_verify"] > 1.5
     eng.blocks.check_no_leaks([])
 
 

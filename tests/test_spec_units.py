@@ -62,15 +62,30 @@ def test_rejection_sampling_preserves_the_target_distribution(one_hot):
     assert chi_square(counts, p) < 20.52, counts / n
 
 
-def test_gate_suspends_and_reprobes():
+def test_gate_suspends_and_reprobes_with_backoff():
     g = AdaptiveGate(4, verify_cost=0.3, probe_interval=5)
     g.begin_step(1)
     assert g.drafts_for("a") >= 1
-    for _ in range(3):
-        g.begin_step(1)
-        g.update("a", 4, 0)              # nothing accepted: gain < 1
+    g.update("a", 4, 0)                  # nothing accepted: gain < 1 -> suspended for 5 steps
     assert g.drafts_for("a") == 0
     for _ in range(5):
         g.begin_step(1)
     assert g.drafts_for("a") >= 1        # probing again
+    g.update("a", 4, 0)                  # the probe loses too: the pause doubles
+    for _ in range(9):
+        g.begin_step(1)
+    assert g.drafts_for("a") == 0
+    g.begin_step(1)
+    assert g.drafts_for("a") >= 1
+    g.update("a", 2, 2)                  # a winning probe keeps speculating
+    assert g.drafts_for("a") >= 1
+
+
+def test_gate_counts_the_drafters_own_cost():
+    cheap, dear = AdaptiveGate(4, verify_cost=0.1), AdaptiveGate(4, verify_cost=0.1, draft_cost=0.4)
+    for g in (cheap, dear):
+        g.begin_step(1)
+        g.drafts_for("a")
+        g.update("a", 3, 1)              # 2 tokens for a 1 + 3 block
+    assert cheap.drafts_for("a") >= 1 and dear.drafts_for("a") == 0
     assert not g.begin_step(10_000)      # the batch gate

@@ -21,6 +21,7 @@ class ModelDrafter:
                  name: str = "draft"):
         self.backend, self.num_layers, self.shared = backend, num_layers, shares_target_cache
         self.name = name
+        self.cost_per_token = 0.0      # the drafter's forward per draft token, in target decode steps
         self.computed: dict[str, int] = {}    # tokens of each sequence in the drafter's own cache
 
     def _seen(self, seq: Sequence) -> int:

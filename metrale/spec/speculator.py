@@ -221,6 +221,7 @@ def make_speculator(cfg, backend, model_config, load_draft_backend) -> Speculato
         if not 1 <= layers < model_config.num_layers:
             raise ValueError(f"spec.self_layers must be in [1, {model_config.num_layers}), got {layers}")
         drafter = ModelDrafter(backend, num_layers=layers, shares_target_cache=True, name="self")
+        drafter.cost_per_token = layers / model_config.num_layers
     elif spec.method == "mtp":
         from metrale.spec.mtp import MtpDrafter
         drafter = MtpDrafter.from_config(spec, backend, model_config)
@@ -229,7 +230,10 @@ def make_speculator(cfg, backend, model_config, load_draft_backend) -> Speculato
         if not spec.draft_model:
             raise ValueError("spec.method=draft needs spec.draft_model=<preset or path>")
         drafter = ModelDrafter(load_draft_backend(spec.draft_model), name="draft")
-    gate = AdaptiveGate(spec.num_drafts, verify_cost=lv.spec_verify_cost, probe_interval=lv.spec_probe_interval,
-                        max_batch=lv.spec_max_batch, ema_decay=lv.spec_ema_decay)
+        drafter.cost_per_token = min(1.0, drafter.backend.config.num_parameters() / model_config.num_parameters())
+    verify_cost = lv.spec_verify_cost if lv.spec_verify_cost >= 0 else (0.1 if backend.name == "cuda" else 0.5)
+    gate = AdaptiveGate(spec.num_drafts, verify_cost=verify_cost, draft_cost=getattr(drafter, "cost_per_token", 0.0),
+                        probe_interval=lv.spec_probe_interval, max_batch=lv.spec_max_batch,
+                        ema_decay=lv.spec_ema_decay)
     log.info("speculative decoding: %s, up to %d drafts", drafter.name, spec.num_drafts)
     return Speculator(drafter, num_drafts=spec.num_drafts, gate=gate, min_confidence=lv.spec_min_confidence)
