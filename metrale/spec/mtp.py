@@ -1,0 +1,284 @@
+"""MTP drafter: a multi-token-prediction head (DeepSeek-V3 / Qwen3-Next style) on the target's
+hidden states.
+
+The head at position p reads the target's last hidden state h_p (before the final norm) and the
+embedding of the next token x_{p+1}, and predicts x_{p+2}:
+
+    x   = eh_proj @ concat(rms_norm(embed[x_{p+1}], enorm), rms_norm(h_p, hnorm))     2D -> D
+    x  += attention(x)  and  x += swiglu_mlp(x)                  one decoder block, own KV cache
+    logits = lm_head(final_norm(x))                              the target's, shared
+
+Draft j+1 feeds the head's own output for draft j in place of the target's hidden state.
+
+KV and hidden bookkeeping. The head's K/V lives in its own pool indexed by the target's block
+tables (like ModelDrafter). The head only sees positions from the first hidden row the engine
+handed it (the prefill's last row), so its attention runs over a window [lo, p] of positions
+whose K/V it computed from the target's hidden rows. After every step the engine hands the
+hidden rows of each sampled sequence up to its last emitted token (`observe`): one row for a
+prefill or a plain decode, accepted + 1 rows for a verify block. The next `propose` recomputes
+the head's K/V for those rows from the true hidden states (overwriting what the draft chain
+wrote there) in ONE batched forward that also gives draft 1 of every sequence; later rounds feed
+one row per sequence. A sequence without hidden rows (e.g. after a missed step) drafts nothing
+and restarts its window at the next rows it gets.
+
+Engine hook: `HiddenTap` wraps the target backend so that every forward also keeps its hidden
+rows; Engine.step passes them with the step's sampling rows to `MtpDrafter.observe`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from metrale.models.config import ModelConfig
+from metrale.runtime.batch import ForwardBatch, Segment, build_batch
+from metrale.runtime.numpy_backend import NumpyOps, rope_cos_sin
+from metrale.scheduler.sequence import Sequence
+from metrale.spec.drafter import Draft
+
+log = logging.getLogger("metrale.spec")
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+DEFAULT_HEADS = {"smollm2-135m-instruct": ASSETS / "mtp" / "smollm2-135m-instruct.safetensors"}
+BLOCK = ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "down")       # the block's weights (q/k norms optional)
+HEAD = ("enorm", "hnorm", "eh_proj") + BLOCK
+MAX_PENDING = 512          # hidden rows kept per sequence while it does not draft; older ones restart the window
+
+
+# ---------------------------------------------------------------------------- the head
+class MtpOps(NumpyOps):
+    """NumpyOps for the head: `embed` builds the fused MTP input from the batch's tokens and the
+    hidden rows; attention reads only the window [lo, position] of each segment."""
+
+    def __init__(self, head: "MtpHead", batch: ForwardBatch, hidden: np.ndarray, lo: np.ndarray):
+        super().__init__(head, batch)
+        self.hidden, self.lo = hidden, lo
+
+    def embed(self, weight):
+        w = self.b.weights
+        e = self.rms_norm(weight[self.batch.token_ids], w["enorm"])
+        h = self.rms_norm(self.hidden, w["hnorm"])
+        return np.concatenate([e, h], axis=-1) @ w["eh_proj"].T
+
+    def attention(self, q, layer):
+        c, bt = self.cfg, self.batch
+        group = c.num_heads // c.num_kv_heads
+        out = np.empty_like(q)
+        scale = 1.0 / np.sqrt(c.head_dim)
+        for s in range(bt.num_seqs):
+            a, b, ctx, lo = bt.seq_query_start[s], bt.seq_query_start[s + 1], bt.context_lens[s], int(self.lo[s])
+            blocks = bt.block_tables[s, :-(-ctx // bt.block_size)]
+            k = self.b.k_cache[layer, blocks].reshape(-1, c.num_kv_heads, c.head_dim)[lo:ctx]
+            v = self.b.v_cache[layer, blocks].reshape(-1, c.num_kv_heads, c.head_dim)[lo:ctx]
+            qs = q[a:b].reshape(b - a, c.num_kv_heads, group, c.head_dim)
+            scores = np.einsum("nkgd,ckd->kgnc", qs, k) * scale
+            scores[..., np.arange(lo, ctx)[None, :] > bt.positions[a:b][:, None]] = -np.inf
+            scores -= scores.max(axis=-1, keepdims=True)
+            p = np.exp(scores)
+            p /= p.sum(axis=-1, keepdims=True)
+            out[a:b] = np.einsum("kgnc,ckd->nkgd", p, v).reshape(b - a, c.num_heads, c.head_dim)
+        return out.reshape(q.shape[0], c.q_size)
+
+
+class MtpHead:
+    """The head's weights (its own plus the target's embedding, final norm and LM head) and its
+    paged KV pool: num_blocks x block_size positions, the target's block ids."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], *, num_blocks: int,
+                 block_size: int, dtype=np.float32):
+        missing = [n for n in HEAD + ("embed", "final_norm") if n not in weights]
+        if missing:
+            raise ValueError(f"MTP head: missing weights {', '.join(missing)}")
+        self.config = dataclasses.replace(config, num_layers=1)
+        self.block_size, self.num_blocks, self.dtype = block_size, num_blocks, np.dtype(dtype)
+        self.weights = {n: np.ascontiguousarray(a, dtype=self.dtype) for n, a in weights.items()}
+        shape = (1, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.k_cache = np.zeros(shape, dtype=self.dtype)
+        self.v_cache = np.zeros(shape, dtype=self.dtype)
+
+    def rope_for(self, batch: ForwardBatch):
+        return rope_cos_sin(self.config, batch.positions)
+
+    def forward(self, batch: ForwardBatch, hidden: np.ndarray, lo: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """hidden [T, D]: one row per token of the batch; lo [S]: each segment's window start.
+        Returns (logits, output hidden rows) for the batch's logits rows."""
+        w = self.weights
+        with np.errstate(over="ignore"):
+            ops = MtpOps(self, batch, np.asarray(hidden, dtype=self.dtype), lo)
+            x = ops.embed(w["embed"])
+            h = ops.rms_norm(x, w["attn_norm"])
+            q = ops.qkv_to_cache(ops.linear(h, w["qkv"], w.get("qkv_bias")), 0, w.get("q_norm"), w.get("k_norm"))
+            x = ops.linear_residual(ops.attention(q, 0), w["o"], x)
+            h = ops.rms_norm(x, w["mlp_norm"])
+            x = ops.linear_residual(ops.silu_mul(ops.linear(h, w["gate_up"])), w["down"], x)
+            rows = ops.logits_rows(x)
+            logits = ops.linear(ops.rms_norm(rows, w["final_norm"]), w.get("lm_head", w["embed"]))
+        return logits, rows
+
+
+def read_head_file(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    from safetensors import safe_open
+    with safe_open(str(path), framework="numpy") as f:
+        meta = f.metadata() or {}
+        tensors = {k: np.asarray(f.get_tensor(k), dtype=np.float32) for k in f.keys()}
+    return tensors, meta
+
+
+def resolve_head_path(mtp_head: str | None, model_config: ModelConfig) -> Path:
+    if mtp_head:
+        p = Path(mtp_head)
+        for candidate in (p, ASSETS / p, ASSETS / "mtp" / p, ASSETS / "mtp" / f"{mtp_head}.safetensors"):
+            if candidate.is_file():
+                return candidate
+        raise FileNotFoundError(f"spec.mtp_head: no head file at '{mtp_head}'")
+    name = model_config.name.lower()
+    for key, path in DEFAULT_HEADS.items():
+        if name.startswith(key) and path.is_file():
+            return path
+    raise ValueError("spec.method=mtp needs spec.mtp_head=<path to a head .safetensors> "
+                     f"(bundled heads: {', '.join(DEFAULT_HEADS)})")
+
+
+def load_head(path: str | Path, model_config: ModelConfig, target_weights: dict[str, np.ndarray], *,
+              num_blocks: int, block_size: int, dtype=np.float32) -> MtpHead:
+    """A head file (tools/train_mtp.py writes them) checked against the target's shapes."""
+    tensors, meta = read_head_file(path)
+    D, V = model_config.hidden_size, model_config.vocab_size
+    if int(meta.get("hidden_size", D)) != D or int(meta.get("vocab_size", V)) != V:
+        raise ValueError(f"MTP head {path} was made for hidden {meta.get('hidden_size')} / vocab "
+                         f"{meta.get('vocab_size')}, the target has {D} / {V}")
+    if tensors.get("eh_proj") is None or tensors["eh_proj"].shape != (D, 2 * D):
+        raise ValueError(f"MTP head {path}: eh_proj must be [{D}, {2 * D}]")
+    config = model_config
+    if "rope_interleaved" in meta:        # the head's Q/K row layout, whatever the target was loaded from
+        config = dataclasses.replace(config, rope_interleaved=meta["rope_interleaved"] == "true")
+    shared = {n: target_weights[n] for n in ("embed", "final_norm", "lm_head") if n in target_weights}
+    return MtpHead(config, {**tensors, **shared}, num_blocks=num_blocks, block_size=block_size, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------- the engine hook
+class HiddenTap:
+    """The target backend, whose forwards also keep the hidden rows of their logits rows
+    (backend.forward(..., return_hidden=True)); everything else passes through."""
+
+    def __init__(self, backend):
+        self.inner, self.hidden = backend, None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward(self, batch, num_layers=None, return_hidden=False):
+        logits, hidden = self.inner.forward(batch, num_layers, return_hidden=True)
+        self.hidden = np.asarray(hidden)
+        return (logits, hidden) if return_hidden else logits
+
+    def forward_greedy(self, batch, num_layers=None):
+        return np.argmax(np.asarray(self.forward(batch, num_layers)), axis=-1).astype(np.int32)
+
+    def take_hidden(self) -> np.ndarray | None:
+        hidden, self.hidden = self.hidden, None
+        return hidden
+
+
+# ---------------------------------------------------------------------------- the drafter
+@dataclass
+class _Track:
+    lo: int                 # window start: the head's K/V is valid on [lo, pos)
+    pos: int                # position of rows[0]
+    rows: np.ndarray        # target hidden rows whose head K/V is still to (re)compute
+
+
+class MtpDrafter:
+    name = "mtp"
+    needs_hidden = True
+
+    def __init__(self, head: MtpHead):
+        self.head = head
+        self.tracks: dict[str, _Track] = {}
+
+    @classmethod
+    def from_config(cls, spec, backend, model_config: ModelConfig) -> "MtpDrafter":
+        path = resolve_head_path(getattr(spec, "mtp_head", None), model_config)
+        weights = getattr(backend, "weights", None)
+        if not isinstance(weights, dict) or not all(isinstance(a, np.ndarray) for a in weights.values()):
+            weights = {n: a for n, a in backend.export_weights() if n in ("embed", "final_norm", "lm_head")}
+        dtype = getattr(backend, "dtype", np.float32)
+        head = load_head(path, model_config, weights, num_blocks=backend.num_blocks,
+                         block_size=backend.block_size, dtype=dtype if np.dtype(dtype).kind == "f" else np.float32)
+        log.info("MTP head %s", path)
+        return cls(head)
+
+    # the engine hands the hidden rows of each step here
+    def tap(self, backend) -> HiddenTap:
+        return backend if isinstance(backend, HiddenTap) else HiddenTap(backend)
+
+    def observe(self, scheduled, emitted: list[list[int]], hidden: np.ndarray | None) -> None:
+        """scheduled: the step's sampling rows (ScheduledSeq, before their tokens are committed);
+        emitted: their tokens; hidden: the forward's hidden rows, in the same row order."""
+        if hidden is None:
+            return
+        r = 0
+        for s, tokens in zip(scheduled, emitted):
+            n = 1 + len(s.draft)
+            first = s.seq.num_computed_tokens + s.num_tokens - n      # position of the block's row 0
+            self.note(s.seq.request_id, first, hidden[r:r + min(len(tokens), n)])
+            r += n
+
+    def note(self, request_id: str, first: int, rows: np.ndarray) -> None:
+        """Hidden rows of positions first, first + 1, ... (row j predicts the token at first + j + 1)."""
+        if len(rows) == 0:
+            return
+        rows = np.asarray(rows, dtype=self.head.dtype)
+        t = self.tracks.get(request_id)
+        if t is not None and t.pos + len(t.rows) == first:
+            t.rows = np.concatenate([t.rows, rows]) if len(t.rows) else rows
+        else:                                   # first rows, or a gap: the window restarts here
+            t = self.tracks[request_id] = _Track(first, first, rows)
+        if len(t.rows) > MAX_PENDING:
+            t.pos += len(t.rows) - MAX_PENDING
+            t.rows, t.lo = t.rows[-MAX_PENDING:], t.pos
+
+    def _ready(self, seq: Sequence) -> bool:
+        t = self.tracks.get(seq.request_id)
+        return t is not None and len(t.rows) > 0 and t.pos + len(t.rows) == seq.num_tokens - 1
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        drafts = [Draft() for _ in seqs]
+        live = [i for i, k in enumerate(ks) if k > 0 and self._ready(seqs[i])]
+        if not live:
+            return drafts
+        tracks = [self.tracks[seqs[i].request_id] for i in live]
+        # round 0: the pending rows (head K/V from true hidden states) and draft 1, all sequences at once
+        segs = [Segment(np.asarray(seqs[i].token_ids[t.pos + 1:], np.int32), t.pos,
+                        np.asarray(seqs[i].block_table, np.int32)) for i, t in zip(live, tracks)]
+        hidden = np.concatenate([t.rows for t in tracks])
+        lo = np.array([t.lo for t in tracks])
+        pos = {i: seqs[i].num_tokens - 2 for i in live}          # position of each row fed last
+        for t, i in zip(tracks, live):
+            t.pos, t.rows = seqs[i].num_tokens - 1, t.rows[:0]   # K/V valid up to here once this runs
+        lo_of = dict(zip(live, lo))
+        while True:
+            logits, out = self.head.forward(build_batch(segs, self.head.block_size), hidden, lo)
+            logits = np.asarray(logits, dtype=np.float64)
+            for row, i in enumerate(live):
+                x = logits[row] - logits[row].max()
+                p = np.exp(x)
+                tok = int(np.argmax(x))
+                drafts[i].tokens.append(tok)
+                drafts[i].confidences.append(float(p[tok] / p.sum()))
+            keep = [row for row, i in enumerate(live) if len(drafts[i].tokens) < ks[i]]
+            if not keep:
+                return drafts
+            live = [live[row] for row in keep]
+            for i in live:
+                pos[i] += 1
+            segs = [Segment(np.array([drafts[i].tokens[-1]], np.int32), pos[i], np.asarray(seqs[i].block_table, np.int32))
+                    for i in live]
+            hidden, lo = out[keep], np.array([lo_of[i] for i in live])
+
+    def release(self, seq: Sequence) -> None:
+        self.tracks.pop(seq.request_id, None)

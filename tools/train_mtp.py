@@ -1,0 +1,412 @@
+"""Self-distillation of an MTP head for SmolLM2-135M-Instruct (metrale/spec/mtp.py describes the head).
+
+Phases
+  collect  (metrale's venv, NumPy backend, float32): the model continues a few hundred prompts written
+           here (sampling, temperature 0.7, bounded length); every step keeps the target's hidden row
+           (before the final norm) and the top-k of its logits. Writes an .npz corpus with the target
+           weights the head shares or starts from.
+  train    (.venv-train: torch 2.13.0 CPU): the head at position p reads h_p and embed(x_{p+1}) and is
+           trained by KL to the target's distribution at p+1 (the token after next), its attention
+           window starting at the first continuation row as in the engine; a second, chained term feeds
+           the head's own output as the hidden of position p+1 (what draft 2 sees). The block starts
+           as the target's last layer, eh_proj as identity on the hidden half. Time-boxed; writes the
+           head as fp16 safetensors and a JSON log (loss curve).
+  measure  (metrale's venv): greedy acceptance of mtp (k = 1..3) next to n-gram on held-out prompts.
+  all      collect, then train under .venv-train.
+
+    python3.11 -m venv .venv-train && .venv-train/bin/pip install torch==2.13.0 "numpy<2.5" safetensors
+    .venv/bin/python tools/train_mtp.py all          # OpenBLAS on 1 thread: faster here than 2
+    .venv/bin/python tools/train_mtp.py measure
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAD_OUT = ROOT / "metrale" / "assets" / "mtp" / "smollm2-135m-instruct.safetensors"
+CORPUS = Path("/tmp/mtp_corpus.npz")
+TOPK = 32
+
+TOPICS = ["the ocean", "volcanoes", "the moon", "honey bees", "the Roman Empire", "photosynthesis", "chess",
+          "the internet", "coffee", "bicycles", "rain forests", "the human heart", "electricity", "trains",
+          "ancient Egypt", "black holes", "gardening", "the piano", "mountains", "dinosaurs", "vaccines",
+          "the French Revolution", "recycling", "deserts", "airplanes", "friendship", "the printing press",
+          "glaciers", "cats", "dogs", "the stock market", "earthquakes", "bread baking", "the solar system",
+          "democracy", "snow", "libraries", "robots", "the immune system", "music theory", "rivers",
+          "the Olympic Games", "electric cars", "sleep", "climate change", "mathematics", "birds",
+          "the Great Wall of China", "computers", "soccer"]
+TEMPLATES = [  # (text, chat)
+    ("Write a short paragraph about {t}.", True), ("Explain {t} to a ten-year-old.", True),
+    ("Give me three interesting facts about {t}.", True), ("What is the most important thing to know about {t}?", True),
+    ("Write a haiku about {t}.", True), ("Summarize the history of {t} in a few sentences.", True),
+    ("Here is a short essay about {t}.\n\n", False), ("The most surprising thing about {t} is", False),
+    ("Q: Why does {t} matter?\nA:", False), ("Chapter 1\n\nThe story of {t} begins", False),
+]
+CODE = ["def fibonacci(n):\n", "def is_prime(n):\n    \"\"\"Return True if n is prime.\"\"\"\n",
+        "# Python: read a CSV file and print the average of a column\nimport csv\n",
+        "def reverse_string(s):\n", "class Stack:\n    def __init__(self):\n",
+        "def binary_search(items, target):\n", "// JavaScript: debounce a function\nfunction debounce(fn, ms) {\n",
+        "SELECT name, COUNT(*) FROM orders\n", "def merge_sort(xs):\n", "def count_words(text):\n"]
+EVAL_PROMPTS = [  # held out: none of the templates above
+    ("How do tides work?", True), ("Write a limerick about a lazy cat.", True),
+    ("List the planets of the solar system in order.", True),
+    ("What are the health benefits of walking every day?", True),
+    ("def factorial(n):\n", False), ("The city of Paris is famous for", False),
+    ("1, 2, 3, 4, 5,", False), ("Once upon a time, in a small village,", False),
+]
+
+
+def training_prompts(n: int, seed: int = 0) -> list[tuple[str, bool]]:
+    prompts = [(tpl.format(t=t), chat) for t in TOPICS for tpl, chat in TEMPLATES] + [(c, False) for c in CODE]
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(prompts))
+    return [prompts[i] for i in order[:n]]
+
+
+# ---------------------------------------------------------------------------- collect
+def collect(args) -> None:
+    sys.path.insert(0, str(ROOT))
+    from metrale import Engine
+    from metrale.runtime.batch import Segment, build_batch
+    from metrale.runtime.numpy_backend import NumpyBackend
+
+    t0 = time.time()
+    eng = Engine(model="smollm2-135m", device="cpu")
+    cfg = eng.model_config
+    prompts = training_prompts(args.prompts)
+    ids = [eng.encode_prompt(p, chat=chat) for p, chat in prompts]
+    S, M, bs = len(ids), args.max_tokens, 16
+    per_seq = -(-(max(map(len, ids)) + M + 1) // bs)
+    be = NumpyBackend(cfg, eng.backend.weights.items(), num_blocks=S * per_seq, block_size=bs)
+    tables = [np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32) for i in range(S)]
+    rng = np.random.default_rng(args.seed)
+    eos = set(eng.eos_ids)
+    hidden = [[] for _ in range(S)]
+    top_i = [[] for _ in range(S)]
+    top_v = [[] for _ in range(S)]
+    out = [[] for _ in range(S)]
+    live = list(range(S))
+    feed = {i: (ids[i], 0) for i in live}
+
+    def step(rows_of: list[int], chunk: int = 32) -> None:
+        for a in range(0, len(rows_of), chunk):
+            part = rows_of[a:a + chunk]
+            batch = build_batch([Segment(np.asarray(feed[i][0], np.int32), feed[i][1], tables[i]) for i in part], bs)
+            logits, h = be.forward(batch, return_hidden=True)
+            for r, i in enumerate(part):
+                x = logits[r].astype(np.float64)
+                k = np.argpartition(-x, TOPK)[:TOPK]
+                k = k[np.argsort(-x[k])]
+                hidden[i].append(h[r].astype(np.float16))
+                top_i[i].append(k.astype(np.int32))
+                top_v[i].append(x[k].astype(np.float32))
+                z = x / args.temperature
+                p = np.exp(z - z.max())
+                out[i].append(int(rng.choice(p.size, p=p / p.sum())))
+
+    step(live, chunk=8)                                   # prefill: the last prompt row of each sequence
+    print(f"prefill of {S} prompts: {time.time() - t0:.0f} s", flush=True)
+    for t in range(1, M):
+        live = [i for i in live if out[i][-1] not in eos]
+        if not live or time.time() - t0 > args.collect_minutes * 60:
+            break
+        feed = {i: ([out[i][-1]], len(ids[i]) + len(out[i]) - 1) for i in live}
+        step(live, chunk=len(live))
+        if t % 16 == 0:
+            print(f"step {t}: {len(live)} live, {time.time() - t0:.0f} s", flush=True)
+    keep = [i for i in range(S) if len(out[i]) >= 4]
+    w = be.weights
+    last = cfg.num_layers - 1
+    np.savez(args.corpus,
+             tokens=np.concatenate([np.asarray(out[i], np.int32) for i in keep]),
+             lengths=np.array([len(out[i]) for i in keep], np.int32),
+             prompt_lens=np.array([len(ids[i]) for i in keep], np.int32),
+             hidden=np.concatenate([np.stack(hidden[i]) for i in keep]),
+             top_i=np.concatenate([np.stack(top_i[i]) for i in keep]),
+             top_v=np.concatenate([np.stack(top_v[i]) for i in keep]),
+             embed=w["embed"], final_norm=w["final_norm"],
+             **{f"last.{n}": w[f"layers.{last}.{n}"] for n in ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "down")},
+             config=json.dumps({"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+                                "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
+                                "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
+                                "rope_theta": cfg.rope_theta, "rope_interleaved": cfg.rope_interleaved,
+                                "name": cfg.name, "collect_seconds": time.time() - t0, "prompts": S,
+                                "temperature": args.temperature, "max_tokens": M}))
+    total = sum(len(out[i]) for i in keep)
+    print(f"collected {total} rows from {len(keep)} sequences in {time.time() - t0:.0f} s -> {args.corpus}", flush=True)
+
+
+# ---------------------------------------------------------------------------- train (torch)
+def train(args) -> None:
+    import torch
+    import torch.nn.functional as F
+    from safetensors.torch import save_file
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    t0 = time.time()
+    z = np.load(args.corpus)
+    cfg = json.loads(str(z["config"]))
+    D, H, KV, hd, eps = cfg["hidden_size"], cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"], cfg["rms_norm_eps"]
+    lengths, plens = z["lengths"], z["prompt_lens"]
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    tokens, hidden = torch.from_numpy(z["tokens"]).long(), torch.from_numpy(z["hidden"].astype(np.float32))
+    top_i, top_v = torch.from_numpy(z["top_i"]).long(), torch.from_numpy(z["top_v"])
+    embed = torch.from_numpy(z["embed"])                    # frozen: input embedding and tied LM head
+    final_norm = torch.from_numpy(z["final_norm"])
+    # training logits over a shortlist: every token in any row's top-k (the eval uses the full vocabulary)
+    shortlist = torch.unique(top_i)
+    short_i = torch.searchsorted(shortlist, top_i)
+    embed_short = embed[shortlist].to(torch.bfloat16)
+    embed_bf16 = embed.to(torch.bfloat16)
+
+    rms_h = float(hidden.pow(2).mean(-1).sqrt().median())
+    eh = torch.zeros(D, 2 * D)
+    eh[:, D:] = torch.eye(D)
+    params = {"enorm": torch.ones(D), "hnorm": torch.full((D,), rms_h), "eh_proj": eh,
+              **{n: torch.from_numpy(z[f"last.{n}"]).clone() for n in ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "down")}}
+    params = {n: torch.nn.Parameter(p.float()) for n, p in params.items()}
+    half = hd // 2
+    inv_freq = 1.0 / (cfg["rope_theta"] ** (torch.arange(half, dtype=torch.float64) * 2.0 / hd))
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    def rope(x, pos):                                       # x [B, T, heads, hd]; GGUF rows: adjacent pairs
+        ang = pos.double()[..., None] * inv_freq
+        c, s = ang.cos().float()[:, :, None, :], ang.sin().float()[:, :, None, :]
+        if cfg["rope_interleaved"]:
+            a, b = x[..., 0::2], x[..., 1::2]
+            return torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(-2)
+        a, b = x[..., :half], x[..., half:]
+        return torch.cat([a * c - b * s, a * s + b * c], dim=-1)
+
+    def qkv(x, pos):
+        B, T, _ = x.shape
+        y = rms(x, params["attn_norm"]) @ params["qkv"].T
+        q = rope(y[..., :H * hd].reshape(B, T, H, hd), pos)
+        k = rope(y[..., H * hd:(H + KV) * hd].reshape(B, T, KV, hd), pos)
+        v = y[..., (H + KV) * hd:].reshape(B, T, KV, hd)
+        return q, k.repeat_interleave(H // KV, dim=2), v.repeat_interleave(H // KV, dim=2)
+
+    def finish(x, att):                                     # o projection + MLP, both residual
+        x = x + att @ params["o"].T
+        gu = rms(x, params["mlp_norm"]) @ params["gate_up"].T
+        g, u = gu.chunk(2, dim=-1)
+        return x + (F.silu(g) * u) @ params["down"].T
+
+    def mtp_input(h, tok):
+        e = rms(embed[tok], params["enorm"])
+        return torch.cat([e, rms(h, params["hnorm"])], -1) @ params["eh_proj"].T
+
+    def forward(h, x_next, x_next2, pos, valid):
+        """Step 1 at rows r (input h_r, x_{r+1}); step 2 at rows r + 1 (input: step 1's output at r,
+        x_{r+2}), attending to step 1's K/V at rows <= r and to itself. Returns both outputs."""
+        B, T, _ = h.shape
+        x1 = mtp_input(h, x_next)
+        q1, k1, v1 = qkv(x1, pos)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        mask = causal[None, None] & valid[:, None, None, :]
+        s1 = torch.einsum("bqhd,bkhd->bhqk", q1, k1) / hd ** 0.5
+        a1 = torch.einsum("bhqk,bkhd->bqhd", s1.masked_fill(~mask, float("-inf")).softmax(-1), v1)
+        o1 = finish(x1, a1.reshape(B, T, H * hd))
+        # chained: row r+1 of step 2 reads o1[r]; shift by one (row 0 of step 2 is unused)
+        x2 = mtp_input(torch.cat([o1[:, :1], o1[:, :-1]], 1), x_next2)
+        q2, k2, v2 = qkv(x2, pos)                          # row r+1 sits at position pos[r+1]
+        s_prev = torch.einsum("bqhd,bkhd->bhqk", q2, k1) / hd ** 0.5
+        prev = torch.ones(T, T, dtype=torch.bool).tril(-1)   # step-1 keys strictly before the query row
+        s_prev = s_prev.masked_fill(~(prev[None, None] & valid[:, None, None, :]), float("-inf"))
+        s_self = (q2 * k2).sum(-1).transpose(1, 2)[..., None] / hd ** 0.5    # [B, H, T, 1]
+        p = torch.cat([s_prev, s_self], -1).softmax(-1)
+        a2 = torch.einsum("bhqk,bkhd->bqhd", p[..., :T], v1) + p[..., T:].transpose(1, 2) * v2
+        o2 = finish(x2, a2.reshape(B, T, H * hd))
+        return o1, o2
+
+    def soft_ce(o, ti, tv, m, head=None):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = rms(o, final_norm).to(torch.bfloat16) @ (embed_bf16 if head is None else head).T
+        logp = logits.float().log_softmax(-1)
+        tgt = tv.softmax(-1)
+        ce = -(tgt * logp.gather(-1, ti)).sum(-1)
+        agree = (logp.argmax(-1) == ti[..., 0]).float()
+        return (ce * m).sum() / m.sum().clamp(min=1), (agree * m).sum() / m.sum().clamp(min=1)
+
+    def make_batch(seq_ids, top_i=top_i):
+        T = int(max(lengths[s] for s in seq_ids)) - 1
+        B = len(seq_ids)
+        h = torch.zeros(B, T, D)
+        xn, xn2 = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.long)
+        t1i, t1v = torch.zeros(B, T, TOPK, dtype=torch.long), torch.zeros(B, T, TOPK)
+        t2i, t2v = torch.zeros(B, T, TOPK, dtype=torch.long), torch.zeros(B, T, TOPK)
+        pos = torch.zeros(B, T, dtype=torch.long)
+        valid, m1, m2 = torch.zeros(B, T, dtype=torch.bool), torch.zeros(B, T), torch.zeros(B, T)
+        for b, s in enumerate(seq_ids):
+            a, n = int(offsets[s]), int(lengths[s])   # rows a..a+n-1: positions P-1 .. P+n-2
+            r = n - 1                                  # step-1 examples: rows 0..n-2 (need logits at row+1)
+            h[b, :r] = hidden[a:a + r]
+            xn[b, :r] = tokens[a:a + r]               # x_{p+1}: the token sampled from row r's logits
+            t1i[b, :r], t1v[b, :r] = top_i[a + 1:a + n], top_v[a + 1:a + n]
+            pos[b] = int(plens[s]) - 1 + torch.arange(T)
+            valid[b, :r], m1[b, :r] = True, 1.0
+            if r >= 2:                                 # step 2 at rows 1..r-1: x_{p+1} of that row, target row+1
+                xn2[b, 1:r] = tokens[a + 1:a + r]
+                t2i[b, 1:r], t2v[b, 1:r] = top_i[a + 2:a + n], top_v[a + 2:a + n]
+                m2[b, 1:r] = 1.0
+        return h, xn, xn2, pos, valid, (t1i, t1v, m1), (t2i, t2v, m2)
+
+    rng = np.random.default_rng(args.seed)
+    order = rng.permutation(len(lengths))
+    n_eval = max(8, len(order) // 10)
+    eval_ids, train_ids = order[:n_eval].tolist(), order[n_eval:].tolist()
+
+    def evaluate():
+        with torch.no_grad():
+            tot = np.zeros(4)
+            for a in range(0, len(eval_ids), args.batch):
+                h, xn, xn2, pos, valid, t1, t2 = make_batch(eval_ids[a:a + args.batch])
+                o1, o2 = forward(h, xn, xn2, pos, valid)
+                tot += [float(v) for v in (*soft_ce(o1, *t1), *soft_ce(o2, *t2))]
+            return (tot / -(-len(eval_ids) // args.batch)).round(4).tolist()
+
+    opt = torch.optim.AdamW(params.values(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    steps_per_epoch = -(-len(train_ids) // args.batch)
+    # time per step from a first measured step sets the schedule's length
+    curve, step, budget = [], 0, args.train_minutes * 60
+    best = (-1.0, 0, None)
+    log0 = {"eval_step0": evaluate()}
+    print(f"eval before training [ce1, top1_1, ce2, top1_2]: {log0['eval_step0']}", flush=True)
+    total_steps = None
+    t_train = time.time()
+    while True:
+        for a in range(0, len(train_ids), args.batch):
+            if a == 0:
+                rng.shuffle(train_ids)
+            h, xn, xn2, pos, valid, t1, t2 = make_batch(train_ids[a:a + args.batch], short_i)
+            frac = 0.0 if total_steps is None else step / total_steps
+            lr = args.lr * min(1.0, (step + 1) / 10) * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * min(frac, 1.0))))
+            for g in opt.param_groups:
+                g["lr"] = lr
+            o1, o2 = forward(h, xn, xn2, pos, valid)
+            l1, acc1 = soft_ce(o1, *t1, head=embed_short)
+            l2, acc2 = soft_ce(o2, *t2, head=embed_short)
+            loss = l1 + args.chain_weight * l2
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
+            opt.step()
+            step += 1
+            elapsed = time.time() - t_train
+            if total_steps is None and step == 3:
+                total_steps = max(4, int(budget / (elapsed / 3) * 0.92))
+                print(f"{elapsed / 3:.1f} s/step -> {total_steps} steps ({total_steps / steps_per_epoch:.1f} epochs)", flush=True)
+            curve.append({"step": step, "t": round(elapsed, 1), "lr": float(lr), "loss1": round(l1.item(), 4),
+                          "top1_1": round(acc1.item(), 4), "loss2": round(l2.item(), 4), "top1_2": round(acc2.item(), 4)})
+            if step % args.eval_every == 0:
+                ev = evaluate()
+                curve[-1]["eval"] = ev
+                score = ev[1] + 0.5 * ev[3]
+                if score > best[0]:                      # keep the best held-out checkpoint
+                    best = (score, step, {n: p.detach().clone() for n, p in params.items()})
+                print(json.dumps(curve[-1]), flush=True)
+            if total_steps is not None and (step >= total_steps or elapsed > budget):
+                break
+        else:
+            continue
+        break
+    final = evaluate()
+    print(f"eval after {step} steps [ce1, top1_1, ce2, top1_2]: {final}", flush=True)
+    if best[2] is not None and best[0] > final[1] + 0.5 * final[3]:
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(best[2][n])
+        final = evaluate()
+        print(f"kept the checkpoint of step {best[1]}: {final}", flush=True)
+    meta = {"format": "metrale-mtp", "target": cfg["name"], "hidden_size": str(D), "vocab_size": str(cfg["vocab_size"]),
+            "rope_interleaved": "true" if cfg["rope_interleaved"] else "false",
+            "trained": json.dumps({"steps": step, "kept_step": best[1] if best[0] > -1 else step, "seconds": round(time.time() - t0), "eval": final,
+                                   "rows": int(lengths.sum()), "sequences": len(lengths), "shortlist": len(shortlist)})}
+    out = {n: p.detach().to(torch.float16).contiguous() for n, p in params.items()}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(args.out), metadata=meta)
+    Path(args.log).write_text(json.dumps({"eval_before": log0["eval_step0"], "eval_after": final, "steps": step,
+                                          "train_seconds": round(time.time() - t_train), "total_seconds": round(time.time() - t0),
+                                          "collect": {k: cfg[k] for k in ("collect_seconds", "prompts", "temperature", "max_tokens")},
+                                          "curve": curve}, indent=0))
+    print(f"wrote {args.out} ({Path(args.out).stat().st_size / 1e6:.1f} MB) in {time.time() - t0:.0f} s", flush=True)
+
+
+# ---------------------------------------------------------------------------- measure
+def measure(args) -> None:
+    sys.path.insert(0, str(ROOT))
+    from metrale import Engine, SamplingParams
+    from metrale.runtime.numpy_backend import NumpyBackend
+    from metrale.settings import compose, to_overrides
+
+    base = Engine(model="smollm2-135m", device="cpu")
+    prompts = [base.encode_prompt(p, chat=chat) for p, chat in EVAL_PROMPTS]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    plain = base.generate([np.array(p) for p in prompts], params, use_tqdm=False)
+    rows = []
+    for method in ("ngram", "mtp"):
+        for k in (1, 2, 3):
+            spec = {"method": method, "num_drafts": k}
+            cfg = compose(to_overrides({"device": "cpu", "spec": spec}))
+            be = base.backend
+            twin = NumpyBackend(be.config, be.weights.items(), num_blocks=be.num_blocks, block_size=be.block_size)
+            eng = Engine(cfg=cfg, parts=(be.config, base.tokenizer, twin))
+            eng.speculator.gate.drafts_for = lambda request_id, k=k: k     # exactly k drafts every step
+            t = time.time()
+            outs = eng.generate([np.array(p) for p in prompts], params, use_tqdm=False)
+            secs = time.time() - t
+            same = all(np.array_equal(a.token_ids, b.token_ids) for a, b in zip(outs, plain))
+            st = eng.speculator.stats()
+            rows.append({"method": method, "k": k, "acceptance": round(st["acceptance_rate"], 3),
+                         "tokens_per_verify": round(st["tokens_per_verify"], 2), "verifies": st["verifies"],
+                         "proposed": st["proposed"], "same_as_plain": same, "seconds": round(secs, 1)})
+            print(json.dumps(rows[-1]), flush=True)
+    Path(args.log).write_text(json.dumps({"prompts": EVAL_PROMPTS, "max_tokens": args.max_tokens, "rows": rows}, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("phase", choices=["all", "collect", "train", "measure"])
+    ap.add_argument("--corpus", default=str(CORPUS))
+    ap.add_argument("--out", default=str(HEAD_OUT))
+    ap.add_argument("--log", default=None)
+    ap.add_argument("--prompts", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--collect-minutes", type=float, default=14.0)
+    ap.add_argument("--train-minutes", type=float, default=8.0)
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--chain-weight", type=float, default=0.5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--train-python", default=str(ROOT / ".venv-train" / "bin" / "python"))
+    args = ap.parse_args()
+    if args.phase in ("all", "collect"):
+        collect(args)
+    if args.phase == "all":
+        cmd = [args.train_python, __file__, "train"] + [a for a in sys.argv[2:]]
+        subprocess.run(cmd, check=True)
+    elif args.phase == "train":
+        args.log = args.log or "/tmp/mtp_train_log.json"
+        train(args)
+    elif args.phase == "measure":
+        args.log = args.log or "/tmp/mtp_measure.json"
+        args.max_tokens = 64 if args.max_tokens == 128 else args.max_tokens
+        measure(args)
+
+
+if __name__ == "__main__":
+    main()
