@@ -4,7 +4,8 @@ Nothing of llama.cpp is committed. Here (a CPU machine with PyPI):
 
     python -m bench.llamacpp fetch            # pip download the llama-cpp-python sdist -> .llamacpp/dl/
     python -m bench.llamacpp trim             # keep what llama-bench + llama-batched-bench need -> .llamacpp/src/
-    python -m bench.llamacpp pack             # carry folders .llamacpp/c1 (source + tokenizer + SmolLM2 part a), c2 (part b)
+    python -m bench.llamacpp pack             # carry folders .llamacpp/c1 (source, Python packages, tokenizer,
+                                              # SmolLM2 part 1) and .llamacpp/c2 (SmolLM2 part 2)
     python -m bench.llamacpp dry-run          # CPU build, tiny GGUFs, llama-bench + metrale, records: the whole chain
 
 On the GPU machine (docs/llamacpp.md has the two device calls), the same command each call:
@@ -14,9 +15,9 @@ On the GPU machine (docs/llamacpp.md has the two device calls), the same command
 `device` is idempotent and resumable: it unpacks and starts the CUDA build in its own session
 (it outlives a call while the machine stays warm), joins the SmolLM2 parts once all have arrived,
 writes the GGUFs it lacks, measures metrale on the GPU while the CPU builds, then runs llama.cpp
-once the build is done, skipping every measurement already in <work>/raw/. Whatever is done by the
-deadline is turned into records: <out>/llamacpp.json (bench/records.py format, peer "llama.cpp
-CUDA"), <out>/llamacpp_table.md, <out>/llamacpp.png and the raw JSON.
+once the build is done, skipping every measurement already in <work>/raw.json. Whatever is done by
+the deadline is turned into records: <out>/llamacpp.json (bench/records.py format, peer "llama.cpp
+CUDA"), <out>/llamacpp_table.md, <out>/llamacpp.png and <out>/llamacpp_raw.json.
 
 What is compared (llama.cpp's tool -> metrale's equivalent through its backend, bench.decode_metrale):
   llama-bench -n 128 -p 0          decode tok/s at batch 1      -> decode_tok_s(B=1, context 64: the middle of 0..128)
@@ -641,6 +642,15 @@ def tokenizer_source(w: Work, smol: Path | None) -> str | None:
     return str(smol) if smol else None
 
 
+def _gguf_bytes(how: dict) -> int:
+    """About how large a model's BF16 GGUF is."""
+    from metrale.models.loader import random_model_config
+    from metrale.models.registry import resolve_model
+    if "shape" not in how:
+        return 300 * 10**6
+    return 2 * random_model_config(resolve_model(how["shape"]).preset, how["shape"]).num_parameters()
+
+
 def stage_ggufs(w: Work, models: dict, deadline: float) -> dict[str, Path]:
     from bench.gguf_export import export_model, source_fields, write_random_gguf
     smol = stage_smollm2(w)
@@ -650,12 +660,21 @@ def stage_ggufs(w: Work, models: dict, deadline: float) -> dict[str, Path]:
         path = w.gguf / f"{name}.gguf"
         if not path.exists() and time.monotonic() < deadline:
             tmp = path.with_suffix(".tmp")
-            if "export" in how and smol is not None:
-                info = export_model(str(smol), tmp)
-            elif "shape" in how and tok is not None:
-                info = write_random_gguf(tmp, how["shape"], source_fields(tok), seed=int(how.get("seed", 0)))
-            else:
-                w.say(f"{name}: not written yet ({'SmolLM2 incomplete' if 'export' in how else 'no tokenizer'})")
+            need = _gguf_bytes(how) * 1.02 + 2**30
+            if shutil.disk_usage(w.gguf).free < need:
+                w.say(f"{name}: {_mb(shutil.disk_usage(w.gguf).free)} free in {w.gguf}, {_mb(need)} needed: skipped")
+                continue
+            try:
+                if "export" in how and smol is not None:
+                    info = export_model(str(smol), tmp)
+                elif "shape" in how and tok is not None:
+                    info = write_random_gguf(tmp, how["shape"], source_fields(tok), seed=int(how.get("seed", 0)))
+                else:
+                    w.say(f"{name}: not written yet ({'SmolLM2 incomplete' if 'export' in how else 'no tokenizer'})")
+                    continue
+            except Exception as exc:  # noqa: BLE001 - the other models still run
+                w.say(f"{name}: writing the GGUF failed: {type(exc).__name__}: {exc}")
+                tmp.unlink(missing_ok=True)
                 continue
             tmp.rename(path)
             w.say(f"wrote {path} ({_mb(info['bytes'])} in {info['seconds']:.1f} s)")
@@ -744,7 +763,7 @@ def device(args) -> None:
           f"carried: {[d.name for d in _carried()]}; state: {sorted(p.name for p in w.root.iterdir())}")
     if not (w.root / "build.started").exists() and not (HERE / "c1").is_dir():
         w.say("FRESH MACHINE: nothing of call 1 is here (the machine went back between calls); "
-              "redo call 1 (carry .whl and .llamacpp/c1), then call 2 at once")
+              "redo call 1 (carry .llamacpp/c1), then call 2 at once")
     _environment(w)
     stage_source(w, cuda, args.jobs)
     ready = stage_ggufs(w, MODELS if not args.models else {k: MODELS[k] for k in args.models}, deadline - 60)
@@ -752,7 +771,8 @@ def device(args) -> None:
     small = dict(SMALL) if args.small else {}
     if not args.skip_metrale:
         stage_metrale(w, ready, args.device, deadline - 90, **small)
-    rc = wait_build(w.build, deadline - 30 - 60 * len(ready))
+    building = (w.root / "build.started").exists() or w.build.with_suffix(".rc").exists()
+    rc = wait_build(w.build, deadline - 30 - 60 * len(ready)) if building else None
     w.say(f"build: {'still running' if rc is None else f'exit {rc}'} after {time.monotonic() - t_start:.0f} s"
           + ("" if rc in (0, None) else " (see build.log)"))
     stage_peer(w, ready, 99 if cuda else 0, deadline - 15, **small)

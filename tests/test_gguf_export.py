@@ -9,6 +9,7 @@ build of llama.cpp (llama-cpp-python 0.3.36's vendored copy) on this machine.
 """
 from dataclasses import replace
 
+import gguf
 import numpy as np
 import pytest
 
@@ -29,7 +30,7 @@ IDS = [3, 17, 42, 5, 9, 11, 60, 2, 33, 7]
 def byte_tokenizer(n: int = 258) -> dict:
     """A minimal GPT-2 style tokenizer: byte tokens, one merge (when n >= 258) and an end-of-text
     control token, n tokens in all."""
-    from gguf import GGUFValueType as T
+    T = gguf.GGUFValueType  # noqa: N806
     merges = ["Ġ t"] if n >= 258 else []
     tokens = [bytes_to_unicode()[b] for b in range(n - 1 - len(merges))] + [m.replace(" ", "") for m in merges]
     tokens.append("<|endoftext|>")
@@ -128,8 +129,8 @@ def test_smollm2_bf16_export_decodes_like_q4_1(tmp_path, smollm2):
     src = resolve_model("smollm2-135m").path
     info = ge.export_model("smollm2-135m", tmp_path / "smol-bf16.gguf")
     assert info["bytes"] < 0.6 * 270e6 * 2
-    fields = read_gguf_fields(__import__("gguf").GGUFReader(str(tmp_path / "smol-bf16.gguf")))
-    orig = read_gguf_fields(__import__("gguf").GGUFReader(str(src)))
+    fields = read_gguf_fields(gguf.GGUFReader(str(tmp_path / "smol-bf16.gguf")))
+    orig = read_gguf_fields(gguf.GGUFReader(str(src)))
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.pre", "tokenizer.chat_template"):
         assert fields[key] == orig[key]
     assert fields["general.file_type"] == 32
@@ -143,7 +144,7 @@ def test_smollm2_bf16_export_decodes_like_q4_1(tmp_path, smollm2):
     ids = np.asarray(smollm2.tokenizer.encode(prompts[0]), np.int32)
     batch = build_batch([Segment(ids, 0, np.arange(4, dtype=np.int32), "all")], smollm2.backend.block_size)
     la, lb = smollm2.backend.forward(batch), bf16.backend.forward(batch)
-    assert np.abs(la - lb).max() < 0.05 * np.abs(la).max()
+    assert np.abs(la - lb).max() < 0.02 * np.abs(la).max()   # bf16 rounding of Q4_1/Q8_0 values (0.16 of 27)
 
 
 # ---------------------------------------------------------------------------- llama.cpp output
