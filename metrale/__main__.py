@@ -24,22 +24,30 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0
-    show_cfg = False
-    if "--cfg" in argv:
+    cfg, code = config_from_argv(argv)
+    if cfg is None:
+        return code
+    logging.basicConfig(level=getattr(logging, str(cfg.log_level).upper(), logging.WARNING),
+                        format="%(levelname)s %(name)s: %(message)s")
+    return _generate(cfg)
+
+
+def config_from_argv(argv: list[str]):
+    """(config, None) to go on with, or (None, exit status) after `--cfg job` or a bad setting."""
+    argv = list(argv)
+    show_cfg = "--cfg" in argv
+    if show_cfg:
         i = argv.index("--cfg")
-        show_cfg = True
         del argv[i:i + 2]
     from metrale.settings import ConfigError, compose, to_yaml
     try:
         cfg = compose(argv)
     except ConfigError as exc:
-        return _fail(f"bad setting: {exc}")
+        return None, _fail(f"bad setting: {exc}")
     if show_cfg:
         print(to_yaml(cfg), end="")
-        return 0
-    logging.basicConfig(level=getattr(logging, str(cfg.log_level).upper(), logging.WARNING),
-                        format="%(levelname)s %(name)s: %(message)s")
-    return _generate(cfg)
+        return None, 0
+    return cfg, None
 
 
 def _generate(cfg) -> int:

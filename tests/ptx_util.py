@@ -21,8 +21,9 @@ def no_gpu_needed(monkeypatch):
     monkeypatch.setattr(dispatcher, "get_current_device", lambda: _SM90())
 
 
-def ptx_of(kernel, sig) -> str:
-    """PTX of a kernel for sm_90, checked for float64 arithmetic and local-memory spills."""
+def ptx_of(kernel, sig, max_static_shared: int | None = None) -> str:
+    """PTX of a kernel for sm_90, checked for float64 arithmetic, local-memory spills and (when
+    given) the static shared memory it declares."""
     try:
         ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
     except Exception as e:  # pragma: no cover - depends on the installed toolkit
@@ -32,4 +33,7 @@ def ptx_of(kernel, sig) -> str:
     body = ptx.split(".entry", 1)[1]
     assert not re.search(r"\b(add|mul|fma|sub|div|setp\.\w+|cvt\.rn\.f32)\S*\.f64", body), "float64 arithmetic"
     assert ".local" not in body, "register arrays spilled to local memory"
+    if max_static_shared is not None:
+        shared = sum(int(n) for n in re.findall(r"\.shared \.align \d+ \.b8 \S+\[(\d+)\]", ptx))
+        assert shared <= max_static_shared, f"{shared} bytes of static shared memory"
     return ptx

@@ -18,31 +18,12 @@ F32_2, F32_2A, F32_3, F32_4 = (types.Array(F32, 2, "C"), types.Array(F32, 2, "A"
 META = (I32_1, I32_1, I32_1)   # seq_query_start, state_slots, positions
 
 
-class _SM90:
-    compute_capability = (9, 0)
-
-
-@pytest.fixture(autouse=True)
-def no_gpu_needed(monkeypatch):
-    """Device helpers compile for the current device; there is none here, so report sm_90."""
-    import numba.cuda.dispatcher as dispatcher
-
-    monkeypatch.setattr(dispatcher, "get_current_device", lambda: _SM90())
+from ptx_util import no_gpu_needed  # noqa: E402,F401  (autouse fixture)
+from ptx_util import ptx_of as _checked_ptx  # noqa: E402
 
 
 def ptx_of(kernel, sig) -> str:
-    try:
-        ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
-    except Exception as e:  # pragma: no cover - depends on the installed toolkit
-        if "NVVM" in str(e) or "nvvm" in str(e) or "NVRTC" in str(e):
-            pytest.skip(f"NVVM unavailable: {e}")
-        raise
-    body = ptx.split(".entry", 1)[1]
-    assert not re.search(r"\b(add|mul|fma|sub|div|setp\.\w+|cvt\.rn\.f32)\S*\.f64", body), "float64 arithmetic"
-    assert ".local" not in body, "local-memory arrays"
-    shared = sum(int(n) for n in re.findall(r"\.shared \.align \d+ \.b8 \S+\[(\d+)\]", ptx))
-    assert shared <= 48 * 1024, f"{shared} bytes of static shared memory"
-    return ptx
+    return _checked_ptx(kernel, sig, max_static_shared=48 * 1024)
 
 
 def test_conv_and_norm_kernels():

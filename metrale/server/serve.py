@@ -93,18 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0
-    show_cfg = "--cfg" in argv
-    if show_cfg:
-        i = argv.index("--cfg")
-        del argv[i:i + 2]
-    from metrale.settings import ConfigError, compose, to_yaml
-    try:
-        cfg = compose(argv)
-    except ConfigError as exc:
-        return _fail(f"bad setting: {exc}")
-    if show_cfg:
-        print(to_yaml(cfg), end="")
-        return 0
+    from metrale.__main__ import config_from_argv
+    cfg, code = config_from_argv(argv)
+    if cfg is None:
+        return code
     s = cfg.server
     if not 0 <= s.port <= 65535:
         return _fail(f"bad setting: server.port must be in [0, 65535], got {s.port}")
