@@ -368,8 +368,10 @@ def measure(args) -> None:
             secs = time.time() - t
             same = all(np.array_equal(a.token_ids, b.token_ids) for a, b in zip(outs, plain))
             st = eng.speculator.stats()
+            decoded = sum(len(o.token_ids) for o in outs) - len(outs)      # the first token comes from the prefill
             rows.append({"method": method, "k": k, "acceptance": round(st["acceptance_rate"], 3),
-                         "tokens_per_verify": round(st["tokens_per_verify"], 2), "verifies": st["verifies"],
+                         "tokens_per_verify": round(st["tokens_per_verify"], 2),
+                         "tokens_per_forward": round(decoded / (decoded - st["accepted"]), 2), "verifies": st["verifies"],
                          "proposed": st["proposed"], "same_as_plain": same, "seconds": round(secs, 1)})
             print(json.dumps(rows[-1]), flush=True)
     Path(args.log).write_text(json.dumps({"prompts": EVAL_PROMPTS, "max_tokens": args.max_tokens, "rows": rows}, indent=1))
