@@ -126,7 +126,6 @@ def test_drafter_bookkeeping_in_the_engine_and_release(rng):
     eng = fake_engine(num_blocks=256, block_size=4, **{"spec.method": "ngram", "spec.num_drafts": 3,
                                                        "levers.spec_verify_cost": 0.0})
     backend = HiddenFakeBackend(256, 4)
-    eng.backend = backend
     w = tiny_weights(TINY, seed=3)
     drafter = CheckedMtpDrafter(head_with(w, num_blocks=256), w)
     eng.speculator.drafter = drafter

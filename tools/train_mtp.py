@@ -383,7 +383,7 @@ def main() -> None:
     ap.add_argument("--corpus", default=str(CORPUS))
     ap.add_argument("--out", default=str(HEAD_OUT))
     ap.add_argument("--log", default=None)
-    ap.add_argument("--prompts", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=320)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--collect-minutes", type=float, default=14.0)

@@ -27,7 +27,6 @@ rows; Engine.step passes them with the step's sampling rows to `MtpDrafter.obser
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
