@@ -24,7 +24,7 @@ Run (once; needs the golden venv, CPU only, ~1 minute):
     python3.11 -m venv .venv-golden
     .venv-golden/bin/pip install torch==2.13.0 transformers accelerate gguf "numpy<2.5"   # CPU torch wheel
     .venv-golden/bin/python tools/make_golden.py [--gguf PATH]
-(or ``pip install -e '.[golden]'`` in any venv that has a CPU torch). Versions used for the committed
+(or ``pip install -r tools/requirements-golden.txt`` in any venv that has a CPU torch). Versions used for the committed
 fixtures: torch 2.13.0+cpu, transformers 5.24.0, accelerate 1.15.0 (transformers requires it to load a GGUF),
 gguf 0.19.0, numpy 2.4. The versions are also recorded in the fixtures (npz ``meta``, JSON ``versions``).
 """
