@@ -94,7 +94,7 @@ class Engine:
             self.scheduler.preempt_listeners.append(self.state_slots.free)
         if self.speculator is not None:
             self.scheduler.preempt_listeners.append(self.speculator.release)
-            if getattr(self.speculator.drafter, "needs_hidden", False):   # MTP: forwards keep hidden rows
+            if self.speculator.needs_hidden:   # MTP: forwards keep hidden rows
                 self.backend = self.speculator.drafter.tap(self.backend)
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0}
         self._collect: dict[str, RequestOutput | None] = {}   # outputs generate() waits for
@@ -281,7 +281,7 @@ class Engine:
                 self.scheduler.finish(s.seq, f"error: {type(exc).__name__}: {exc}")
                 deltas.append(self._finish_delta(s.seq.request_id, s.seq.finish_reason))
             return deltas
-        if self.speculator is not None and getattr(self.speculator.drafter, "needs_hidden", False):
+        if self.speculator is not None and self.speculator.needs_hidden:
             self.speculator.drafter.observe(sampling, emitted, self.backend.take_hidden())
         self.stats["steps"] += 1
         for s in plan.scheduled:

@@ -133,10 +133,9 @@ def hf_model_config(cfg: dict, name: str = "") -> ModelConfig:
     )
 
 
-def load_hf_dir(path: Path) -> tuple[ModelConfig, dict, Callable[[], WeightStream]]:
+def _safetensors_index(path: Path) -> tuple[dict[str, Path], Callable[[str], np.ndarray]]:
+    """Which file holds each tensor of a directory's *.safetensors, and a float32 getter."""
     from safetensors import safe_open
-    cfg = json.loads((path / "config.json").read_text())
-    config = hf_model_config(cfg, name=path.name)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path}: no *.safetensors files")
@@ -144,14 +143,22 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict, Callable[[], WeightStrea
     for f in files:
         with safe_open(str(f), framework="numpy") as st:
             where.update({k: f for k in st.keys()})
-    if "lm_head.weight" not in where and not config.tie_word_embeddings:
-        config = _replace(config, tie_word_embeddings=True)
 
     def get(key: str) -> np.ndarray:
         if key not in where:
             raise ValueError(f"{path}: tensor '{key}' missing")
         with safe_open(str(where[key]), framework="numpy") as st:
             return _to_f32(st.get_tensor(key))
+
+    return where, get
+
+
+def load_hf_dir(path: Path) -> tuple[ModelConfig, dict, Callable[[], WeightStream]]:
+    cfg = json.loads((path / "config.json").read_text())
+    config = hf_model_config(cfg, name=path.name)
+    where, get = _safetensors_index(path)
+    if "lm_head.weight" not in where and not config.tie_word_embeddings:
+        config = _replace(config, tie_word_embeddings=True)
 
     def stream() -> WeightStream:
         if config.is_hybrid:
@@ -281,27 +288,14 @@ def load_deepseek_dir(path: Path, expert_range: tuple[int, int] | None = None
       .router_bias [E] (noaux_tc), .experts_gate_up [E', 2F, D], .experts_down [E', D, F] (E' =
       the experts of expert_range, all by default: an expert-parallel rank loads only its own),
       .shared_gate_up, .shared_down. Layers past num_hidden_layers (MTP heads) are skipped."""
-    from safetensors import safe_open
     cfg = json.loads((path / "config.json").read_text())
     config = deepseek_model_config(cfg, name=path.name)
     lo, hi = expert_range or (0, config.n_routed_experts)
     if not 0 <= lo <= hi <= config.n_routed_experts:
         raise ValueError(f"expert range {lo}..{hi} outside the {config.n_routed_experts} experts")
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{path}: no *.safetensors files")
-    where: dict[str, Path] = {}
-    for f in files:
-        with safe_open(str(f), framework="numpy") as st:
-            where.update({k: f for k in st.keys()})
+    where, get = _safetensors_index(path)
     if "lm_head.weight" not in where and not config.tie_word_embeddings:
         config = _replace(config, tie_word_embeddings=True)
-
-    def get(key: str) -> np.ndarray:
-        if key not in where:
-            raise ValueError(f"{path}: tensor '{key}' missing")
-        with safe_open(str(where[key]), framework="numpy") as st:
-            return _to_f32(st.get_tensor(key))
 
     def mlp(prefix: str) -> tuple[np.ndarray, np.ndarray]:
         return np.concatenate([get(prefix + "gate_proj.weight"), get(prefix + "up_proj.weight")]), \

@@ -199,6 +199,11 @@ class Speculator:
         self.gate.release(seq.request_id)
         self.drafter.release(seq)
 
+    @property
+    def needs_hidden(self) -> bool:
+        """The drafter reads the target's hidden rows (MTP heads)."""
+        return getattr(self.drafter, "needs_hidden", False)
+
     def stats(self) -> dict:
         return {"proposed": self.proposed, "accepted": self.accepted, "verifies": self.verifies,
                 "cut": self.cut, "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
