@@ -20,6 +20,9 @@ class Levers:
     graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256])
     gemv_max_rows: int = 256             # rows up to which linear layers stream the weights (GEMV /
                                          # streaming mma, kernels_numba/gemm.py) rather than tile
+    gemm_library: str = "auto"           # auto | numba | cublaslt: who multiplies steps of many rows
+                                         # (auto: cuBLASLt through nvmath-python when it loads)
+    cublaslt_min_rows: int = 64          # rows from which gemm_library=auto/cublaslt calls cuBLASLt
     prefix_caching: bool = True          # reuse KV blocks of identical prompt prefixes
     preempt_mode: str = "recompute"      # recompute | abort  (what happens to a preempted request)
     min_p_floor: bool = True             # raise min_p to the model's floor

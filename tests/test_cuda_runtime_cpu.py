@@ -131,3 +131,16 @@ def test_check_unpacks_results():
     assert check("cuA", 0) is None
     with pytest.raises(CudaError, match="cuStreamCreate failed: CUDA_ERROR_INVALID_VALUE"):
         check("cuStreamCreate", (1, None))
+
+
+def test_gemm_library_lever_choices_without_a_gpu():
+    from metrale.runtime.cuda_backend import CudaBackend
+    from metrale.runtime.cuda.cublaslt import available
+
+    assert CudaBackend._want_cublaslt("numba") is False
+    with pytest.raises(ValueError, match="gemm_library must be auto, numba or cublaslt"):
+        CudaBackend._want_cublaslt("cublas")
+    if not available()[0]:           # this machine: no driver, so auto falls back and cublaslt says why
+        assert CudaBackend._want_cublaslt("auto") is False
+        with pytest.raises(RuntimeError, match="does not load"):
+            CudaBackend._want_cublaslt("cublaslt")

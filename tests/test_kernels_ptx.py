@@ -97,3 +97,10 @@ def test_attention_kernels(hd, hq, hk):
             assert info[1] == 0, f"prefill kernel {pc} spills ({info[0]} registers)"
 
     ptx_of(A._merge_partitions_kernel, (F32_3, I32_1, I32, I32, F32_3))
+
+
+def test_convert_kernel_uses_vector_loads_and_bf16x2():
+    from kernels_numba import convert
+
+    p = ptx_of(convert._x_to_bf16_kernel, (F32_2, types.Array(types.uint32, 1, "C")))
+    assert "cvt.rn.bf16x2.f32" in p and "ld.global.nc.v4.f32" in p

@@ -17,7 +17,7 @@ import numpy as np
 from numba import cuda
 from numba.cuda.cudadrv.driver import device_memset
 
-from kernels_numba import activation, argmax, attention, embedding, gemm, qkv, rmsnorm
+from kernels_numba import activation, argmax, attention, convert, embedding, gemm, qkv, rmsnorm
 from kernels_numba.bf16 import to_bf16_bits
 from kernels_numba.init import fill_normal_bf16
 from kernels_numba.rope import rope_tables
@@ -133,11 +133,17 @@ class CudaOps:
 
     def linear(self, x, weight, bias=None):
         out = self.b.act[f"out{weight.shape[0]}"][:x.shape[0]]
-        gemm.linear(x, weight, out, bias, stream=self.s, skinny_max_t=self.b.skinny_max_t)
+        if self.b.blas is not None and x.shape[0] >= self.b.blas_min_rows:
+            self.b.blas_linear(x, weight, out, bias, accumulate=False)
+        else:
+            gemm.linear(x, weight, out, bias, stream=self.s, skinny_max_t=self.b.skinny_max_t)
         return out
 
     def linear_residual(self, x, weight, residual):
-        gemm.linear_residual(x, weight, residual, stream=self.s, skinny_max_t=self.b.skinny_max_t)
+        if self.b.blas is not None and x.shape[0] >= self.b.blas_min_rows:
+            self.b.blas_linear(x, weight, residual, None, accumulate=True)
+        else:
+            gemm.linear_residual(x, weight, residual, stream=self.s, skinny_max_t=self.b.skinny_max_t)
         return residual
 
     def qkv_to_cache(self, qkv_out, layer, q_norm, k_norm):
@@ -194,6 +200,8 @@ class CudaBackend:
                 raise ValueError(f"the CUDA backend needs {name} to be a multiple of 64, got {dim}")
         self.stream = Stream()
         cuda.select_device(0)
+        self.blas, self.blas_min_rows = None, int(levers.cublaslt_min_rows)
+        self.use_blas = self._want_cublaslt(str(levers.gemm_library))
 
         weight_bytes = self._weight_bytes()
         act_bytes = self._activation_bytes()
@@ -218,9 +226,37 @@ class CudaBackend:
         device_memset(self.v_cache, 0, self.v_cache.nbytes)
         self.k_cache64 = self.k_cache.view(np.uint64)
         self.v_cache64 = self.v_cache.view(np.uint64)
+        if self.use_blas:
+            from metrale.runtime.cuda.cublaslt import CublasLt
+            ws = self.act["blas_workspace"]
+            self.blas = CublasLt(_ptr(ws), ws.nbytes)
         self.graphs: dict[Geometry, CudaGraph] = {}
         self._argmax_host = cuda.pinned_array(self.max_rows, dtype=np.int32)
         cuda.synchronize()
+
+    # ------------------------------------------------------------------ cuBLASLt
+    @staticmethod
+    def _want_cublaslt(choice: str) -> bool:
+        if choice not in ("auto", "numba", "cublaslt"):
+            raise ValueError(f"levers.gemm_library must be auto, numba or cublaslt, not '{choice}'")
+        if choice == "numba":
+            return False
+        from metrale.runtime.cuda.cublaslt import available
+        ok, why = available()
+        if not ok and choice == "cublaslt":
+            raise RuntimeError(f"levers.gemm_library=cublaslt but cuBLASLt does not load ({why}); "
+                               "install nvmath-python (pip install 'metrale[cuda]') or use gemm_library=numba")
+        log.info("many-row linear layers: %s", why if ok else f"Numba kernels (cuBLASLt unavailable: {why})")
+        return ok
+
+    def blas_linear(self, x, weight, out, bias, accumulate: bool) -> None:
+        """out (+)= x @ bf16(weight).T (+ bias) through cuBLASLt: x is rounded to bf16 first."""
+        T, K = x.shape
+        xb = self.act["x_bf16"].reshape(-1)[:T * K]
+        convert.x_to_bf16(x, xb, stream=self.stream.numba)
+        self.blas.linear(_ptr(xb), _ptr(weight), _ptr(out), T, weight.shape[0], K,
+                         bias_ptr=_ptr(bias) if bias is not None else 0, accumulate=accumulate,
+                         stream=self.stream.ptr)
 
     # ------------------------------------------------------------------ memory plan
     def _weight_bytes(self) -> int:
@@ -241,6 +277,11 @@ class CudaBackend:
         scratch = attention.paged_attention_scratch_shape(T, c.num_heads, c.num_kv_heads, c.head_dim,
                                                           self.max_model_len)
         plan["attn_scratch"] = (scratch, np.float32)
+        if self.use_blas:
+            from metrale.runtime.cuda.cublaslt import WORKSPACE_BYTES
+            widest = max(c.hidden_size, c.intermediate_size, c.q_size)
+            plan["x_bf16"] = ((T, widest), np.uint16)
+            plan["blas_workspace"] = ((WORKSPACE_BYTES,), np.uint8)
         plan["cos"] = ((self.max_model_len, c.head_dim // 2), np.float32)
         plan["sin"] = ((self.max_model_len, c.head_dim // 2), np.float32)
         return plan
@@ -378,6 +419,9 @@ class CudaBackend:
         for graph in self.graphs.values():
             graph.close()
         self.graphs.clear()
+        if self.blas is not None:
+            self.blas.close()
+            self.blas = None
         self.pool.close()
 
     def memory_report(self) -> dict:

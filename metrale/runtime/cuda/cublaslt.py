@@ -1,0 +1,119 @@
+"""cuBLASLt matmuls through nvmath-python's raw-pointer bindings, for the many-row linear layers.
+
+    out[T, N] (float32) = x[T, K] (bf16) @ w[N, K].T (bf16)  [+ bias[N]]  [+ out, accumulate]
+
+Row-major `out` is column-major `out.T` [N, T], so the call is cuBLAS's "TN" case:
+D (N x T, ld N) = op(A) B with A = w read as column-major K x N (ld K) transposed, B = x read as
+column-major K x T (ld K). bf16 inputs, fp32 compute, scale and output (a supported cuBLASLt
+combination). Accumulate is beta = 1 with C = D (in place, same layout). Bias is the BIAS
+epilogue (one fp32 value per row of D). A plan (descriptors + heuristic algorithm) is made once per
+(T, N, K, accumulate, bias) and kept; the workspace is one device buffer given at construction, so
+launches allocate nothing and can be captured in a CUDA graph.
+
+Optional: `available()` is False when nvmath-python or the cuBLASLt library is missing, and the
+backend keeps its Numba kernels (the CPU machine and CI never load this).
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+CUDA_R_32F = 0          # cudaDataType
+CUDA_R_16BF = 14
+CUBLAS_COMPUTE_32F = 68
+CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+WORKSPACE_BYTES = 32 << 20
+
+
+def _lib() -> Any:
+    from nvmath.bindings import cublasLt
+    return cublasLt
+
+
+def available() -> tuple[bool, str]:
+    """(True, version) when nvmath-python imports and cuBLASLt loads, else (False, why)."""
+    try:
+        L = _lib()
+        return True, f"cuBLASLt {L.get_version()}"
+    except Exception as exc:  # ImportError, or the library not found by cuda-pathfinder
+        return False, f"{type(exc).__name__}: {exc}"
+
+
+@dataclass
+class _Plan:
+    desc: int
+    layouts: tuple[int, int, int]     # A (weights), B (x), D (= C)
+    algo: Any                         # MatmulHeuristicResult (keeps the algo struct alive)
+    algo_ptr: int
+
+
+class CublasLt:
+    """One handle, one workspace, a cache of plans keyed by shape."""
+
+    def __init__(self, workspace_ptr: int, workspace_bytes: int = WORKSPACE_BYTES) -> None:
+        self.L = L = _lib()
+        self.handle = L.create()
+        self.workspace, self.workspace_bytes = int(workspace_ptr), int(workspace_bytes)
+        self.plans: dict[tuple, _Plan] = {}
+        self._one = np.ones(1, np.float32)
+        self._zero = np.zeros(1, np.float32)
+        self.pref = L.matmul_preference_create()
+        ws = np.array([self.workspace_bytes], np.uint64)
+        L.matmul_preference_set_attribute(self.pref, L.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES,
+                                          ws.ctypes.data, ws.nbytes)
+
+    def _set(self, desc: int, attr: Any, value: int, ctype: type = np.int32) -> None:
+        buf = np.array([value], ctype)
+        self.L.matmul_desc_set_attribute(desc, attr, buf.ctypes.data, buf.nbytes)
+
+    def plan(self, T: int, N: int, K: int, accumulate: bool, bias: bool) -> _Plan:
+        key = (T, N, K, accumulate, bias)
+        p = self.plans.get(key)
+        if p is not None:
+            return p
+        L = self.L
+        desc = L.matmul_desc_create(CUBLAS_COMPUTE_32F, CUDA_R_32F)
+        A = L.MatmulDescAttribute
+        self._set(desc, A.TRANSA, CUBLAS_OP_T)
+        self._set(desc, A.TRANSB, CUBLAS_OP_N)
+        if bias:
+            self._set(desc, A.EPILOGUE, int(L.Epilogue.BIAS), np.uint32)
+            self._set(desc, A.BIAS_DATA_TYPE, CUDA_R_32F)
+        a = L.matrix_layout_create(CUDA_R_16BF, K, N, K)
+        b = L.matrix_layout_create(CUDA_R_16BF, K, T, K)
+        d = L.matrix_layout_create(CUDA_R_32F, N, T, N)
+        result = L.MatmulHeuristicResult(1)
+        count = np.zeros(1, np.int32)
+        L.matmul_algo_get_heuristic(self.handle, desc, a, b, d, d, self.pref, 1, result.ptr, count.ctypes.data)
+        if count[0] < 1:
+            raise RuntimeError(f"cuBLASLt has no algorithm for T={T} N={N} K={K}")
+        p = _Plan(desc, (a, b, d), result, int(result.ptr))   # the algo is the struct's first member
+        self.plans[key] = p
+        return p
+
+    def linear(self, x_bf16_ptr: int, w_ptr: int, out_ptr: int, T: int, N: int, K: int, *,
+               bias_ptr: int = 0, accumulate: bool = False, stream: int = 0) -> None:
+        p = self.plan(T, N, K, accumulate, bool(bias_ptr))
+        if bias_ptr:
+            self._set(p.desc, self.L.MatmulDescAttribute.BIAS_POINTER, bias_ptr, np.uint64)
+        a, b, d = p.layouts
+        beta = self._one if accumulate else self._zero
+        self.L.matmul(self.handle, p.desc, self._one.ctypes.data, w_ptr, a, x_bf16_ptr, b,
+                      beta.ctypes.data, out_ptr, d, out_ptr, d, p.algo_ptr, self.workspace,
+                      self.workspace_bytes, stream)
+
+    def close(self) -> None:
+        L = self.L
+        for p in self.plans.values():
+            for lay in p.layouts:
+                L.matrix_layout_destroy(lay)
+            L.matmul_desc_destroy(p.desc)
+        self.plans.clear()
+        L.matmul_preference_destroy(self.pref)
+        L.destroy(self.handle)
+
+
+_ = ctypes  # (kept for callers that pass ctypes pointers)
