@@ -28,6 +28,8 @@ out must not alias.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import cuda, float32, uint32
 
@@ -37,7 +39,7 @@ from kernels_numba.ptx import (SIM, bf16_bits_to_f32, bf16hi_f32, bf16lo_f32, f3
 
 __all__ = ["linear", "linear_residual", "linear_ref", "FMA_MAX_T", "SKINNY_MAX_T", "pick_path",
            "fma_path", "skinny_path", "tiled_path", "skinny_cfg", "f32_to_bf16_bits",
-           "bf16_bits_to_f32"]
+           "bf16_bits_to_f32", "gemv", "gemv_path", "gemv_cfg", "gemv_ref", "PROLOGUES"]
 
 FMA_MAX_T = 1          # T <= this: fma GEMV
 SKINNY_MAX_T = 256     # T <= this (and > FMA_MAX_T): streaming mma; above: tiled
@@ -124,6 +126,155 @@ def _make_fma(TT: int, W: int, U: int, has_bias: bool, accumulate: bool):
                     out[tt, n] = s
 
     return gemv_fma
+
+
+# ----------------------------------------------------------------------------- T = 1 GEMV
+# with a fused input transform (prologue), R rows of w per warp, x through L1 or shared memory
+PROLOGUES = {"plain": 0, "rmsnorm": 1, "silu_mul": 2}
+GEMV_SMEM_MAX_K = 12288     # x staged in shared memory as float32: 48 KB of static shared memory
+
+
+def gemv_ref(x, w_u16, prologue: str = "plain", norm_w=None, eps: float = 1e-6, bias=None,
+             residual=None) -> np.ndarray:
+    """float64 oracle of `gemv`: the prologue applied to x [1, K] (or [1, 2K] for silu_mul),
+    then linear_ref."""
+    x = np.asarray(x, np.float64)
+    if prologue == "rmsnorm":
+        x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * np.asarray(norm_w, np.float64)
+    elif prologue == "silu_mul":
+        k = x.shape[1] // 2
+        g, u = x[:, :k], x[:, k:]
+        x = g / (1.0 + np.exp(-g)) * u
+    elif prologue != "plain":
+        raise ValueError(f"unknown gemv prologue '{prologue}'")
+    return linear_ref(x, w_u16, bias, residual)
+
+
+def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumulate: bool):
+    """T = 1 GEMV, R consecutive rows of w per warp (W warps a block): a lane takes 8-wide k
+    chunks lane, lane+32, ...; U chunks of each of its R rows in flight (16-byte loads) while the
+    previous U are used. The 8 x values of a chunk are fetched once and used for R rows.
+    P (prologue, PROLOGUES): 0 x as is; 1 rmsnorm: the block first reduces sum(x^2) (x [1, K]),
+    then uses x * rsqrt(mean + eps) * norm_w; 2 silu_mul: x [1, 2K] = [gate | up], uses
+    silu(gate) * up. KS > 0: the transformed x is staged once per block in shared memory as
+    float32 (KS = K floats, stored permuted, element e of chunk c at e * K/8 + c, so the
+    lanes' scalar shared loads are conflict free); KS == 0: x is read (and transformed) per
+    chunk through L1."""
+    NT = 32 * W
+    NWR = 4 * U * R
+    SM = max(KS, 1)
+
+    def gemv(x, w, out, bias, nw, eps):
+        K = w.shape[1]
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        lane = tid & 31
+        n0 = (cuda.blockIdx.x * W + warp) * R
+        nch = K >> 3
+        red = cuda.shared.array(32, float32)
+        xs = cuda.shared.array(SM, float32)
+        scale = float32(1.0)
+        if P == 1:
+            ss = float32(0.0)
+            for k in range(tid, K, NT):
+                v = x[0, k]
+                ss += v * v
+            ss = warp_sum_f32(ss)
+            if lane == 0:
+                red[warp] = ss
+            cuda.syncthreads()
+            tot = float32(0.0)
+            for i in range(W):
+                tot += red[i]
+            scale = float32(1.0) / math.sqrt(tot / float32(K) + eps)
+        if KS > 0:
+            for i in range(tid, K, NT):
+                e = i // nch
+                c = i - e * nch
+                k = 8 * c + e
+                if P == 1:
+                    xs[i] = x[0, k] * scale * nw[0, k]
+                elif P == 2:
+                    g = x[0, k]
+                    xs[i] = g / (float32(1.0) + math.exp(-g)) * x[0, K + k]
+                else:
+                    xs[i] = x[0, k]
+            cuda.syncthreads()
+        acc = cuda.local.array(R, float32)
+        for r in range(R):
+            acc[r] = float32(0.0)
+        xv = cuda.local.array(8, float32)
+        wr = cuda.local.array(NWR, uint32)
+        wc = cuda.local.array(NWR, uint32)
+        zero = uint32(0)
+        step = 32 * U
+        iters = (nch + step - 1) // step
+        for u in range(U):
+            kc = 8 * min(lane + 32 * u, nch - 1)
+            for r in range(R):
+                q = ldg_u16x8(w, n0 + r, kc)
+                for e in range(4):
+                    wr[(u * R + r) * 4 + e] = q[e]
+        for it in range(iters):
+            for u in range(U):
+                ok = it * step + 32 * u + lane < nch
+                for r in range(R):
+                    for e in range(4):
+                        o = (u * R + r) * 4 + e
+                        wc[o] = wr[o] if ok else zero
+            if it + 1 < iters:
+                for u in range(U):
+                    kc = 8 * min((it + 1) * step + 32 * u + lane, nch - 1)
+                    for r in range(R):
+                        q = ldg_u16x8(w, n0 + r, kc)
+                        for e in range(4):
+                            wr[(u * R + r) * 4 + e] = q[e]
+            for u in range(U):
+                c = min(it * step + 32 * u + lane, nch - 1)
+                k8 = 8 * c
+                if KS > 0:
+                    for e in range(8):
+                        xv[e] = xs[e * nch + c]
+                else:
+                    xa = ldg_f32x4(x, 0, k8)
+                    xb = ldg_f32x4(x, 0, k8 + 4)
+                    for e in range(4):
+                        xv[e] = xa[e]
+                        xv[4 + e] = xb[e]
+                    if P == 1:
+                        na = ldg_f32x4(nw, 0, k8)
+                        nb = ldg_f32x4(nw, 0, k8 + 4)
+                        for e in range(4):
+                            xv[e] = xv[e] * scale * na[e]
+                            xv[4 + e] = xv[4 + e] * scale * nb[e]
+                    elif P == 2:
+                        ua = ldg_f32x4(x, 0, K + k8)
+                        ub = ldg_f32x4(x, 0, K + k8 + 4)
+                        for e in range(4):
+                            g = xv[e]
+                            xv[e] = g / (float32(1.0) + math.exp(-g)) * ua[e]
+                            g = xv[4 + e]
+                            xv[4 + e] = g / (float32(1.0) + math.exp(-g)) * ub[e]
+                for r in range(R):
+                    o = (u * R + r) * 4
+                    s = acc[r]
+                    s += bf16lo_f32(wc[o]) * xv[0] + bf16hi_f32(wc[o]) * xv[1]
+                    s += bf16lo_f32(wc[o + 1]) * xv[2] + bf16hi_f32(wc[o + 1]) * xv[3]
+                    s += bf16lo_f32(wc[o + 2]) * xv[4] + bf16hi_f32(wc[o + 2]) * xv[5]
+                    s += bf16lo_f32(wc[o + 3]) * xv[6] + bf16hi_f32(wc[o + 3]) * xv[7]
+                    acc[r] = s
+        for r in range(R):
+            s = warp_sum_f32(acc[r])
+            if lane == 0:
+                n = n0 + r
+                if has_bias:
+                    s += bias[n]
+                if accumulate:
+                    out[0, n] += s
+                else:
+                    out[0, n] = s
+
+    return gemv
 
 
 # ----------------------------------------------------------------------------- skinny mma
@@ -411,7 +562,7 @@ def _make_tiled(BM: int, BN: int, has_bias: bool, accumulate: bool):
 
 
 # ----------------------------------------------------------------------------- kernel cache
-_FACTORIES = {"fma": _make_fma, "skinny": _make_skinny, "tiled": _make_tiled}
+_FACTORIES = {"fma": _make_fma, "skinny": _make_skinny, "tiled": _make_tiled, "gemv": _make_gemv}
 _PY: dict = {}
 _KERNELS: dict = {}
 
@@ -426,7 +577,8 @@ def py_kernel(kind: str, *cfg):
 
 def kernel(kind: str, *cfg):
     """kind 'fma': (T, warps, unroll, has_bias, accumulate); 'skinny': (mt, nt, warps, unroll,
-    has_bias, accumulate); 'tiled': (bm, bn, has_bias, accumulate)."""
+    has_bias, accumulate); 'tiled': (bm, bn, has_bias, accumulate); 'gemv': (warps, rows,
+    unroll, prologue, smem_k, has_bias, accumulate), arguments (x, w, out, bias, norm_w, eps)."""
     key = (kind,) + cfg
     k = _KERNELS.get(key)
     if k is None:
@@ -474,6 +626,29 @@ def tiled_path(T: int, N: int, bm: int = 64, bn: int = 128):
     return "tiled", (bm, bn), -(-T // bm) * -(-N // bn), TILED_THREADS
 
 
+def gemv_cfg(N: int, K: int, prologue: str = "plain"):
+    """(warps, rows per warp, unroll, x in shared memory) of the T = 1 GEMV for N x K. Until the
+    H200 sweep (`bench/gemm_bench.py --fma-sweep`) picks per shape, every shape gets what the fma
+    GEMV measured best: 4 warps, 1 row a warp, 2 loads in flight, x through L1."""
+    return 4, 1, 2, False
+
+
+def gemv_path(N: int, K: int, prologue: str = "plain", warps: int | None = None,
+              rows: int | None = None, unroll: int | None = None, smem: bool | None = None):
+    """T = 1 GEMV with a fused prologue ('plain', 'rmsnorm', 'silu_mul'); keyword arguments
+    override gemv_cfg. smem=True stages x in shared memory (K <= GEMV_SMEM_MAX_K)."""
+    d = gemv_cfg(N, K, prologue)
+    warps = d[0] if warps is None else warps
+    rows = d[1] if rows is None else rows
+    unroll = d[2] if unroll is None else unroll
+    smem = d[3] if smem is None else smem
+    assert N % (warps * rows) == 0, f"gemv: N={N} is not a multiple of warps*rows={warps * rows}"
+    assert warps <= 32
+    ks = K if smem and K <= GEMV_SMEM_MAX_K else 0
+    return ("gemv", (warps, rows, unroll, PROLOGUES[prologue], ks), N // (warps * rows),
+            32 * warps)
+
+
 def pick_path(T: int, N: int, fma_max_t: int | None = None, skinny_max_t: int | None = None,
               K: int = 4096):
     """(kind, config-without-flags, grid, block) for a product of T rows and N outputs:
@@ -481,6 +656,8 @@ def pick_path(T: int, N: int, fma_max_t: int | None = None, skinny_max_t: int | 
     config; else tiled."""
     fma_max_t = FMA_MAX_T if fma_max_t is None else fma_max_t
     skinny_max_t = SKINNY_MAX_T if skinny_max_t is None else skinny_max_t
+    if T == 1 and fma_max_t >= 1:
+        return gemv_path(N, K)
     if T <= fma_max_t:
         return fma_path(T, N)
     if T <= skinny_max_t and (T <= 16 or skinny_cfg(T, N, K) is not None):
@@ -505,7 +682,11 @@ def _launch(x, w, out, bias, stream, accumulate, fma_max_t, skinny_max_t, path=N
     kind, cfg, grid, block = path
     k = kernel(kind, *cfg, bias is not None, accumulate)
     # without a bias the kernel never reads that argument (branch pruned): pass out as filler
-    k[grid, block, stream or 0](x, w, out, out if bias is None else bias)
+    if kind == "gemv":
+        assert T == 1 and cfg[3] == 0, "the gemv path of linear is T = 1, no prologue"
+        k[grid, block, stream or 0](x, w, out, out if bias is None else bias, x, np.float32(0.0))
+    else:
+        k[grid, block, stream or 0](x, w, out, out if bias is None else bias)
 
 
 def linear(x, w, out, bias=None, stream=None, *, fma_max_t: int | None = None,
@@ -521,3 +702,33 @@ def linear_residual(x, w, out, bias=None, stream=None, *, fma_max_t: int | None 
     """out[T, N] += x[T, K] @ bf16(w[N, K]).T (+ bias): the residual add folded into the
     product's epilogue (one read of out instead of a separate add kernel)."""
     _launch(x, w, out, bias, stream, True, fma_max_t, skinny_max_t, path)
+
+
+def gemv(x, w, out, *, prologue: str = "plain", norm_w=None, eps: float = 1e-6, bias=None,
+         accumulate: bool = False, stream=None, path=None) -> None:
+    """T = 1 product with the input transform fused into the GEMV (no launch of its own):
+      plain     out[1, N] (+)= x[1, K] @ bf16(w).T (+ bias)
+      rmsnorm   x -> x * rsqrt(mean(x^2) + eps) * norm_w   (norm_w float32 [K])
+      silu_mul  x[1, 2K] = [gate | up] -> silu(gate) * up  (the gate_up product's output)
+    accumulate adds into out (the residual stream). path: from gemv_path (default gemv_cfg).
+    Device arrays in, nothing allocated (graph-capture safe)."""
+    if prologue not in PROLOGUES:
+        raise ValueError(f"gemv: unknown prologue '{prologue}' (one of {sorted(PROLOGUES)})")
+    N, K = w.shape
+    kx = 2 * K if prologue == "silu_mul" else K
+    assert x.ndim == 2 and tuple(x.shape) == (1, kx), f"gemv: x is {tuple(x.shape)}, expected {(1, kx)}"
+    assert tuple(out.shape) == (1, N), f"gemv: out is {tuple(out.shape)}, expected {(1, N)}"
+    assert K % 64 == 0 and N % 64 == 0, f"gemm needs K and N multiples of 64, got K={K} N={N}"
+    assert x.dtype == np.float32 and out.dtype == np.float32 and w.dtype == np.uint16, \
+        "x, out float32; w uint16 (bf16 bits)"
+    assert bias is None or tuple(bias.shape) == (N,), "bias must be float32 [N]"
+    if prologue == "rmsnorm":
+        assert norm_w is not None and tuple(norm_w.shape) == (K,), "rmsnorm needs norm_w float32 [K]"
+        nw = norm_w.reshape(1, K)
+    else:
+        nw = x
+    kind, cfg, grid, block = path or gemv_path(N, K, prologue)
+    assert kind == "gemv" and cfg[3] == PROLOGUES[prologue], f"gemv: path {kind}{cfg} is not for {prologue}"
+    assert cfg[4] in (0, K), "gemv: the path was made for another K"
+    k = kernel(kind, *cfg, bias is not None, accumulate)
+    k[grid, block, stream or 0](x, w, out, out if bias is None else bias, nw, np.float32(eps))

@@ -88,7 +88,8 @@ def test_linear_dispatch_and_shape_checks():
     with pytest.raises(AssertionError, match="multiples of 64"):
         gemm.linear(cuda.to_device(x[:, :48].copy()), cuda.to_device(w[:, :48].copy()),
                     cuda.to_device(np.zeros((2, 64), np.float32)))
-    assert gemm.pick_path(1, 4096, fma_max_t=1)[0] == "fma"
+    assert gemm.pick_path(1, 4096, fma_max_t=1)[0] == "gemv"
+    assert gemm.pick_path(1, 4096, fma_max_t=0)[0] != "gemv"
     assert gemm.pick_path(8, 4096, fma_max_t=1, skinny_max_t=16)[0] == "skinny"
     assert gemm.pick_path(17, 4096, fma_max_t=1, skinny_max_t=16)[0] == "tiled"
     assert gemm.pick_path(100, 4096, skinny_max_t=128)[:3] == ("skinny", (4, 2, 8, 1), 512)

@@ -1,0 +1,61 @@
+"""kernels_numba.gemm.gemv (T = 1 GEMV with a fused prologue) under the CUDA simulator: each
+prologue (plain, rmsnorm, silu_mul), rows per warp 1/2/4, x through L1 or shared memory, bias and
+accumulate, against the float64 NumPy oracle gemv_ref."""
+import numpy as np
+import pytest
+
+from kernels_numba import gemm
+from kernels_numba.ptx import SIM, f32_to_bf16_bits
+
+pytestmark = pytest.mark.skipif(not SIM, reason="run with NUMBA_ENABLE_CUDASIM=1")
+
+from numba import cuda  # noqa: E402
+
+
+def _relerr(out, ref):
+    assert np.isfinite(out).all(), "NaN/Inf in output (unwritten element?)"
+    return np.linalg.norm(out - ref) / np.linalg.norm(ref)
+
+
+# (prologue, N, K, warps, rows, unroll, smem, bias, accumulate); the simulator is slow: a few
+# blocks each. K = 320 / 192 leave a partial last step (40 / 24 chunks of 8 over 32 lanes).
+CASES = [
+    ("plain", 64, 320, 4, 2, 2, False, True, False),
+    ("plain", 64, 192, 2, 4, 1, True, False, True),
+    ("rmsnorm", 64, 576, 4, 1, 2, False, False, False),
+    ("rmsnorm", 128, 320, 2, 4, 1, True, True, False),
+    ("silu_mul", 64, 320, 4, 2, 1, False, False, True),
+    ("silu_mul", 64, 192, 2, 2, 2, True, False, True),
+]
+
+
+@pytest.mark.parametrize("prologue,N,K,warps,rows,unroll,smem,bias,acc", CASES)
+def test_gemv_prologue(prologue, N, K, warps, rows, unroll, smem, bias, acc):
+    rng = np.random.default_rng(N + K + rows)
+    kx = 2 * K if prologue == "silu_mul" else K
+    x = (rng.standard_normal((1, kx)) * 2).astype(np.float32)
+    w = f32_to_bf16_bits(rng.standard_normal((N, K)).astype(np.float32) / np.sqrt(K))
+    nw = (1 + 0.2 * rng.standard_normal(K)).astype(np.float32) if prologue == "rmsnorm" else None
+    b = rng.standard_normal(N).astype(np.float32) if bias else None
+    r = rng.standard_normal((1, N)).astype(np.float32) if acc else None
+    d_out = cuda.to_device(r.copy() if acc else np.full((1, N), np.nan, np.float32))
+    path = gemm.gemv_path(N, K, prologue, warps=warps, rows=rows, unroll=unroll, smem=smem)
+    assert path[1][4] == (K if smem else 0)
+    gemm.gemv(cuda.to_device(x), cuda.to_device(w), d_out, prologue=prologue,
+              norm_w=None if nw is None else cuda.to_device(nw), eps=1e-5,
+              bias=None if b is None else cuda.to_device(b), accumulate=acc, path=path)
+    ref = gemm.gemv_ref(x, w, prologue, nw, 1e-5, b, r)
+    assert _relerr(d_out.copy_to_host(), ref) < 1e-5
+
+
+def test_linear_t1_goes_through_gemv():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 128)).astype(np.float32)
+    w = f32_to_bf16_bits(rng.standard_normal((64, 128)).astype(np.float32))
+    path = gemm.pick_path(1, 64, K=128)
+    assert path[0] == "gemv" and path[1][3] == 0
+    d_out = cuda.to_device(np.full((1, 64), np.nan, np.float32))
+    gemm.linear(cuda.to_device(x), cuda.to_device(w), d_out)
+    assert _relerr(d_out.copy_to_host(), gemm.linear_ref(x, w)) < 1e-5
+    with pytest.raises(ValueError, match="prologue"):
+        gemm.gemv(x, w, d_out, prologue="gelu")

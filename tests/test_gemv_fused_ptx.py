@@ -1,0 +1,52 @@
+"""The T = 1 GEMV with fused prologues (kernels_numba.gemm.gemv) compiles for sm_90: 16-byte weight
+loads (U x R in flight per lane), x fetched once per chunk for R rows, the prologue's own
+instructions (block reduction for rmsnorm, exp for silu_mul, shared staging), and no local
+memory."""
+import pytest
+from numba import cuda, types
+
+from kernels_numba import gemm
+from kernels_numba.ptx import SIM
+
+pytestmark = pytest.mark.skipif(SIM, reason="compile_ptx needs the real CUDA target")
+
+F32_2 = types.Array(types.float32, 2, "C")
+U16_2 = types.Array(types.uint16, 2, "C")
+F32_1 = types.Array(types.float32, 1, "C")
+
+
+def _ptx(cfg, bias, acc):
+    sig = (F32_2, U16_2, F32_2, F32_1 if bias else F32_2, F32_2, types.float32)
+    ptx, _ = cuda.compile_ptx(gemm.py_kernel("gemv", *cfg, bias, acc), sig, cc=(9, 0))
+    assert ".local" not in ptx, f"gemv{cfg}: register arrays spilled to local memory"
+    return ptx
+
+
+@pytest.mark.parametrize("prologue,warps,rows,unroll,ks,bias,acc", [
+    ("plain", 4, 1, 2, 0, False, False),
+    ("plain", 8, 4, 1, 0, True, True),
+    ("rmsnorm", 4, 2, 2, 0, False, False),
+    ("rmsnorm", 8, 4, 1, 4096, True, False),
+    ("silu_mul", 4, 4, 1, 0, False, True),
+    ("silu_mul", 4, 2, 2, 1536, False, True),
+])
+def test_gemv_ptx(prologue, warps, rows, unroll, ks, bias, acc):
+    p = gemm.PROLOGUES[prologue]
+    ptx = _ptx((warps, rows, unroll, p, ks), bias, acc)
+    assert ptx.count("ld.global.nc.v4.u32") == 2 * unroll * rows      # prologue + steady state
+    per_chunk = {0: 2, 1: 4, 2: 4}[p]                                  # x (+ norm_w / up) loads
+    if ks:
+        assert "ld.global.nc.v4.f32" not in ptx
+        assert ptx.count("ld.shared.f32") >= 8 * unroll
+        assert "bar.sync" in ptx
+    else:
+        assert ptx.count("ld.global.nc.v4.f32") == per_chunk * unroll
+    assert ptx.count("shfl.sync.bfly") == 5 * rows + (5 if p == 1 else 0)
+    assert ("ex2.approx" in ptx) == (p == 2)
+    assert ("sqrt" in ptx) == (p == 1)
+
+
+def test_pick_path_t1_is_gemv():
+    kind, cfg, grid, block = gemm.pick_path(1, 4096, K=4096)
+    assert kind == "gemv" and cfg[3] == 0
+    assert grid * cfg[0] * cfg[1] == 4096 and block == 32 * cfg[0]
