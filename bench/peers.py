@@ -62,6 +62,17 @@ def decode_bytes_per_step(shape: dict, batch: int, context: int) -> int:
     return 2 * (layer_params(shape) + lm_head_params(shape) + kv)
 
 
+def weight_bytes(shape: dict, dtype_bytes: int = 2) -> int:
+    """Bytes of the matmul weights one forward reads (layers + LM head; norms and the embedding
+    rows looked up are negligible)."""
+    return dtype_bytes * (layer_params(shape) + lm_head_params(shape))
+
+
+def kv_bytes_per_token(shape: dict, dtype_bytes: int = 2) -> int:
+    """Bytes of K and V of one token over all layers."""
+    return dtype_bytes * 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"]
+
+
 def roofline_decode_tok_s(shape: dict, batch: int, context: int = 512,
                           bandwidth: float = 4.23e12) -> float:
     """Decode tok/s if every step only streamed its bytes at `bandwidth` (the HBM limit)."""

@@ -97,6 +97,7 @@ class Engine:
             if self.speculator.needs_hidden:   # MTP: forwards keep hidden rows
                 self.backend = self.speculator.drafter.tap(self.backend)
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0}
+        self.step_log: list | None = None     # set to [] to log (tokens, KV tokens read) per forward
         self._collect: dict[str, RequestOutput | None] = {}   # outputs generate() waits for
         self._groups: dict[str, _Group] = {}                  # requests with n > 1 / best_of > 1
         self._hidden: set[str] = set()                        # best_of candidates whose deltas poll() drops
@@ -269,6 +270,8 @@ class Engine:
                             state_slot=self._state_slot(s.seq))
                     for s in plan.scheduled]
         batch = build_batch(segments, self.blocks.block_size)
+        if self.step_log is not None:         # bench/run_all.py: the KV+weight bandwidth bound
+            self.step_log.append((len(batch.token_ids), sum(g.start_pos + len(g.token_ids) for g in segments)))
         verifying = any(s.draft for s in sampling)
         try:
             if verifying:
