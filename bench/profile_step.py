@@ -100,8 +100,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-shape")
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
+    ap.add_argument("--override", nargs="*", default=[])
     args = ap.parse_args()
-    _, backend, _ = make_backend(args.model, max(args.batch))
+    _, backend, _ = make_backend(args.model, max(args.batch), args.override)
     for b in args.batch:
         profile(backend, b)
 

@@ -22,7 +22,8 @@ class Levers:
                                          # streaming mma, kernels_numba/gemm.py) rather than tile
     gemm_library: str = "auto"           # auto | numba | cublaslt: who multiplies steps of many rows
                                          # (auto: cuBLASLt through nvmath-python when it loads)
-    cublaslt_min_rows: int = 64          # rows from which gemm_library=auto/cublaslt calls cuBLASLt
+    cublaslt_min_rows: int = 2           # rows from which gemm_library=auto/cublaslt calls cuBLASLt
+                                         # (matrices under 4M elements: from 64 rows; docs/gemm.md)
     prefix_caching: bool = True          # reuse KV blocks of identical prompt prefixes
     preempt_mode: str = "recompute"      # recompute | abort  (what happens to a preempted request)
     min_p_floor: bool = True             # raise min_p to the model's floor

@@ -31,6 +31,8 @@ log = logging.getLogger("metrale.cuda")
 
 GRAPH_RESERVE = 512 << 20       # memory left outside the pool for graphs, contexts, workspaces
 MIN_GRAPH_CONTEXT = 512         # context buckets of decode graphs: powers of two from here
+BLAS_SMALL_MATRIX = 1 << 22     # weight elements below which cuBLASLt waits for BLAS_SMALL_MIN_ROWS
+BLAS_SMALL_MIN_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -133,14 +135,14 @@ class CudaOps:
 
     def linear(self, x, weight, bias=None):
         out = self.b.act[f"out{weight.shape[0]}"][:x.shape[0]]
-        if self.b.blas is not None and x.shape[0] >= self.b.blas_min_rows:
+        if self.b.blas_takes(x.shape[0], weight):
             self.b.blas_linear(x, weight, out, bias, accumulate=False)
         else:
             gemm.linear(x, weight, out, bias, stream=self.s, skinny_max_t=self.b.skinny_max_t)
         return out
 
     def linear_residual(self, x, weight, residual):
-        if self.b.blas is not None and x.shape[0] >= self.b.blas_min_rows:
+        if self.b.blas_takes(x.shape[0], weight):
             self.b.blas_linear(x, weight, residual, None, accumulate=True)
         else:
             gemm.linear_residual(x, weight, residual, stream=self.s, skinny_max_t=self.b.skinny_max_t)
@@ -248,6 +250,15 @@ class CudaBackend:
                                "install nvmath-python (pip install 'metrale[cuda]') or use gemm_library=numba")
         log.info("many-row linear layers: %s", why if ok else f"Numba kernels (cuBLASLt unavailable: {why})")
         return ok
+
+    def blas_takes(self, rows: int, weight) -> bool:
+        """cuBLASLt runs this product: from cublaslt_min_rows rows on matrices of at least
+        BLAS_SMALL_MATRIX elements, from BLAS_SMALL_MIN_ROWS rows on smaller ones (measured on the
+        H200, docs/gemm.md: on SmolLM2's 0.2-1.8 MB matrices the Numba streaming kernels win by
+        1-2 us up to 32-64 rows; on Llama-3-8B's cuBLASLt ties or wins from 2 rows)."""
+        if self.blas is None or rows < self.blas_min_rows:
+            return False
+        return rows >= BLAS_SMALL_MIN_ROWS or weight.shape[0] * weight.shape[1] >= BLAS_SMALL_MATRIX
 
     def blas_linear(self, x, weight, out, bias, accumulate: bool) -> None:
         """out (+)= x @ bf16(weight).T (+ bias) through cuBLASLt: x is rounded to bf16 first."""
