@@ -157,12 +157,11 @@ def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumula
     P (prologue, PROLOGUES): 0 x as is; 1 rmsnorm: the block first reduces sum(x^2) (x [1, K]),
     then uses x * rsqrt(mean + eps) * norm_w; 2 silu_mul: x [1, 2K] = [gate | up], uses
     silu(gate) * up. KS > 0: the transformed x is staged once per block in shared memory as
-    float32 (KS = K floats, stored permuted, element e of chunk c at e * K/8 + c, so the
-    lanes' scalar shared loads are conflict free); KS == 0: x is read (and transformed) per
-    chunk through L1."""
+    float32 in dynamic shared memory (K floats, the launch passes 4K bytes; stored permuted,
+    element e of chunk c at e * K/8 + c, so the lanes' scalar shared loads are conflict free);
+    KS == 0: x is read (and transformed) per chunk through L1."""
     NT = 32 * W
     NWR = 4 * U * R
-    SM = max(KS, 1)
 
     def gemv(x, w, out, bias, nw, eps):
         K = w.shape[1]
@@ -172,7 +171,7 @@ def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumula
         n0 = (cuda.blockIdx.x * W + warp) * R
         nch = K >> 3
         red = cuda.shared.array(32, float32)
-        xs = cuda.shared.array(SM, float32)
+        xs = cuda.shared.array(0, float32)
         scale = float32(1.0)
         if P == 1:
             ss = float32(0.0)
@@ -578,7 +577,7 @@ def py_kernel(kind: str, *cfg):
 def kernel(kind: str, *cfg):
     """kind 'fma': (T, warps, unroll, has_bias, accumulate); 'skinny': (mt, nt, warps, unroll,
     has_bias, accumulate); 'tiled': (bm, bn, has_bias, accumulate); 'gemv': (warps, rows,
-    unroll, prologue, smem_k, has_bias, accumulate), arguments (x, w, out, bias, norm_w, eps)."""
+    unroll, prologue, smem (0/1), has_bias, accumulate), arguments (x, w, out, bias, norm_w, eps)."""
     key = (kind,) + cfg
     k = _KERNELS.get(key)
     if k is None:
@@ -644,7 +643,7 @@ def gemv_path(N: int, K: int, prologue: str = "plain", warps: int | None = None,
     smem = d[3] if smem is None else smem
     assert N % (warps * rows) == 0, f"gemv: N={N} is not a multiple of warps*rows={warps * rows}"
     assert warps <= 32
-    ks = K if smem and K <= GEMV_SMEM_MAX_K else 0
+    ks = 1 if smem and K <= GEMV_SMEM_MAX_K else 0
     return ("gemv", (warps, rows, unroll, PROLOGUES[prologue], ks), N // (warps * rows),
             32 * warps)
 
@@ -729,6 +728,7 @@ def gemv(x, w, out, *, prologue: str = "plain", norm_w=None, eps: float = 1e-6, 
         nw = x
     kind, cfg, grid, block = path or gemv_path(N, K, prologue)
     assert kind == "gemv" and cfg[3] == PROLOGUES[prologue], f"gemv: path {kind}{cfg} is not for {prologue}"
-    assert cfg[4] in (0, K), "gemv: the path was made for another K"
+    assert cfg[4] == 0 or K <= GEMV_SMEM_MAX_K, "gemv: x staged in shared memory needs K <= 12288"
     k = kernel(kind, *cfg, bias is not None, accumulate)
-    k[grid, block, stream or 0](x, w, out, out if bias is None else bias, nw, np.float32(eps))
+    k[grid, block, stream or 0, 4 * K if cfg[4] else 0](x, w, out, out if bias is None else bias,
+                                                         nw, np.float32(eps))
