@@ -10,6 +10,8 @@ Kernels call these names and get, on a real GPU, one instruction each:
   mma_bf16_16816(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3) -> (d0, d1, d2, d3)
                         `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32` (PTX ISA layout)
   warp_sum_f32(v)       sum over the 32 lanes of a warp (shfl.sync.bfly), every lane gets it
+  shfl_xor_f32(v, m)    `shfl.sync.bfly.b32`: the v of lane (lane ^ m), all 32 lanes, m in 1..31
+  ex2_f32(x)            `ex2.approx.ftz.f32`: 2**x (-inf and large negative x give +0)
 
 Invariants: vector accesses need 16-byte aligned addresses (c a multiple of 8 for u16, 4 for f32,
 row pitch a multiple of 16 bytes; i a multiple of 4; shared arrays declared with alignment=16).
@@ -30,7 +32,7 @@ SIM = bool(_config.ENABLE_CUDASIM)
 
 __all__ = ["SIM", "ldg_u16x8", "ldg_f32x4", "lds_u32x4", "sts_u32x4", "pack_bf16x2",
            "bf16lo_f32", "bf16hi_f32", "mma_bf16_16816", "warp_sum_f32", "bf16_bits_to_f32",
-           "f32_to_bf16_bits"]
+           "f32_to_bf16_bits", "shfl_xor_f32", "ex2_f32"]
 
 
 def f32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
@@ -156,6 +158,16 @@ if SIM:
     def mma_bf16_16816(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         st, lane = _my_warp()
         return st.exchange(lane, _mma_op, ((a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3)))
+
+    def shfl_xor_f32(v, m):
+        st, lane = _my_warp()
+        m = int(m)
+        return st.exchange(lane, lambda slots: [np.float32(slots[i ^ m]) for i in range(len(slots))],
+                           np.float32(v))
+
+    def ex2_f32(x):
+        with np.errstate(over="ignore", under="ignore"):
+            return np.float32(np.exp2(np.float32(x)))
 
 else:
     from llvmlite import ir
@@ -292,3 +304,23 @@ else:
                 x = builder.fadd(x, y)
             return x
         return types.float32(v), gen
+
+
+    @intrinsic
+    def shfl_xor_f32(typingctx, v, m):
+        def gen(context, builder, sig, args):
+            x = context.cast(builder, args[0], sig.args[0], types.float32)
+            mm = context.cast(builder, args[1], sig.args[1], types.int32)
+            fty = ir.FunctionType(_f32t, [_i32, _f32t, _i32, _i32])
+            shfl = cgutils.get_or_insert_function(builder.module, fty,
+                                                  "llvm.nvvm.shfl.sync.bfly.f32")
+            return builder.call(shfl, [ir.Constant(_i32, 0xFFFFFFFF), x, mm, ir.Constant(_i32, 0x1F)])
+        return types.float32(v, m), gen
+
+    @intrinsic
+    def ex2_f32(typingctx, x):
+        def gen(context, builder, sig, args):
+            v = context.cast(builder, args[0], sig.args[0], types.float32)
+            fty = ir.FunctionType(_f32t, [_f32t])
+            return builder.call(ir.InlineAsm(fty, "ex2.approx.ftz.f32 $0, $1;", "=f,f"), [v])
+        return types.float32(x), gen

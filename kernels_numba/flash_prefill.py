@@ -1,0 +1,417 @@
+"""Tensor-core (mma.sync m16n8k16 bf16) varlen causal prefill attention over the paged KV cache,
+flash-attention-2 style. Same contract and call signature as attention.prefill_attention (the
+reference is attention.attention_ref), so the backend can switch between them with a lever.
+
+Contract: query token t of segment s attends to the KV positions 0..positions[t] of its segment,
+read through block_tables[s] (an entry of -1 reads block 0); positions increase by one inside a
+segment (chunked prefill: a chunk starting at position p0 also reads the p0 cached positions
+before it). q float32 [T, Hq, hd] (any strides), out float32 [T, Hq, hd]; caches one layer of bf16
+bits [num_blocks, block_size, Hk, hd] as uint16 or its uint64 view [.., hd / 4]; Hq a multiple of
+Hk (GQA: query head h reads kv head h // (Hq / Hk)); hd a multiple of 32 (64 and 128 tested).
+q is rounded to bf16 after the softmax scale is applied (and P to bf16 before P.V): expect bf16
+tolerance against the float64 reference, not the 1e-4 of the FP32 kernel.
+
+Geometry (FlashConfig): grid (Hq, ceil(max_query_len / BQ), S), 32 * warps threads (4 warps,
+BQ = 64 query rows of one head per block; tiles are visited heaviest-first: tile index
+reversed). Each warp owns 16 query rows:
+  - Q (x softmax scale x log2 e) is read once, converted to bf16 A fragments held in registers
+    (hd / 4 uint32 per lane);
+  - the block walks K/V tiles of BK = 64 positions up to the causal limit of its last row;
+    per tile K is staged row-major in shared memory ([BK][hd/2 + pad] uint32 of bf16 pairs) and
+    V transposed ([hd][BK/2 + pad] uint32, two positions per word), both from 16-byte global
+    loads held in registers one phase ahead (V's loads fly during Q.K^T, the next K's during
+    P.V), two barriers per tile;
+  - S = Q K^T: 2 * (hd / 32) * (BK / 8) mma per warp, B fragments by 16-byte ld.shared;
+  - online softmax in the log2 domain on the accumulators (row max over the 4 lanes of a quad
+    with two shfl.bfly, ex2.approx), causal mask only on tiles crossing the warp's diagonal,
+    warps whose rows all precede the tile skip it;
+  - O += P V: P is repacked to bf16 A fragments straight from the S accumulators (the FA2
+    register trick), V^T B fragments by 16-byte ld.shared, 2 * (BK / 32) * (hd / 8) mma;
+  - the row sums are reduced over the quad once at the end and O / l written as float32.
+Both operands use the same permutation of the reduction index so that every fragment is one
+16-byte shared load (as gemm.py's tiled kernel): lane t holds reduction elements 8t..8t+7 of a
+32-wide chunk, and K rows are assigned to S columns so that the S accumulator layout is exactly
+the A-fragment layout P.V needs (key of S element (nt, e) in a tile: 32 (nt >> 2) + 8 t +
+2 (nt & 3) + (e & 1)). Row pitches of both shared tiles are 16 words mod 32: 16-byte loads of a
+quarter-warp (rows g, g+1 x 4 lanes) hit 32 distinct banks.
+
+Resources (hd 128): shared 20 KB (K) + 24 KB (V^T) = 44 KB static, no dynamic shared memory;
+registers per lane ~ 32 (Q) + 32 (S/P) + 64 (O) + 32 (staged K or V) + addressing: expect
+~200-230, i.e. 2 blocks (8 warps) per SM. hd 64: 12 + 12 KB shared, ~130 registers.
+
+Expected speed on the H200 (unmeasured when written): each warp issues one 16-byte ld.shared
+(512 B, 4 shared-memory cycles of the SM) per two mma (m16n8k16 = 4096 FLOP), so shared-memory
+bandwidth alone caps the SM near 0.5 mma per clock, about the mma.sync issue rate (~60-70% of the
+780-810 TFLOP/s dense bf16 peak measured in docs/gemm.md); with no cp.async pipelining (one tile
+of loads in flight, two barriers per tile), 2 resident blocks per SM, exp2/max/rescale work on
+the FMA/MUFU pipes and causal load imbalance we expect 120-250 TFLOP/s on the 8B shape at 4,096
+tokens, i.e. roughly 25-45% of mma.sync peak (15-30% of the dense bf16 peak), 10-20x the FP32
+FMA kernel (~12 TFLOP/s). Larger gains need 32 rows per warp (halves shared traffic per mma,
+registers permitting), cp.async multi-stage staging and ldmatrix.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda
+
+from kernels_numba.attention import attention_ref, token_seq_from_starts  # noqa: F401 (reference)
+from kernels_numba.ptx import (
+    SIM,
+    ex2_f32,
+    lds_u32x4,
+    mma_bf16_16816,
+    pack_bf16x2,
+    shfl_xor_f32,
+    sts_u32x4,
+)
+from kernels_numba.bf16 import ldg_u64x2
+
+LOG2E = 1.4426950408889634
+SMEM_ALIGN = None if SIM else 16  # 16-byte shared accesses (the simulator rejects alignment=)
+NEG = np.float32(-1.0e30)  # finite "minus infinity": no inf - inf, safe under any math flags
+
+
+@dataclass(frozen=True)
+class FlashConfig:
+    head_dim: int
+    warps: int = 4  # 16 query rows per warp: BQ = 16 * warps
+    block_k: int = 64  # KV positions per staged tile (multiple of 32)
+
+    @property
+    def block_q(self) -> int:
+        return 16 * self.warps
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+
+def flash_config(head_dim: int, **override) -> FlashConfig:
+    cfg = FlashConfig(head_dim, override.get("warps", 4), override.get("block_k", 64))
+    if head_dim % 32:
+        raise ValueError(f"flash_prefill_attention: head_dim {head_dim} must be a multiple of 32")
+    if cfg.block_k % 32 or cfg.block_k <= 0:
+        raise ValueError(f"flash_prefill_attention: block_k {cfg.block_k} must be a multiple of 32")
+    nt = cfg.threads
+    if (cfg.block_k * head_dim // 8) % nt or (cfg.block_k // 2 * head_dim // 8) % nt:
+        raise ValueError(f"flash_prefill_attention: a {cfg.block_k} x {head_dim} tile does not split "
+                         f"over {nt} threads")
+    k_pitch, v_pitch = _pitches(cfg)
+    if 4 * (cfg.block_k * k_pitch + head_dim * v_pitch) > 48 * 1024:
+        raise ValueError("flash_prefill_attention: tiles exceed 48 KB of static shared memory")
+    return cfg
+
+
+def _pitches(cfg: FlashConfig) -> tuple[int, int]:
+    """Row pitches (uint32 words) of the K and V^T tiles: 16 mod 32 (conflict-free 16-byte reads)."""
+    kw = cfg.head_dim // 2
+    vw = cfg.block_k // 2
+    return kw + (16 - kw) % 32, vw + (16 - vw) % 32
+
+
+def _make_kernel(cfg: FlashConfig):
+    HD, W, BK = cfg.head_dim, cfg.warps, cfg.block_k
+    BQ = 16 * W
+    NT = 32 * W
+    KP, VP = _pitches(cfg)
+    KC = HD // 32  # 32-wide reduction chunks of S = Q K^T
+    NS = BK // 8  # n8 tiles of S per warp
+    NB = BK // 32  # 32-key chunks of P.V
+    ND = HD // 8  # n8 tiles of O per warp
+    PC = HD // 8  # 16-byte pieces per K/V row
+    NKI = BK * PC // NT  # K pieces per thread per tile
+    NVI = (BK // 2) * PC // NT  # V (position pair, piece) items per thread per tile
+    HALF = BK // 2
+    U32 = np.uint64(0xFFFFFFFF)
+    U16 = np.uint64(0xFFFF)
+    S32 = np.uint64(32)
+
+    def flash_prefill(q, k_cache, v_cache, block_tables, seq_query_start, positions, qscale, out):
+        h = cuda.blockIdx.x
+        seq = cuda.blockIdx.z
+        tile = cuda.gridDim.y - 1 - cuda.blockIdx.y  # heaviest (latest) tiles first
+        t_beg = seq_query_start[seq]
+        t_end = seq_query_start[seq + 1]
+        t0 = t_beg + tile * BQ
+        if t0 >= t_end:
+            return
+        t1 = min(t0 + BQ, t_end)
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        lane = tid & 31
+        g = lane >> 2
+        t = lane & 3
+        bs = k_cache.shape[1]
+        hk = h // (q.shape[1] // k_cache.shape[2])
+
+        sK = cuda.shared.array(BK * KP, np.uint32, alignment=SMEM_ALIGN)
+        sV = cuda.shared.array(HD * VP, np.uint32, alignment=SMEM_ALIGN)
+        qf = cuda.local.array(HD // 4, np.uint32)
+        s = cuda.local.array(NS * 4, np.float32)
+        o = cuda.local.array(ND * 4, np.float32)
+        kr = cuda.local.array(2 * NKI, np.uint64)
+        vr = cuda.local.array(4 * NVI, np.uint64)
+
+        # ---- this warp's rows (padding rows past t1 clamp to the last row: finite, never written)
+        w0 = t0 + 16 * warp
+        active = w0 < t1
+        r0 = min(w0 + g, t1 - 1)
+        r1 = min(w0 + g + 8, t1 - 1)
+        qp0 = positions[r0]
+        qp1 = positions[r1]
+        wfirst = positions[min(w0, t1 - 1)]
+        wlast = positions[min(w0 + 15, t1 - 1)]
+        for kc in range(KC):
+            for e in range(4):
+                d = 32 * kc + 8 * t + 2 * e
+                qf[8 * kc + 2 * e] = pack_bf16x2(q[r0, h, d] * qscale, q[r0, h, d + 1] * qscale)
+                qf[8 * kc + 2 * e + 1] = pack_bf16x2(q[r1, h, d] * qscale, q[r1, h, d + 1] * qscale)
+        for i in range(ND * 4):
+            o[i] = np.float32(0.0)
+        m0 = NEG
+        m1 = NEG
+        l0 = np.float32(0.0)
+        l1 = np.float32(0.0)
+
+        kv_end = positions[t1 - 1] + 1
+        n_kt = (kv_end + BK - 1) // BK
+
+        # ---- prologue: K tile 0 into registers
+        for i in range(NKI):
+            idx = tid + NT * i
+            j = idx // PC
+            c = idx - j * PC
+            if j < kv_end:
+                bi = j // bs
+                blk = max(block_tables[seq, bi], 0)
+                a, b = ldg_u64x2(k_cache, (blk, j - bi * bs, hk, 2 * c))
+            else:
+                a = np.uint64(0)
+                b = np.uint64(0)
+            kr[2 * i] = a
+            kr[2 * i + 1] = b
+
+        for kt in range(n_kt):
+            k0 = kt * BK
+            # K(kt) registers -> shared (S(kt-1) reads finished before the last barrier)
+            for i in range(NKI):
+                idx = tid + NT * i
+                j = idx // PC
+                c = idx - j * PC
+                a = kr[2 * i]
+                b = kr[2 * i + 1]
+                sts_u32x4(sK, j * KP + 4 * c, a & U32, a >> S32, b & U32, b >> S32)
+            # V(kt) loads in flight during S
+            for i in range(NVI):
+                idx = tid + NT * i
+                c = idx // HALF
+                jp = idx - c * HALF
+                for u in range(2):
+                    pos = k0 + 2 * jp + u
+                    if pos < kv_end:
+                        bi = pos // bs
+                        blk = max(block_tables[seq, bi], 0)
+                        a, b = ldg_u64x2(v_cache, (blk, pos - bi * bs, hk, 2 * c))
+                    else:
+                        a = np.uint64(0)
+                        b = np.uint64(0)
+                    vr[4 * i + 2 * u] = a
+                    vr[4 * i + 2 * u + 1] = b
+            cuda.syncthreads()
+
+            run = active and k0 <= wlast  # warp-uniform
+            if run:
+                # ---- S = Q K^T (log2 units)
+                for i in range(NS * 4):
+                    s[i] = np.float32(0.0)
+                for kc in range(KC):
+                    for nt in range(NS):
+                        row = 32 * (nt >> 2) + 8 * (g >> 1) + 2 * (nt & 3) + (g & 1)
+                        v = lds_u32x4(sK, row * KP + 16 * kc + 4 * t)
+                        d = mma_bf16_16816(qf[8 * kc], qf[8 * kc + 1], qf[8 * kc + 2], qf[8 * kc + 3],
+                                           v[0], v[1], s[4 * nt], s[4 * nt + 1], s[4 * nt + 2],
+                                           s[4 * nt + 3])
+                        d = mma_bf16_16816(qf[8 * kc + 4], qf[8 * kc + 5], qf[8 * kc + 6],
+                                           qf[8 * kc + 7], v[2], v[3], d[0], d[1], d[2], d[3])
+                        s[4 * nt] = d[0]
+                        s[4 * nt + 1] = d[1]
+                        s[4 * nt + 2] = d[2]
+                        s[4 * nt + 3] = d[3]
+                # ---- causal mask (tiles crossing this warp's diagonal only) and row maxima
+                if k0 + BK - 1 > wfirst:
+                    for nt in range(NS):
+                        key = k0 + 32 * (nt >> 2) + 8 * t + 2 * (nt & 3)
+                        if key > qp0:
+                            s[4 * nt] = NEG
+                        if key + 1 > qp0:
+                            s[4 * nt + 1] = NEG
+                        if key > qp1:
+                            s[4 * nt + 2] = NEG
+                        if key + 1 > qp1:
+                            s[4 * nt + 3] = NEG
+                mx0 = NEG
+                mx1 = NEG
+                for nt in range(NS):
+                    mx0 = max(mx0, max(s[4 * nt], s[4 * nt + 1]))
+                    mx1 = max(mx1, max(s[4 * nt + 2], s[4 * nt + 3]))
+                mx0 = max(mx0, shfl_xor_f32(mx0, 1))
+                mx1 = max(mx1, shfl_xor_f32(mx1, 1))
+                mx0 = max(mx0, shfl_xor_f32(mx0, 2))
+                mx1 = max(mx1, shfl_xor_f32(mx1, 2))
+                mn0 = max(m0, mx0)
+                mn1 = max(m1, mx1)
+                al0 = ex2_f32(m0 - mn0)
+                al1 = ex2_f32(m1 - mn1)
+                m0 = mn0
+                m1 = mn1
+                rs0 = np.float32(0.0)
+                rs1 = np.float32(0.0)
+                for nt in range(NS):
+                    p = ex2_f32(s[4 * nt] - mn0)
+                    s[4 * nt] = p
+                    rs0 += p
+                    p = ex2_f32(s[4 * nt + 1] - mn0)
+                    s[4 * nt + 1] = p
+                    rs0 += p
+                    p = ex2_f32(s[4 * nt + 2] - mn1)
+                    s[4 * nt + 2] = p
+                    rs1 += p
+                    p = ex2_f32(s[4 * nt + 3] - mn1)
+                    s[4 * nt + 3] = p
+                    rs1 += p
+                l0 = l0 * al0 + rs0
+                l1 = l1 * al1 + rs1
+                for dn in range(ND):
+                    o[4 * dn] *= al0
+                    o[4 * dn + 1] *= al0
+                    o[4 * dn + 2] *= al1
+                    o[4 * dn + 3] *= al1
+
+            # V(kt) registers -> shared, transposed: word (d, jp) = V[2 jp, d] | V[2 jp + 1, d] << 16
+            # (P.V(kt-1) reads finished before the barrier above)
+            for i in range(NVI):
+                idx = tid + NT * i
+                c = idx // HALF
+                jp = idx - c * HALF
+                for w in range(2):
+                    wa = vr[4 * i + w]
+                    wb = vr[4 * i + 2 + w]
+                    for e in range(4):
+                        sh = np.uint64(16 * e)
+                        word = ((wa >> sh) & U16) | (((wb >> sh) & U16) << np.uint64(16))
+                        sV[(8 * c + 4 * w + e) * VP + jp] = word
+            # K(kt+1) loads in flight during P.V
+            if kt + 1 < n_kt:
+                for i in range(NKI):
+                    idx = tid + NT * i
+                    j = idx // PC
+                    c = idx - j * PC
+                    pos = k0 + BK + j
+                    if pos < kv_end:
+                        bi = pos // bs
+                        blk = max(block_tables[seq, bi], 0)
+                        a, b = ldg_u64x2(k_cache, (blk, pos - bi * bs, hk, 2 * c))
+                    else:
+                        a = np.uint64(0)
+                        b = np.uint64(0)
+                    kr[2 * i] = a
+                    kr[2 * i + 1] = b
+            cuda.syncthreads()
+
+            if run:
+                # ---- O += P V: A fragments straight from the S accumulators
+                for nb in range(NB):
+                    n0 = 4 * nb
+                    a00 = pack_bf16x2(s[4 * n0], s[4 * n0 + 1])
+                    a01 = pack_bf16x2(s[4 * n0 + 2], s[4 * n0 + 3])
+                    a02 = pack_bf16x2(s[4 * n0 + 4], s[4 * n0 + 5])
+                    a03 = pack_bf16x2(s[4 * n0 + 6], s[4 * n0 + 7])
+                    a10 = pack_bf16x2(s[4 * n0 + 8], s[4 * n0 + 9])
+                    a11 = pack_bf16x2(s[4 * n0 + 10], s[4 * n0 + 11])
+                    a12 = pack_bf16x2(s[4 * n0 + 12], s[4 * n0 + 13])
+                    a13 = pack_bf16x2(s[4 * n0 + 14], s[4 * n0 + 15])
+                    for dn in range(ND):
+                        v = lds_u32x4(sV, (8 * dn + g) * VP + 16 * nb + 4 * t)
+                        d = mma_bf16_16816(a00, a01, a02, a03, v[0], v[1],
+                                           o[4 * dn], o[4 * dn + 1], o[4 * dn + 2], o[4 * dn + 3])
+                        d = mma_bf16_16816(a10, a11, a12, a13, v[2], v[3], d[0], d[1], d[2], d[3])
+                        o[4 * dn] = d[0]
+                        o[4 * dn + 1] = d[1]
+                        o[4 * dn + 2] = d[2]
+                        o[4 * dn + 3] = d[3]
+
+        # ---- epilogue: quad-reduce the row sums, write O / l
+        l0 += shfl_xor_f32(l0, 1)
+        l1 += shfl_xor_f32(l1, 1)
+        l0 += shfl_xor_f32(l0, 2)
+        l1 += shfl_xor_f32(l1, 2)
+        if active:
+            if w0 + g < t1:
+                inv = np.float32(1.0) / l0
+                for dn in range(ND):
+                    d = 8 * dn + 2 * t
+                    out[w0 + g, h, d] = o[4 * dn] * inv
+                    out[w0 + g, h, d + 1] = o[4 * dn + 1] * inv
+            if w0 + g + 8 < t1:
+                inv = np.float32(1.0) / l1
+                for dn in range(ND):
+                    d = 8 * dn + 2 * t
+                    out[w0 + g + 8, h, d] = o[4 * dn + 2] * inv
+                    out[w0 + g + 8, h, d + 1] = o[4 * dn + 3] * inv
+
+    return flash_prefill
+
+
+@lru_cache(maxsize=None)
+def py_kernel(cfg: FlashConfig):
+    """The undecorated kernel function of a config (for compile_ptx)."""
+    return _make_kernel(cfg)
+
+
+@lru_cache(maxsize=None)
+def _kernel(cfg: FlashConfig):
+    return cuda.jit(py_kernel(cfg))
+
+
+def _as_u64(cache):
+    return cache if cache.dtype == np.uint64 else cache.view(np.uint64)
+
+
+def flash_prefill_attention(
+    q,
+    k_cache64,
+    v_cache64,
+    block_tables,
+    seq_query_start,
+    positions,
+    scale: float,
+    out,
+    max_query_len: int | None = None,
+    config: FlashConfig | None = None,
+    stream=0,
+) -> None:
+    """Causal attention for prefill segments on the tensor cores (see module docstring); the
+    arguments are those of attention.prefill_attention. Allocates nothing; the grid depends only
+    on (Hq, max_query_len, S), so keep max_query_len fixed under CUDA-graph capture."""
+    num_tokens, hq, hd = q.shape
+    num_seqs = seq_query_start.shape[0] - 1
+    if num_tokens == 0 or num_seqs == 0:
+        return
+    kc = _as_u64(k_cache64)
+    vc = _as_u64(v_cache64)
+    hk = kc.shape[2]
+    if hq % hk or kc.shape[3] * 4 != hd:
+        raise ValueError(f"flash_prefill_attention: q {q.shape} does not match cache {kc.shape} (uint64 view)")
+    cfg = config or flash_config(hd)
+    if cfg.head_dim != hd:
+        raise ValueError(f"flash_prefill_attention: config for head_dim {cfg.head_dim}, q has {hd}")
+    qlen = num_tokens if max_query_len is None else max_query_len
+    tiles = max(1, -(-qlen // cfg.block_q))
+    _kernel(cfg)[(hq, tiles, num_seqs), cfg.threads, stream](
+        q, kc, vc, block_tables, seq_query_start, positions, np.float32(scale * LOG2E), out
+    )
