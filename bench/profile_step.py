@@ -16,6 +16,17 @@ from metrale.runtime import cuda_backend as cb
 from metrale.runtime.batch import Segment, build_batch
 
 
+SPIN_NS = 2_000_000    # longer than a few Python launches (cuBLASLt plans are made before timing)
+
+
+@cuda.jit
+def _spin(ns):
+    t = 0
+    while t < ns:
+        cuda.nanosleep(1000)
+        t += 1000
+
+
 def med(xs) -> float:
     return float(np.median(xs)) * 1e3
 
@@ -52,15 +63,19 @@ def profile(backend, batch: int, context: int = 512, reps: int = 30) -> None:
     print(f"B={batch}: total {med(t_total):.3f} ms | build {med(t_build):.3f} upload {med(t_upload):.3f} "
           f"replay-launch {med(t_launch):.3f} copy+sync {med(t_sync):.3f} | graph on GPU {med(gpu):.3f} ms "
           f"({backend.graphs[g].num_nodes} nodes)")
-    # GPU time per op, eager, with events around each op
+    # GPU time per op, eager, with events around each op. A spin kernel queued before each op
+    # keeps the GPU busy while Python launches it, so the events time the device work only
+    # (without it an eager op's interval is mostly the ~50 us of its host-side launch).
     per_op = defaultdict(list)
     originals = {}
+    spin_stream = backend.stream.numba
     for name in ("embed", "rms_norm", "linear", "linear_residual", "qkv_to_cache", "attention", "silu_mul", "logits_rows"):
         fn = getattr(cb.CudaOps, name)
         originals[name] = fn
 
         def wrapped(self, *args, _fn=fn, _name=name, **kw):
             a, z = cuda.event(), cuda.event()
+            _spin[1, 1, spin_stream](SPIN_NS)
             a.record(self.s)
             out = _fn(self, *args, **kw)
             z.record(self.s)
