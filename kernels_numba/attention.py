@@ -47,6 +47,10 @@ from kernels_numba.bf16 import (
 # Blocks the split-K heuristic aims for (132 SMs x ~16 resident 128-thread blocks on an H200).
 TARGET_BLOCKS = 16 if SIMULATOR else 2048
 NO_SPLIT_PART = 1 << 30
+# Launches whose max_context is at most this never split: one partition, the decode kernel writes
+# the output itself and the merge kernel is not launched (one node fewer per layer in a decode
+# graph; SmolLM2 batch 1 at the 512-token context bucket).
+NO_SPLIT_CONTEXT = 32 if SIMULATOR else 512
 
 
 # ---------------------------------------------------------------- decode / ragged: config
@@ -86,9 +90,13 @@ def decode_config(head_dim: int, group: int, **override) -> DecodeConfig:
 
 
 def decode_partitions(
-    num_tokens: int, num_kv_heads: int, max_context: int, cfg: DecodeConfig, scratch_rows: int
+    num_tokens: int, num_kv_heads: int, max_context: int, cfg: DecodeConfig, scratch_rows: int,
+    no_split_context: int | None = None,
 ) -> tuple[int, int]:
-    """(partitions, partition_size) for a launch; (1, huge) means no split."""
+    """(partitions, partition_size) for a launch; (1, huge) means no split (always when
+    max_context <= no_split_context, default NO_SPLIT_CONTEXT)."""
+    if max_context <= (NO_SPLIT_CONTEXT if no_split_context is None else no_split_context):
+        return 1, NO_SPLIT_PART
     max_parts = max(1, -(-max_context // cfg.chunk))
     want = -(-TARGET_BLOCKS // max(1, num_tokens * num_kv_heads))
     parts = min(want, max_parts, scratch_rows // max(1, num_tokens))
@@ -327,6 +335,7 @@ def paged_attention(
     partitions: int | None = None,
     config: DecodeConfig | None = None,
     stream=0,
+    no_split_context: int | None = None,
 ) -> None:
     """Causal paged attention for a ragged batch (see module docstring).
 
@@ -335,6 +344,8 @@ def paged_attention(
     (default block_tables.shape[1] * block_size; keep it fixed under CUDA graph capture since it
     sets the grid). partitions: force the number of split-K partitions (tests); None = heuristic.
     config: launch geometry override (tuning; see decode_config).
+    no_split_context: no split-K (and no merge launch) when max_context is at most this
+    (default NO_SPLIT_CONTEXT; 0 = split whenever the heuristic wants to).
     """
     num_tokens, hq, hd = q.shape
     if num_tokens == 0:
@@ -349,7 +360,7 @@ def paged_attention(
         max_context = block_tables.shape[1] * kc.shape[1]
     rows = 0 if scratch is None else scratch.shape[0]
     if partitions is None:
-        parts, part = decode_partitions(num_tokens, hk, max_context, cfg, rows)
+        parts, part = decode_partitions(num_tokens, hk, max_context, cfg, rows, no_split_context)
     elif partitions <= 1:
         parts, part = 1, NO_SPLIT_PART
     else:

@@ -6,8 +6,11 @@ so do hybrid models (Qwen3-Next style, docs/hybrid.md): a layer whose config.lay
 "linear_attention" mixes tokens with a Gated DeltaNet (ops.gated_delta_net, state kept per
 segment in its state slot) instead of paged attention; attention layers index the KV cache by
 their rank among the attention layers (config.kv_layer).
-The residual stream is updated by the o and down products themselves (linear_residual), so a
-layer is nine ops: norm, qkv, rope+store, attention, o(+res), norm, gate_up, silu*mul, down(+res).
+The residual stream is updated by the o and down products themselves (linear_residual), and
+each RMSNorm is part of the product that reads it (norm_linear), as silu*mul is of the down
+product (silu_mul_linear_residual), so a layer is seven ops: norm+qkv, rope+store, attention,
+o(+res), norm+gate_up, silu*mul+down(+res). Backends may run the fused ops as their composition
+(the NumPy backend does; the CUDA backend fuses at one token row, levers.fuse_decode).
 """
 from __future__ import annotations
 
@@ -26,6 +29,9 @@ class Ops(Protocol):
     def qkv_to_cache(self, qkv: Tensor, layer: int, q_norm: Tensor | None, k_norm: Tensor | None) -> Tensor: ...
     def attention(self, q: Tensor, layer: int) -> Tensor: ...
     def silu_mul(self, gate_up: Tensor) -> Tensor: ...
+    # fused: linear(rms_norm(x, norm_weight), weight, bias); linear_residual(silu_mul(gate_up), weight, residual)
+    def norm_linear(self, x: Tensor, norm_weight: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor: ...
+    def silu_mul_linear_residual(self, gate_up: Tensor, weight: Tensor, residual: Tensor) -> Tensor: ...
     def logits_rows(self, x: Tensor) -> Tensor: ...
     # hybrid models only
     def sigmoid_mul(self, x: Tensor, gate: Tensor) -> Tensor: ...
@@ -42,20 +48,20 @@ def llama_forward(ops: Ops, w: dict[str, Tensor], config: ModelConfig, num_layer
     residual = ops.embed(w["embed"])
     for i in range(config.num_layers if num_layers is None else num_layers):
         p = f"layers.{i}."
-        h = ops.rms_norm(residual, w[p + "attn_norm"])
+        norm = w[p + "attn_norm"]
         if config.is_linear_layer(i):
-            mixed = ops.gated_delta_net(ops.linear(h, w[p + "lin_in"]), config.state_layer(i), w[p + "lin_conv"],
-                                        w[p + "lin_a_log"], w[p + "lin_dt_bias"], w[p + "lin_norm"])
+            mixed = ops.gated_delta_net(ops.norm_linear(residual, norm, w[p + "lin_in"]), config.state_layer(i),
+                                        w[p + "lin_conv"], w[p + "lin_a_log"], w[p + "lin_dt_bias"], w[p + "lin_norm"])
         else:
             kv = config.kv_layer(i)
-            q = ops.qkv_to_cache(ops.linear(h, w[p + "qkv"], w.get(p + "qkv_bias")), kv,
+            q = ops.qkv_to_cache(ops.norm_linear(residual, norm, w[p + "qkv"], w.get(p + "qkv_bias")), kv,
                                  w.get(p + "q_norm"), w.get(p + "k_norm"))
             mixed = ops.attention(q, kv)
-            if p + "attn_gate" in w:
-                mixed = ops.sigmoid_mul(mixed, ops.linear(h, w[p + "attn_gate"]))
+            if p + "attn_gate" in w:   # the residual is unchanged since the qkv product: same norm
+                mixed = ops.sigmoid_mul(mixed, ops.norm_linear(residual, norm, w[p + "attn_gate"]))
         residual = ops.linear_residual(mixed, w[p + "o"], residual)
-        h = ops.rms_norm(residual, w[p + "mlp_norm"])
-        residual = ops.linear_residual(ops.silu_mul(ops.linear(h, w[p + "gate_up"])), w[p + "down"], residual)
+        gate_up = ops.norm_linear(residual, w[p + "mlp_norm"], w[p + "gate_up"])
+        residual = ops.silu_mul_linear_residual(gate_up, w[p + "down"], residual)
     rows = ops.logits_rows(residual)
-    logits = ops.linear(ops.rms_norm(rows, w["final_norm"]), w.get("lm_head", w["embed"]))
+    logits = ops.norm_linear(rows, w["final_norm"], w.get("lm_head", w["embed"]))
     return (logits, rows) if return_hidden else logits

@@ -172,6 +172,27 @@ class CudaOps:
         activation.silu_mul(gate_up, out, stream=self.s)
         return out
 
+    def _fused(self, rows: int, weight) -> bool:
+        """One token row, fusion on, and the Numba GEMV (not cuBLASLt) runs this product."""
+        return rows == 1 and self.b.fuse_decode and not self.b.blas_takes(1, weight)
+
+    def norm_linear(self, x, norm_weight, weight, bias=None):
+        """linear(rms_norm(x, norm_weight), weight, bias); at one row the norm is the GEMV's
+        prologue (gemm.gemv, prologue 'rmsnorm'): no norm launch, no normed buffer."""
+        if not self._fused(x.shape[0], weight):
+            return self.linear(self.rms_norm(x, norm_weight), weight, bias)
+        out = self.b.act[f"out{weight.shape[0]}"][:1]
+        gemm.gemv(x, weight, out, prologue="rmsnorm", norm_w=norm_weight, eps=self.cfg.rms_norm_eps,
+                  bias=bias, stream=self.s)
+        return out
+
+    def silu_mul_linear_residual(self, gate_up, weight, residual):
+        """residual += silu_mul(gate_up) @ weight.T; at one row silu*mul is the GEMV's prologue."""
+        if not self._fused(gate_up.shape[0], weight):
+            return self.linear_residual(self.silu_mul(gate_up), weight, residual)
+        gemm.gemv(gate_up, weight, residual, prologue="silu_mul", accumulate=True, stream=self.s)
+        return residual
+
     def logits_rows(self, x):
         out = self._buf("rows", self.g.rows)
         qkv.gather_rows(x, self.logits_indices, out, stream=self.s)
@@ -188,6 +209,7 @@ class CudaBackend:
         # the streaming path's own table (gemm.skinny_cfg) still sends shapes it loses on to the tiled GEMM
         self.skinny_max_t = max(gemm.FMA_MAX_T, int(levers.gemv_max_rows))
         self.prefill_min_tokens = int(levers.prefill_attention_min_tokens)
+        self._init_decode_fusion(levers)
         self.use_graphs = bool(levers.cuda_graphs)
         self.graph_sizes = sorted(int(s) for s in levers.graph_batch_sizes)
         self.max_model_len = min(c.max_position, cfg.scheduler.max_model_len or c.max_position)
@@ -268,6 +290,11 @@ class CudaBackend:
         self.blas.linear(_ptr(xb), _ptr(weight), _ptr(out), T, weight.shape[0], K,
                          bias_ptr=_ptr(bias) if bias is not None else 0, accumulate=accumulate,
                          stream=self.stream.ptr)
+
+    def _init_decode_fusion(self, levers) -> None:
+        """levers.fuse_decode: one-row steps run RMSNorm and silu*mul inside the GEMV that reads
+        them (CudaOps.norm_linear / silu_mul_linear_residual)."""
+        self.fuse_decode = bool(getattr(levers, "fuse_decode", True))
 
     # ------------------------------------------------------------------ memory plan
     def _weight_bytes(self) -> int:

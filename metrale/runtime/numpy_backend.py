@@ -68,6 +68,12 @@ class NumpyOps:
     def linear_residual(self, x, weight, residual):
         return residual + x @ weight.T
 
+    def norm_linear(self, x, norm_weight, weight, bias=None):
+        return self.linear(self.rms_norm(x, norm_weight), weight, bias)
+
+    def silu_mul_linear_residual(self, gate_up, weight, residual):
+        return self.linear_residual(self.silu_mul(gate_up), weight, residual)
+
     def qkv_to_cache(self, qkv, layer, q_norm, k_norm):
         c, T = self.cfg, qkv.shape[0]
         q = qkv[:, :c.q_size].reshape(T, c.num_heads, c.head_dim)
