@@ -16,38 +16,38 @@ BQ = 64 query rows of one head per block; tiles are visited heaviest-first: tile
 reversed). Each warp owns 16 query rows:
   - Q (x softmax scale x log2 e) is read once, converted to bf16 A fragments held in registers
     (hd / 4 uint32 per lane);
-  - the block walks K/V tiles of BK = 64 positions up to the causal limit of its last row;
-    per tile K is staged row-major in shared memory ([BK][hd/2 + pad] uint32 of bf16 pairs) and
-    V transposed ([hd][BK/2 + pad] uint32, two positions per word), both from 16-byte global
-    loads held in registers one phase ahead (V's loads fly during Q.K^T, the next K's during
-    P.V), two barriers per tile;
-  - S = Q K^T: 2 * (hd / 32) * (BK / 8) mma per warp, B fragments by 16-byte ld.shared;
+  - the block walks K/V tiles of BK = 64 positions up to the causal limit of its last row; per
+    tile K and V are staged row-major in shared memory as bf16 pairs ([BK][hd/2 + pad] uint32)
+    from 16-byte global loads held in registers one phase ahead (the next K's loads fly during
+    P.V; V's during Q.K^T when v_early, else right after the softmax), two barriers per tile;
+  - S = Q K^T: 2 * (hd / 32) * (BK / 8) mma per warp, K B fragments by 16-byte ld.shared;
   - online softmax in the log2 domain on the accumulators (row max over the 4 lanes of a quad
     with two shfl.bfly, ex2.approx), causal mask only on tiles crossing the warp's diagonal,
     warps whose rows all precede the tile skip it;
   - O += P V: P is repacked to bf16 A fragments straight from the S accumulators (the FA2
-    register trick), V^T B fragments by 16-byte ld.shared, 2 * (BK / 32) * (hd / 8) mma;
+    register trick: the m16n8 C layout of two adjacent S tiles is the m16n8k16 A layout), V B
+    fragments by ldmatrix.x4.trans (4 matrices = 32 keys x 8 dims), 2 * (BK / 32) * (hd / 8) mma;
   - the row sums are reduced over the quad once at the end and O / l written as float32.
-Both operands use the same permutation of the reduction index so that every fragment is one
-16-byte shared load (as gemm.py's tiled kernel): lane t holds reduction elements 8t..8t+7 of a
-32-wide chunk, and K rows are assigned to S columns so that the S accumulator layout is exactly
-the A-fragment layout P.V needs (key of S element (nt, e) in a tile: 32 (nt >> 2) + 8 t +
-2 (nt & 3) + (e & 1)). Row pitches of both shared tiles are 16 words mod 32: 16-byte loads of a
-quarter-warp (rows g, g+1 x 4 lanes) hit 32 distinct banks.
+Q.K^T permutes its reduction index (head_dim) identically in both operands so that every
+fragment is one 16-byte shared load (as gemm.py's tiled kernel): lane t holds dims 8t..8t+7 of
+each 32-wide chunk. Row pitches: K 16 words mod 32 (a quarter-warp reads rows g, g+1 x 4 lanes:
+32 distinct banks), V 4 words mod 32 (ldmatrix's 8 rows hit 8 distinct 16-byte bank groups).
 
-Resources (hd 128): shared 20 KB (K) + 24 KB (V^T) = 44 KB static, no dynamic shared memory;
-registers per lane ~ 32 (Q) + 32 (S/P) + 64 (O) + 32 (staged K or V) + addressing: expect
-~200-230, i.e. 2 blocks (8 warps) per SM. hd 64: 12 + 12 KB shared, ~130 registers.
+Resources (ptxas 13.0, sm_90, no launch bounds): hd 64: 176 registers, 21 KB static shared, no
+spills; hd 128 (BK 64): 255 registers with 40-88 bytes of spills, 37 KB shared; hd 128 with
+block_k=32: 250 registers, no spills, 19 KB. Either way 2 blocks (8 warps) per SM by registers.
+Live state per lane (hd 128): Q 32 + S/P 32 + O 64 + staged K/V 32 words + addressing.
 
-Expected speed on the H200 (unmeasured when written): each warp issues one 16-byte ld.shared
-(512 B, 4 shared-memory cycles of the SM) per two mma (m16n8k16 = 4096 FLOP), so shared-memory
-bandwidth alone caps the SM near 0.5 mma per clock, about the mma.sync issue rate (~60-70% of the
-780-810 TFLOP/s dense bf16 peak measured in docs/gemm.md); with no cp.async pipelining (one tile
-of loads in flight, two barriers per tile), 2 resident blocks per SM, exp2/max/rescale work on
-the FMA/MUFU pipes and causal load imbalance we expect 120-250 TFLOP/s on the 8B shape at 4,096
-tokens, i.e. roughly 25-45% of mma.sync peak (15-30% of the dense bf16 peak), 10-20x the FP32
-FMA kernel (~12 TFLOP/s). Larger gains need 32 rows per warp (halves shared traffic per mma,
-registers permitting), cp.async multi-stage staging and ldmatrix.
+Expected speed on the H200 (unmeasured when written): per 2 mma (m16n8k16 = 4096 FLOP each) a
+warp issues one 16-byte ld.shared (Q.K^T) or half an ldmatrix.x4 (512 B, 4 shared-memory
+cycles of the SM), so shared-memory bandwidth alone caps the SM near 0.5 mma per clock, about the
+mma.sync issue rate (~60-70% of the 780-810 TFLOP/s dense bf16 peak measured in docs/gemm.md).
+With no cp.async pipelining (one tile of loads in flight, two barriers per tile), only 8 warps
+per SM, exp2/max/rescale work on the FMA/MUFU pipes and causal imbalance we expect 120-250
+TFLOP/s on the 8B shape at 4,096 tokens, i.e. roughly 25-45% of mma.sync peak (15-30% of the
+dense bf16 peak): 10-20x the FP32 FMA kernel (~12 TFLOP/s). Larger gains need 32 rows per warp
+(halves shared traffic per mma, registers permitting), cp.async multi-stage staging and fewer
+hoisted 64-bit addresses (Numba indexes in int64).
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ from kernels_numba.ptx import (
     SIM,
     ex2_f32,
     lds_u32x4,
+    ldsm_x4_trans,
     mma_bf16_16816,
     pack_bf16x2,
     shfl_xor_f32,
@@ -81,6 +82,7 @@ class FlashConfig:
     head_dim: int
     warps: int = 4  # 16 query rows per warp: BQ = 16 * warps
     block_k: int = 64  # KV positions per staged tile (multiple of 32)
+    v_early: bool = True  # V loads fly during Q.K^T (+2 * block_k * head_dim / (8 * 32 * warps) regs)
 
     @property
     def block_q(self) -> int:
@@ -92,7 +94,8 @@ class FlashConfig:
 
 
 def flash_config(head_dim: int, **override) -> FlashConfig:
-    cfg = FlashConfig(head_dim, override.get("warps", 4), override.get("block_k", 64))
+    cfg = FlashConfig(head_dim, override.get("warps", 4), override.get("block_k", 64),
+                      override.get("v_early", head_dim <= 64))
     if head_dim % 32:
         raise ValueError(f"flash_prefill_attention: head_dim {head_dim} must be a multiple of 32")
     if cfg.block_k % 32 or cfg.block_k <= 0:
@@ -102,16 +105,16 @@ def flash_config(head_dim: int, **override) -> FlashConfig:
         raise ValueError(f"flash_prefill_attention: a {cfg.block_k} x {head_dim} tile does not split "
                          f"over {nt} threads")
     k_pitch, v_pitch = _pitches(cfg)
-    if 4 * (cfg.block_k * k_pitch + head_dim * v_pitch) > 48 * 1024:
+    if 4 * cfg.block_k * (k_pitch + v_pitch) > 48 * 1024:
         raise ValueError("flash_prefill_attention: tiles exceed 48 KB of static shared memory")
     return cfg
 
 
 def _pitches(cfg: FlashConfig) -> tuple[int, int]:
-    """Row pitches (uint32 words) of the K and V^T tiles: 16 mod 32 (conflict-free 16-byte reads)."""
+    """Row pitches (uint32 words) of the K and V tiles: K 16 mod 32 (16-byte reads of rows g, g+1
+    by a quarter-warp), V 4 mod 32 (ldmatrix: 8 consecutive rows in 8 distinct 16-byte bank groups)."""
     kw = cfg.head_dim // 2
-    vw = cfg.block_k // 2
-    return kw + (16 - kw) % 32, vw + (16 - vw) % 32
+    return kw + (16 - kw) % 32, kw + (4 - kw) % 32
 
 
 def _make_kernel(cfg: FlashConfig):
@@ -125,10 +128,14 @@ def _make_kernel(cfg: FlashConfig):
     ND = HD // 8  # n8 tiles of O per warp
     PC = HD // 8  # 16-byte pieces per K/V row
     NKI = BK * PC // NT  # K pieces per thread per tile
-    NVI = (BK // 2) * PC // NT  # V (position pair, piece) items per thread per tile
-    HALF = BK // 2
+    V_EARLY = cfg.v_early
+    SK = BK * KP  # shared words (constants: the shape must be a compile-time literal)
+    SV = BK * VP
+    NQF = HD // 4  # Q fragment words per lane
+    NSA = NS * 4
+    NOA = ND * 4
+    NKR = 2 * NKI
     U32 = np.uint64(0xFFFFFFFF)
-    U16 = np.uint64(0xFFFF)
     S32 = np.uint64(32)
 
     def flash_prefill(q, k_cache, v_cache, block_tables, seq_query_start, positions, qscale, out):
@@ -149,13 +156,13 @@ def _make_kernel(cfg: FlashConfig):
         bs = k_cache.shape[1]
         hk = h // (q.shape[1] // k_cache.shape[2])
 
-        sK = cuda.shared.array(BK * KP, np.uint32, alignment=SMEM_ALIGN)
-        sV = cuda.shared.array(HD * VP, np.uint32, alignment=SMEM_ALIGN)
-        qf = cuda.local.array(HD // 4, np.uint32)
-        s = cuda.local.array(NS * 4, np.float32)
-        o = cuda.local.array(ND * 4, np.float32)
-        kr = cuda.local.array(2 * NKI, np.uint64)
-        vr = cuda.local.array(4 * NVI, np.uint64)
+        sK = cuda.shared.array(SK, np.uint32, alignment=SMEM_ALIGN)
+        sV = cuda.shared.array(SV, np.uint32, alignment=SMEM_ALIGN)
+        qf = cuda.local.array(NQF, np.uint32)
+        s = cuda.local.array(NSA, np.float32)
+        o = cuda.local.array(NOA, np.float32)
+        kr = cuda.local.array(NKR, np.uint64)
+        vr = cuda.local.array(NKR, np.uint64)
 
         # ---- this warp's rows (padding rows past t1 clamp to the last row: finite, never written)
         w0 = t0 + 16 * warp
@@ -206,13 +213,13 @@ def _make_kernel(cfg: FlashConfig):
                 a = kr[2 * i]
                 b = kr[2 * i + 1]
                 sts_u32x4(sK, j * KP + 4 * c, a & U32, a >> S32, b & U32, b >> S32)
-            # V(kt) loads in flight during S
-            for i in range(NVI):
-                idx = tid + NT * i
-                c = idx // HALF
-                jp = idx - c * HALF
-                for u in range(2):
-                    pos = k0 + 2 * jp + u
+            # V(kt) loads in flight during S (V_EARLY) or issued after the softmax
+            if V_EARLY:
+                for i in range(NKI):
+                    idx = tid + NT * i
+                    j = idx // PC
+                    c = idx - j * PC
+                    pos = k0 + j
                     if pos < kv_end:
                         bi = pos // bs
                         blk = max(block_tables[seq, bi], 0)
@@ -220,8 +227,8 @@ def _make_kernel(cfg: FlashConfig):
                     else:
                         a = np.uint64(0)
                         b = np.uint64(0)
-                    vr[4 * i + 2 * u] = a
-                    vr[4 * i + 2 * u + 1] = b
+                    vr[2 * i] = a
+                    vr[2 * i + 1] = b
             cuda.syncthreads()
 
             run = active and k0 <= wlast  # warp-uniform
@@ -231,7 +238,7 @@ def _make_kernel(cfg: FlashConfig):
                     s[i] = np.float32(0.0)
                 for kc in range(KC):
                     for nt in range(NS):
-                        row = 32 * (nt >> 2) + 8 * (g >> 1) + 2 * (nt & 3) + (g & 1)
+                        row = 8 * nt + g
                         v = lds_u32x4(sK, row * KP + 16 * kc + 4 * t)
                         d = mma_bf16_16816(qf[8 * kc], qf[8 * kc + 1], qf[8 * kc + 2], qf[8 * kc + 3],
                                            v[0], v[1], s[4 * nt], s[4 * nt + 1], s[4 * nt + 2],
@@ -245,7 +252,7 @@ def _make_kernel(cfg: FlashConfig):
                 # ---- causal mask (tiles crossing this warp's diagonal only) and row maxima
                 if k0 + BK - 1 > wfirst:
                     for nt in range(NS):
-                        key = k0 + 32 * (nt >> 2) + 8 * t + 2 * (nt & 3)
+                        key = k0 + 8 * nt + 2 * t
                         if key > qp0:
                             s[4 * nt] = NEG
                         if key + 1 > qp0:
@@ -292,19 +299,29 @@ def _make_kernel(cfg: FlashConfig):
                     o[4 * dn + 2] *= al1
                     o[4 * dn + 3] *= al1
 
-            # V(kt) registers -> shared, transposed: word (d, jp) = V[2 jp, d] | V[2 jp + 1, d] << 16
-            # (P.V(kt-1) reads finished before the barrier above)
-            for i in range(NVI):
+            if not V_EARLY:
+                for i in range(NKI):
+                    idx = tid + NT * i
+                    j = idx // PC
+                    c = idx - j * PC
+                    pos = k0 + j
+                    if pos < kv_end:
+                        bi = pos // bs
+                        blk = max(block_tables[seq, bi], 0)
+                        a, b = ldg_u64x2(v_cache, (blk, pos - bi * bs, hk, 2 * c))
+                    else:
+                        a = np.uint64(0)
+                        b = np.uint64(0)
+                    vr[2 * i] = a
+                    vr[2 * i + 1] = b
+            # V(kt) registers -> shared, row-major (P.V(kt-1) reads finished before the barrier above)
+            for i in range(NKI):
                 idx = tid + NT * i
-                c = idx // HALF
-                jp = idx - c * HALF
-                for w in range(2):
-                    wa = vr[4 * i + w]
-                    wb = vr[4 * i + 2 + w]
-                    for e in range(4):
-                        sh = np.uint64(16 * e)
-                        word = ((wa >> sh) & U16) | (((wb >> sh) & U16) << np.uint64(16))
-                        sV[(8 * c + 4 * w + e) * VP + jp] = word
+                j = idx // PC
+                c = idx - j * PC
+                a = vr[2 * i]
+                b = vr[2 * i + 1]
+                sts_u32x4(sV, j * VP + 4 * c, a & U32, a >> S32, b & U32, b >> S32)
             # K(kt+1) loads in flight during P.V
             if kt + 1 < n_kt:
                 for i in range(NKI):
@@ -336,7 +353,7 @@ def _make_kernel(cfg: FlashConfig):
                     a12 = pack_bf16x2(s[4 * n0 + 12], s[4 * n0 + 13])
                     a13 = pack_bf16x2(s[4 * n0 + 14], s[4 * n0 + 15])
                     for dn in range(ND):
-                        v = lds_u32x4(sV, (8 * dn + g) * VP + 16 * nb + 4 * t)
+                        v = ldsm_x4_trans(sV, (32 * nb + lane) * VP + 4 * dn)
                         d = mma_bf16_16816(a00, a01, a02, a03, v[0], v[1],
                                            o[4 * dn], o[4 * dn + 1], o[4 * dn + 2], o[4 * dn + 3])
                         d = mma_bf16_16816(a10, a11, a12, a13, v[2], v[3], d[0], d[1], d[2], d[3])

@@ -12,6 +12,10 @@ Kernels call these names and get, on a real GPU, one instruction each:
   warp_sum_f32(v)       sum over the 32 lanes of a warp (shfl.sync.bfly), every lane gets it
   shfl_xor_f32(v, m)    `shfl.sync.bfly.b32`: the v of lane (lane ^ m), all 32 lanes, m in 1..31
   ex2_f32(x)            `ex2.approx.ftz.f32`: 2**x (-inf and large negative x give +0)
+  ldsm_x4_trans(s, i)   `ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16`: lane L names row L & 7 of
+                        8x8 bf16 matrix L >> 3 by s[i:i+4] (1-D uint32 shared, i a multiple of 4);
+                        returns, per matrix m, {M_m[2t][g], M_m[2t+1][g]} packed (lo = row 2t),
+                        g = lane >> 2, t = lane & 3: the mma B fragment of a row-major [k][n] tile
 
 Invariants: vector accesses need 16-byte aligned addresses (c a multiple of 8 for u16, 4 for f32,
 row pitch a multiple of 16 bytes; i a multiple of 4; shared arrays declared with alignment=16).
@@ -32,7 +36,7 @@ SIM = bool(_config.ENABLE_CUDASIM)
 
 __all__ = ["SIM", "ldg_u16x8", "ldg_f32x4", "lds_u32x4", "sts_u32x4", "pack_bf16x2",
            "bf16lo_f32", "bf16hi_f32", "mma_bf16_16816", "warp_sum_f32", "bf16_bits_to_f32",
-           "f32_to_bf16_bits", "shfl_xor_f32", "ex2_f32"]
+           "f32_to_bf16_bits", "shfl_xor_f32", "ex2_f32", "ldsm_x4_trans"]
 
 
 def f32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
@@ -168,6 +172,24 @@ if SIM:
     def ex2_f32(x):
         with np.errstate(over="ignore", under="ignore"):
             return np.float32(np.exp2(np.float32(x)))
+
+    def _ldsm_trans_op(slots):
+        rows = [[int(s_[i_ + k]) for k in range(4)] for s_, i_ in slots]  # lane L: row L&7 of L>>3
+
+        def elem(m, r, c):
+            w = rows[8 * m + r][c >> 1]
+            return (w >> (16 * (c & 1))) & 0xFFFF
+
+        out = []
+        for lane in range(len(slots)):
+            g, t = lane >> 2, lane & 3
+            out.append(tuple(np.uint32(elem(m, 2 * t, g) | (elem(m, 2 * t + 1, g) << 16))
+                             for m in range(4)))
+        return out
+
+    def ldsm_x4_trans(s, i):
+        st, lane = _my_warp()
+        return st.exchange(lane, _ldsm_trans_op, (s, int(i)))
 
 else:
     from llvmlite import ir
@@ -324,3 +346,19 @@ else:
             fty = ir.FunctionType(_f32t, [_f32t])
             return builder.call(ir.InlineAsm(fty, "ex2.approx.ftz.f32 $0, $1;", "=f,f"), [v])
         return types.float32(x), gen
+
+
+    @intrinsic
+    def ldsm_x4_trans(typingctx, s, i):
+        if not (isinstance(s, types.Array) and s.dtype == types.uint32 and s.ndim == 1):
+            return None
+
+        def gen(context, builder, sig, args):
+            p = _shared_v4_ptr(context, builder, sig, args)
+            addr = builder.ptrtoint(p, ir.IntType(64))
+            sty = ir.LiteralStructType([_i32] * 4)
+            fty = ir.FunctionType(sty, [ir.IntType(64)])
+            asm = ir.InlineAsm(fty, "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 "
+                               "{$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", side_effect=True)
+            return _tuple(context, builder, sig.return_type, builder.call(asm, [addr]), 4)
+        return types.UniTuple(types.uint32, 4)(s, i), gen

@@ -30,7 +30,16 @@ def make_batch(rng, hd, hq, hk, segments, bs=16, extra_blocks=3):
     return q, kc, vc, tables, token_seq, starts, positions
 
 
+def _check(out, want):
+    assert np.isfinite(out).all()
+    err = np.abs(out - want)
+    # bf16 rounding of q*scale and of P: a few 1e-3 relative on O
+    assert err.max() < 3e-2, err.max()
+    assert np.linalg.norm(out - want) / np.linalg.norm(want) < 1e-2
+
+
 def test_flash_prefill_matches_reference():
+    """Default geometry (64 query rows, 64-key tiles, V loads during Q.K^T)."""
     rng = np.random.default_rng(3)
     hd, hq, hk = 64, 6, 2  # GQA group 3, two kv heads
     segments = [(0, 70), (37, 30), (0, 9)]  # 70 > one 64-row tile and one 64-key tile
@@ -40,11 +49,22 @@ def test_flash_prefill_matches_reference():
     out = np.full_like(q, np.nan)
     F.flash_prefill_attention(q, kc.view(np.uint64), vc.view(np.uint64), tables, starts, positions, scale, out,
                               max_query_len=70)
-    assert np.isfinite(out).all()
-    err = np.abs(out - want)
-    # bf16 rounding of q*scale and of P: a few 1e-3 relative on O
-    assert err.max() < 3e-2, err.max()
-    assert np.linalg.norm(out - want) / np.linalg.norm(want) < 1e-2
+    _check(out, want)
+
+
+def test_flash_prefill_other_geometry():
+    """The head_dim-128 geometry choices at head_dim 64: 32-key tiles, V loads after the softmax,
+    2 warps; uint16 caches (viewed as uint64 by the launcher); a chunk after 45 cached positions."""
+    rng = np.random.default_rng(5)
+    hd, hq, hk = 64, 3, 1
+    segments = [(45, 20), (0, 40)]
+    q, kc, vc, tables, token_seq, starts, positions = make_batch(rng, hd, hq, hk, segments)
+    scale = hd ** -0.5
+    want = attention_ref(bf16_round(q), kc, vc, tables, token_seq, positions, scale)
+    out = np.full_like(q, np.nan)
+    cfg = F.flash_config(hd, block_k=32, v_early=False, warps=2)
+    F.flash_prefill_attention(q, kc, vc, tables, starts, positions, scale, out, max_query_len=40, config=cfg)
+    _check(out, want)
 
 
 def test_flash_config_checks():
