@@ -20,10 +20,34 @@ Per row r of logits [R, V] (float32), two kernels, one 1024-thread block per row
 Thresholds work on the order-preserving uint32 key of float32 (so a threshold is an exact value of
 the row): top-k keeps keys >= the k-th largest key; top-p keeps keys >= the largest key t with
 mass(z >= t) >= top_p * mass(z >= top-k threshold) (mass = sum of exp(z)), i.e. the smallest set of
-most likely tokens whose probability reaches top_p, ties at the border kept. The device finds both by
-bisection over the key (31 passes each, deterministic block reductions; no sort, no scratch); the
-references by sorting. Both draw the same Philox uniforms, so CPU and GPU sample the same token
-except where float rounding of the logits or of a sum sits exactly on a decision border.
+most likely tokens whose probability reaches top_p, ties at the border kept. The references sort. The
+device finds both by radix select over the key, most significant digit first (`_radix_select`): the
+keys of z <= 0 lie in [key(-inf), key(+0)], so d = key - key(-inf) has 31 bits, cut in digits of 11,
+10 and 10 bits. One pass over the row builds a shared-memory histogram of the current digit of the
+elements still in play (z > -inf, key >= the lower bound, higher digits equal to the prefix chosen so
+far): counts for top-k, masses for top-p; a block scan from the top bin picks the bin holding the
+border, and the next pass refines inside it. Masses are fixed-point integers (exp(z) in units of
+2^-42, uint64 shared atomics: integer sums do not depend on the order of the atomics, so the result
+is deterministic and reproducible) and the top-p target is floor(total * floor(top_p * 2^48) / 2^48)
+in the same units (at least 1, so the max is always kept). A selection stops early when the chosen
+bin holds one element, or (top-k) exactly the elements still needed: the bin's lower edge (never
+below the lower bound) keeps the same set as the exact key.
+
+Passes over the row (each one load per element; V / 1024 loads per thread):
+  greedy row            1   (argmax; its value is the max m every sampled row needs)
+  temperature only      2   (argmax, Gumbel-max)
+  + top-k               +1..3 counting passes (early stop)
+  + top-p               +1..3 mass passes (one exp per element in play)
+  min-p                 +0  (a key compare in the last pass)
+so top-k + top-p + temperature is at most 8 passes (was 2 + 31 + 32 bisection passes), and top-k
+<= 0 or >= V / top-p >= 1 skip their passes entirely. One 1024-thread block per row: at V = 151,936
+a pass is ~150 loads per thread, and the rows of a step run side by side (one block per SM: 132 rows per
+wave on an H200); a row of 600 KB stays in L2 between passes. Elements with z = -inf (masked,
+banned) are skipped by the histograms: they never count (top-k with k > the finite elements keeps
+them all, as the reference, whose k-th key is then key(-inf), does). The references and the device
+draw the same Philox uniforms, so CPU and GPU sample the same token except where float rounding of
+the logits, of exp (libdevice float32 vs float64) or of a mass sum sits exactly on a decision
+border.
 
 Parameters per row (host-packed): fparams float32 [R, NF] (F_* columns), iparams int32 [R, NI]
 (I_* columns); mask uint32 [R, ceil(V/32)] (bit i of word i >> 5); adjustment lists int32/float32
@@ -39,7 +63,7 @@ import struct
 import numpy as np
 from numba import cuda
 
-from kernels_numba.bf16 import NEG_INF, SIMULATOR, block_argmax, block_max, block_sum, device_function
+from kernels_numba.bf16 import FULL_MASK, NEG_INF, SIMULATOR, block_argmax, block_max, block_sum, device_function
 
 THREADS = 32 if SIMULATOR else 1024
 SCRATCH = 1024 if SIMULATOR else 32
@@ -161,25 +185,178 @@ def _masked_x(logits, mask, r, i, use_mask):
     return x
 
 
-@device_function
-def _count_at_least(logits, mask, r, use_mask, m, inv_t, t, scratch):
-    c = np.float32(0.0)
-    for i in range(cuda.threadIdx.x, logits.shape[1], cuda.blockDim.x):
-        z = (_masked_x(logits, mask, r, i, use_mask) - m) * inv_t
-        if f32_key(z) >= t:
-            c += np.float32(1.0)
-    return block_sum(c, scratch)
+# ---------------------------------------------------------------- radix select over the float key
+#
+# The keys the thresholds are searched among lie in [key(-inf), key(+0.0)] = [0x007FFFFF, 0x80000000]
+# (z <= 0), so d = key - key(-inf) fits in 31 bits: three digits of 11, 10 and 10 bits, from the top.
+# Elements with z = -inf are never kept and never counted (see _radix_select).
+
+_KEY_NEG_INF = np.uint64(0x007FFFFF)      # key of -inf
+RADIX_BINS = 2048                          # bins of the widest digit (shared histograms)
+_LEVEL_SHIFT = (20, 10, 0)
+_LEVEL_BITS = (11, 10, 10)
+MASS_SCALE_BITS = 42                       # fixed-point mass: exp(z) in (0, 1] -> integer units of 2^-42
+_MASS_SCALE = np.float32(2.0 ** MASS_SCALE_BITS)
+_P_SCALE = np.float32(2.0 ** 48)
+_S48 = np.uint64(48)
+_S16 = np.uint64(16)
+
+
+def mass_units_ref(z) -> np.ndarray:
+    """Fixed-point mass of float32 z (<= 0): trunc(float32(exp(z)) * 2^42) as uint64 (exp in float64
+    here, float32 libdevice on the device: they may differ by an ulp of exp, i.e. ~2^-24 relative)."""
+    e = np.exp(np.asarray(z, dtype=np.float64)).astype(np.float32)
+    return (e * _MASS_SCALE).astype(np.uint64)
+
+
+def top_p_units_ref(total: int, top_p: float) -> int:
+    """The top-p target in mass units: floor(total * floor(top_p * 2^48) / 2^48), at least 1."""
+    p = int(np.float32(top_p) * _P_SCALE)
+    return max((int(total) * p) >> 48, 1)
+
+
+if SIMULATOR:
+
+    @cuda.jit(device=True)
+    def _top_p_units(total, top_p):
+        return np.int64(top_p_units_ref(int(total), float(top_p)))
+
+    @cuda.jit(device=True)
+    def _find_bin(weights, counts, nb, target, top_p, res, wsum):
+        """Scan the bins from the top: the bin b with above(b) < target <= above(b) + weights[b], where
+        above(b) = sum of weights[b' > b]. With top_p >= 0 the target is first set to
+        top_p_units(sum of all weights). Returns (b or -1 when the weights do not reach the target,
+        above(b), counts[b], target). Deterministic: integer sums."""
+        cuda.syncthreads()
+        if cuda.threadIdx.x == 0:
+            if top_p >= 0:
+                total = 0
+                for b in range(nb):
+                    total += int(weights[b])
+                target = top_p_units_ref(total, float(top_p))
+            res[0], res[1], res[2], res[3] = -1, 0, 0, target
+            c = 0
+            for p in range(nb):
+                b = nb - 1 - p
+                h = int(weights[b])
+                if c < target <= c + h:
+                    res[0], res[1], res[2] = b, c, int(counts[b])
+                    break
+                c += h
+        cuda.syncthreads()
+        out = np.int64(res[0]), np.int64(res[1]), np.int64(res[2]), np.int64(res[3])
+        cuda.syncthreads()
+        return out
+
+else:
+
+    @device_function
+    def _top_p_units(total, top_p):
+        p = np.int64(top_p * _P_SCALE)
+        hi = np.uint64(libdevice.umul64hi(total, p))
+        lo = np.uint64(total) * np.uint64(p)
+        t = np.int64((hi << _S16) | (lo >> _S48))
+        if t < 1:
+            t = np.int64(1)
+        return t
+
+    @device_function
+    def _find_bin(weights, counts, nb, target, top_p, res, wsum):
+        """See the simulator version. One 1024-thread block: each thread owns nb / 1024 consecutive bins
+        (from the top), warp-shuffle inclusive scan, warp totals through shared memory."""
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        warp = tid >> 5
+        per = nb // cuda.blockDim.x
+        s = np.int64(0)
+        for j in range(per):
+            s += np.int64(weights[nb - 1 - (tid * per + j)])
+        incl = s
+        off = 1
+        while off < 32:
+            o = cuda.shfl_up_sync(FULL_MASK, incl, off)
+            if lane >= off:
+                incl += o
+            off <<= 1
+        if tid == 0:
+            res[0] = np.int64(-1)
+            res[1] = np.int64(0)
+            res[2] = np.int64(0)
+        if lane == 31:
+            wsum[warp] = incl
+        cuda.syncthreads()
+        c = incl - s
+        for w in range(warp):
+            c += wsum[w]
+        if top_p >= np.float32(0.0):
+            total = np.int64(0)
+            for w in range(cuda.blockDim.x >> 5):
+                total += wsum[w]
+            target = _top_p_units(total, top_p)
+        for j in range(per):
+            b = nb - 1 - (tid * per + j)
+            h = np.int64(weights[b])
+            if c < target and c + h >= target:
+                res[0] = np.int64(b)
+                res[1] = c
+                res[2] = np.int64(counts[b])
+            c += h
+        cuda.syncthreads()
+        out0 = res[0]
+        out1 = res[1]
+        out2 = res[2]
+        cuda.syncthreads()
+        return out0, out1, out2, target
 
 
 @device_function
-def _mass_at_least(logits, mask, r, use_mask, m, inv_t, t, scratch):
-    s = np.float32(0.0)
-    for i in range(cuda.threadIdx.x, logits.shape[1], cuda.blockDim.x):
-        z = (_masked_x(logits, mask, r, i, use_mask) - m) * inv_t
-        if f32_key(z) >= t:
-            s += math.exp(z)
-    return block_sum(s, scratch)
-
+def _radix_select(logits, mask, r, use_mask, m, inv_t, lo_key, target, top_p, cnt, wt, res, wsum):
+    """Over the row's elements with z > -inf and key(z) >= lo_key, with weight w = 1 (top_p < 0: top-k,
+    `target` = k) or w = mass units of exp(z) (top_p >= 0: top-p, target = top_p * their total mass):
+    the largest key t with W(key >= t) >= target, found digit by digit (3 passes over the row at most;
+    shared histograms cnt uint32 / wt uint64 [RADIX_BINS]). It returns lo_key when the weights do not
+    reach the target (top-k with k > the finite elements) and may return a smaller key than t when
+    the row has no element between them (a bin holding one element, or exactly the k still needed):
+    {key >= result} and {key >= t} are the same set of kept elements."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    V = logits.shape[1]
+    by_mass = top_p >= np.float32(0.0)
+    prefix = np.uint64(0)
+    for level in range(3):
+        shift = np.uint64(_LEVEL_SHIFT[level])
+        nbits = np.uint64(_LEVEL_BITS[level])
+        hi_shift = shift + nbits
+        nb = 1 << _LEVEL_BITS[level]
+        dmask = np.uint64(nb - 1)
+        for b in range(tid, nb, nt):
+            cnt[b] = np.uint32(0)
+            wt[b] = np.uint64(0)
+        cuda.syncthreads()
+        for i in range(tid, V, nt):
+            z = (_masked_x(logits, mask, r, i, use_mask) - m) * inv_t
+            if z > NEG_INF:
+                key = f32_key(z)
+                if key >= lo_key:
+                    d = key - _KEY_NEG_INF
+                    if level == 0 or (d >> hi_shift) == prefix:
+                        b = np.int32((d >> shift) & dmask)
+                        cuda.atomic.add(cnt, b, np.uint32(1))
+                        if by_mass:
+                            cuda.atomic.add(wt, b, np.uint64(np.float32(math.exp(z)) * _MASS_SCALE))
+        if by_mass:
+            b, above, c, target = _find_bin(wt, cnt, nb, target, top_p if level == 0 else np.float32(-1.0),
+                                            res, wsum)
+        else:
+            b, above, c, target = _find_bin(cnt, cnt, nb, target, np.float32(-1.0), res, wsum)
+        if b < 0:
+            return lo_key
+        target -= above
+        prefix = (prefix << nbits) | np.uint64(b)
+        if c == 1 or (not by_mass and c == target):
+            t = (prefix << shift) + _KEY_NEG_INF
+            return t if t > lo_key else lo_key
+    return prefix + _KEY_NEG_INF
 
 # ---------------------------------------------------------------- kernels
 
@@ -240,6 +417,10 @@ def _prepare_rows_kernel(logits, fparams, iparams, adj_token, adj_rep, adj_add, 
 def _sample_rows_kernel(logits, mask, fparams, iparams, adj_token, raw_saved, lse, out_tokens, out_lps):
     scratch = cuda.shared.array(SCRATCH, np.float32)
     iscratch = cuda.shared.array(SCRATCH, np.int32)
+    cnt = cuda.shared.array(RADIX_BINS, np.uint32)
+    wt = cuda.shared.array(RADIX_BINS, np.uint64)
+    res = cuda.shared.array(4, np.int64)
+    wsum = cuda.shared.array(32, np.int64)
     r = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
@@ -247,46 +428,26 @@ def _sample_rows_kernel(logits, mask, fparams, iparams, adj_token, raw_saved, ls
     use_mask = iparams[r, I_USE_MASK] != 0
     inv_t = fparams[r, F_INV_TEMP]
 
-    m = NEG_INF
-    for i in range(tid, V, nt):
-        m = max(m, _masked_x(logits, mask, r, i, use_mask))
-    m = block_max(m, scratch)
-
+    # pass 1: the (masked) argmax, ties to the lower id; its value is the max m
     bv = NEG_INF
     bi = np.int32(-1)
-    if m == NEG_INF:
-        pass                                    # nothing allowed: token -1
-    elif inv_t == 0:                            # greedy
-        for i in range(tid, V, nt):
-            v = _masked_x(logits, mask, r, i, use_mask)
-            if v > NEG_INF and (bi < 0 or v > bv):
-                bv = v
-                bi = np.int32(i)
-    else:
-        thr = np.uint64(0)
+    for i in range(tid, V, nt):
+        v = _masked_x(logits, mask, r, i, use_mask)
+        if v > NEG_INF and (bi < 0 or v > bv):
+            bv = v
+            bi = np.int32(i)
+    bv, bi = block_argmax(bv, bi, scratch, iscratch)
+    m = bv
+    if bi >= 0 and inv_t != 0:                  # sampled row (greedy rows and empty rows are done)
+        thr = _KEY_NEG_INF
         k = iparams[r, I_TOP_K]
-        if k > 0 and k < V:
-            lo = np.uint64(0)
-            hi = _KEY_TOP
-            while lo < hi:
-                mid = lo + ((hi - lo + np.uint64(1)) >> np.uint64(1))
-                if _count_at_least(logits, mask, r, use_mask, m, inv_t, mid, scratch) >= np.float32(k):
-                    lo = mid
-                else:
-                    hi = mid - np.uint64(1)
-            thr = lo
+        if k > 0 and k < V:                     # top-k: <= 3 counting passes
+            thr = _radix_select(logits, mask, r, use_mask, m, inv_t, thr, np.int64(k), np.float32(-1.0),
+                                cnt, wt, res, wsum)
         top_p = fparams[r, F_TOP_P]
-        if top_p < np.float32(1.0):
-            target = top_p * _mass_at_least(logits, mask, r, use_mask, m, inv_t, thr, scratch)
-            lo = thr
-            hi = _KEY_TOP
-            while lo < hi:
-                mid = lo + ((hi - lo + np.uint64(1)) >> np.uint64(1))
-                if _mass_at_least(logits, mask, r, use_mask, m, inv_t, mid, scratch) >= target:
-                    lo = mid
-                else:
-                    hi = mid - np.uint64(1)
-            thr = lo
+        if top_p < np.float32(1.0):             # top-p over the top-k survivors: <= 3 mass passes
+            thr = _radix_select(logits, mask, r, use_mask, m, inv_t, thr, np.int64(0), max(top_p, np.float32(0.0)),
+                                cnt, wt, res, wsum)
         kmin = f32_key(fparams[r, F_LOG_MIN_P])
         if kmin > thr:
             thr = kmin
@@ -294,7 +455,9 @@ def _sample_rows_kernel(logits, mask, fparams, iparams, adj_token, raw_saved, ls
         k1 = np.uint64(np.uint32(iparams[r, I_SEED_HI]))
         step = np.uint64(np.uint32(iparams[r, I_STEP]))
         zero = np.uint64(0)
-        for g in range(tid, (V + 3) // 4, nt):
+        bv = NEG_INF
+        bi = np.int32(-1)
+        for g in range(tid, (V + 3) // 4, nt):  # last pass: Gumbel-max over the kept elements
             w0, w1, w2, w3 = philox4x32(np.uint64(g), step, zero, zero, k0, k1)
             for lane in range(4):
                 i = 4 * g + lane
@@ -312,7 +475,7 @@ def _sample_rows_kernel(logits, mask, fparams, iparams, adj_token, raw_saved, ls
                         if bi < 0 or v > bv:
                             bv = v
                             bi = np.int32(i)
-    bv, bi = block_argmax(bv, bi, scratch, iscratch)
+        bv, bi = block_argmax(bv, bi, scratch, iscratch)
     if tid == 0:
         out_tokens[r] = bi
         lp = np.float32(np.nan)

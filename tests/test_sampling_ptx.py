@@ -37,3 +37,17 @@ def test_sample_rows_compiles():
     body = _body(S._sample_rows_kernel, (F32_2, U32_2, F32_2, I32_2, I32_1, F32_1, F32_1, I32_1, F32_1))
     assert "shfl.sync.bfly.b32" in body
     assert "mul.hi.u32" in body or "mul.wide.u32" in body or "mul.lo.s64" in body   # Philox products
+    # radix select: integer histograms in shared memory (fixed-point masses: 64-bit atomics), warp scans
+    assert re.search(r"atom\.shared\.add\.u32", body) or re.search(r"red\.shared\.add\.u32", body)
+    assert re.search(r"(atom|red)\.shared\.add\.u64", body)
+    assert "shfl.sync.up.b32" in body
+    assert "mul.hi.u64" in body                               # the top-p target (umul64hi)
+    assert "bar.sync" in body
+
+
+def test_sample_rows_shared_memory_fits():
+    """The histograms (2048 x (4 + 8) bytes) and the reduction scratch stay under the 48 KB of static
+    shared memory a block may declare."""
+    from kernels_numba import sampling as S
+    ptx_of(S._sample_rows_kernel, (F32_2, U32_2, F32_2, I32_2, I32_1, F32_1, F32_1, I32_1, F32_1),
+           max_static_shared=48 * 1024)

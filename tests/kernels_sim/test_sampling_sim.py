@@ -108,3 +108,152 @@ def test_seeds_steps_and_empty_rows():
     np.testing.assert_array_equal(out, want)
     assert out[2] == -1
     assert len(set(out.tolist())) >= 3
+
+
+# ---------------------------------------------------------------- radix-select thresholds
+
+
+@cuda.jit
+def _thresholds_kernel(logits, mask, fparams, iparams, out):
+    """The sample kernel's thresholds of each row: out[r] = (top-k key, top-p key, max)."""
+    cnt = cuda.shared.array(S.RADIX_BINS, np.uint32)
+    wt = cuda.shared.array(S.RADIX_BINS, np.uint64)
+    res = cuda.shared.array(4, np.int64)
+    wsum = cuda.shared.array(32, np.int64)
+    scratch = cuda.shared.array(S.SCRATCH, np.float32)
+    r = cuda.blockIdx.x
+    use_mask = iparams[r, S.I_USE_MASK] != 0
+    inv_t = fparams[r, S.F_INV_TEMP]
+    m = S.NEG_INF
+    for i in range(cuda.threadIdx.x, logits.shape[1], cuda.blockDim.x):
+        m = max(m, S._masked_x(logits, mask, r, i, use_mask))
+    m = S.block_max(m, scratch)
+    thr = S._KEY_NEG_INF
+    k = iparams[r, S.I_TOP_K]
+    if k > 0 and k < logits.shape[1]:
+        thr = S._radix_select(logits, mask, r, use_mask, m, inv_t, thr, np.int64(k), np.float32(-1.0),
+                              cnt, wt, res, wsum)
+    out[r, 0] = thr
+    if fparams[r, S.F_TOP_P] < 1:
+        thr = S._radix_select(logits, mask, r, use_mask, m, inv_t, thr, np.int64(0), fparams[r, S.F_TOP_P],
+                              cnt, wt, res, wsum)
+    out[r, 1] = thr
+
+
+def _rows(rng, V, specs, dist="normal"):
+    """One row per spec (inv_temp, top_k, top_p, log_min_p, use_mask) over logits of a given shape."""
+    R = len(specs)
+    if dist == "normal":
+        logits = (rng.standard_normal((R, V)) * 3).astype(np.float32)
+    elif dist == "ties":                               # few distinct values: ties at every border
+        logits = (rng.integers(-12, 4, (R, V)) * 0.5).astype(np.float32)
+    elif dist == "peaked":                             # one dominant token per row
+        logits = (rng.standard_normal((R, V))).astype(np.float32)
+        logits[np.arange(R), rng.integers(0, V, R)] = 12.0
+    else:
+        raise ValueError(dist)
+    f = np.zeros((R, S.NF), np.float32)
+    i = np.zeros((R, S.NI), np.int32)
+    for r, (inv_t, k, p, lmp, um) in enumerate(specs):
+        f[r] = inv_t, p, lmp, 1.0
+        i[r, S.I_TOP_K], i[r, S.I_USE_MASK], i[r, S.I_NUM_LOGPROBS] = k, um, -1
+    i[:, S.I_SEED_LO] = rng.integers(-2**31, 2**31, R)
+    i[:, S.I_SEED_HI] = rng.integers(-2**31, 2**31, R)
+    i[:, S.I_STEP] = rng.integers(0, 1000, R)
+    W = -(-V // 32)
+    mask = np.zeros((R, W), np.uint32)
+    for r in range(R):                                 # masks of different densities
+        dens = [0.5, 0.05, 0.9, 0.01][r % 4]
+        bits = rng.random(W * 32) < dens
+        bits[rng.integers(0, V)] = True
+        mask[r] = np.packbits(bits, bitorder="little").view(np.uint32)
+    return logits, mask, f, i
+
+
+def _kept_ref(x, allowed, inv_t, k, p):
+    """Bool sets of the reference's top-k and top-k + top-p survivors (finite z only)."""
+    x = np.where(allowed, x, S.NEG_INF) if allowed is not None else x
+    z = ((x - x.max()) * np.float32(inv_t)).astype(np.float32)
+    keys = S.f32_key_ref(z)
+    tk = S.top_k_key_ref(keys, k)
+    tp = S.top_p_key_ref(z, keys, tk, p)
+    fin = z > S.NEG_INF
+    return keys, fin, (keys >= tk) & fin, (keys >= tp) & fin
+
+
+SPECS = [(1.0, 50, 1.0, -np.inf, 0), (1.0, -1, 0.9, -np.inf, 0), (1 / 0.7, 40, 0.8, -np.inf, 1),
+         (2.0, 1, 1.0, -np.inf, 0), (1.0, 1999, 0.95, -np.inf, 1), (0.5, 7, 0.3, -np.inf, 1),
+         (1.0, 300, 0.999, -np.inf, 0), (1.0, -1, 0.05, -np.inf, 1), (1.0, 600, 0.5, -np.inf, 1),
+         (1.0, 1, 0.9, -np.inf, 0), (1.0, 2, 0.5, -np.inf, 0), (0.25, 3, 0.7, -np.inf, 0)]
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("V,dist", [(300, "normal"), (2000, "normal"), (1000, "ties"), (777, "peaked")])
+def test_radix_thresholds_keep_the_reference_sets(V, dist):
+    rng = np.random.default_rng(V)
+    logits, mask, f, i = _rows(rng, V, SPECS, dist)
+    logits[0, :5] = -np.inf                           # banned tokens
+    out = np.zeros((len(SPECS), 2), np.uint64)
+    _thresholds_kernel[len(SPECS), S.THREADS](logits, mask, f, i, out)
+    for r, (inv_t, k, p, _, um) in enumerate(SPECS):
+        allowed = S.bitmask_allows_ref(mask[r], V) if um else None
+        keys, fin, want_k, want_p = _kept_ref(logits[r], allowed, inv_t, k, p)
+        got_k, got_p = (keys >= out[r, 0]) & fin, (keys >= out[r, 1]) & fin
+        np.testing.assert_array_equal(got_k, want_k, err_msg=f"top-k row {r}")
+        np.testing.assert_array_equal(got_p, want_p, err_msg=f"top-p row {r}")
+        if 0 < k < fin.sum():
+            assert got_k.sum() >= k                    # ties at the border kept
+            assert got_k.sum() == k or dist == "ties"
+
+
+def test_top_p_mass_units():
+    assert S.top_p_units_ref(1 << 42, 0.5) == 1 << 41
+    assert S.top_p_units_ref(1000, 1e-30) == 1                      # never 0: the max is always kept
+    total = (1 << 42) * 151936
+    assert S.top_p_units_ref(total, 0.9) == (total * int(np.float32(0.9) * 2.0**48)) >> 48
+    assert abs(S.top_p_units_ref(total, 0.9) / total - 0.9) < 1e-7
+
+
+@pytest.mark.parametrize("V,dist", [(1500, "normal"), (1200, "ties"), (512, "peaked")])
+def test_pipeline_matches_reference_with_mixed_filters(V, dist):
+    rng = np.random.default_rng(V + 7)
+    specs = SPECS + [(0.0, -1, 1.0, -np.inf, 0), (0.0, 5, 0.5, -np.inf, 1),        # greedy rows
+                     (1.0, -1, 1.0, math.log(0.05), 0), (1.3, 30, 0.9, math.log(0.1), 1),  # min-p
+                     (1.0, -1, 1.0, -np.inf, 0)]                                     # temperature only
+    logits, mask, f, i = _rows(rng, V, specs, dist)
+    R = len(specs)
+    logits[1, rng.integers(0, V, 20)] = -np.inf
+    tok = np.zeros(1, np.int32)
+    args = (logits, mask, f, i, tok, tok, np.zeros(1, np.float32))
+    i[:, S.I_ADJ_START] = i[:, S.I_ADJ_END] = 0
+    out, *_ = _run_kernels(*args)
+    want, *_ = S.sample_rows_ref(*args)
+    np.testing.assert_array_equal(out, want)
+    # the same rows at other steps: other draws, still the reference's
+    i[:, S.I_STEP] += 1
+    out2, *_ = _run_kernels(*args)
+    want2, *_ = S.sample_rows_ref(*args)
+    np.testing.assert_array_equal(out2, want2)
+    assert (out >= 0).all()
+
+
+def test_radix_border_inside_a_bin():
+    """Two keys one apart share a bin of the first two digits: top-k = 2 keeps the upper one, and the
+    top-p pass over the survivors, which ends on a bin holding one survivor, must not widen back to
+    that bin's lower edge."""
+    V = 64
+    specs = [(1.0, 2, 0.9, -np.inf, 0), (1.0, 2, 0.5, -np.inf, 0), (1.0, 3, 0.99, -np.inf, 0),
+             (1.0, 2, 1.0, -np.inf, 0)]
+    logits, mask, f, i = _rows(np.random.default_rng(3), V, specs)
+    logits[:] = -np.abs(logits) - 6
+    logits[:, 10], logits[:, 3] = np.float32(0.0), np.float32(-1.3)
+    logits[:, 7] = np.nextafter(np.float32(-1.3), np.float32(-2.0))
+    out = np.zeros((len(specs), 2), np.uint64)
+    _thresholds_kernel[len(specs), S.THREADS](logits, mask, f, i, out)
+    for r, (inv_t, k, p, _, _) in enumerate(specs):
+        keys, fin, want_k, want_p = _kept_ref(logits[r], None, inv_t, k, p)
+        np.testing.assert_array_equal((keys >= out[r, 0]) & fin, want_k)
+        np.testing.assert_array_equal((keys >= out[r, 1]) & fin, want_p)
+    assert (S.f32_key_ref(logits[0] - 0) >= out[0, 1]).nonzero()[0].tolist() == [3, 10]
