@@ -89,3 +89,57 @@ def test_gate_counts_the_drafters_own_cost():
         g.update("a", 3, 1)              # 2 tokens for a 1 + 3 block
     assert cheap.drafts_for("a") >= 1 and dear.drafts_for("a") == 0
     assert not g.begin_step(10_000)      # the batch gate
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def run_steps(g, clock, n, batch, plain_s, spec_s, accepted_per_seq):
+    """n steps of `batch` decoding sequences; a step with speculation verifies every sequence."""
+    spec_steps = 0
+    for _ in range(n):
+        go = g.begin_step(batch)
+        if go:
+            spec_steps += 1
+            for i in range(batch):
+                g.update(f"s{i}", 2, accepted_per_seq)
+        clock.t += spec_s if go else plain_s
+    return spec_steps
+
+
+def test_measured_gate_pauses_when_verify_steps_cost_more_than_they_yield():
+    # per-token cost model says go (verify_cost 0.1, one of two drafts accepted), but each verify
+    # step measures 3x a plain step for 1.5 tokens per sequence: speculation must pause
+    clock = FakeClock()
+    g = AdaptiveGate(2, verify_cost=0.1, probe_interval=8, clock=clock)
+    spec = run_steps(g, clock, 200, 8, plain_s=0.01, spec_s=0.03, accepted_per_seq=1)
+    assert spec < 200 * 0.1                     # a few probes only
+    t = g.timing[8]
+    assert t.rate_ratio() < 1 and t.plain_s == pytest.approx(0.01)
+    # the loss bound: time spent against the all-plain time of the same tokens
+    plain_time = 200 * 0.01
+    assert clock.t <= 1.1 * plain_time
+
+
+def test_measured_gate_keeps_speculating_when_it_pays():
+    clock = FakeClock()
+    g = AdaptiveGate(2, verify_cost=0.1, probe_interval=8, clock=clock)
+    spec = run_steps(g, clock, 100, 8, plain_s=0.01, spec_s=0.012, accepted_per_seq=2)
+    assert spec >= 95                           # one or two plain steps to calibrate
+    assert g.timing[8].rate_ratio() > 2
+
+
+def test_measured_gate_reprobes_after_the_pause():
+    clock = FakeClock()
+    g = AdaptiveGate(2, verify_cost=0.1, probe_interval=4, clock=clock)
+    run_steps(g, clock, 40, 4, plain_s=0.01, spec_s=0.05, accepted_per_seq=0)
+    assert g.timing[4].rate_ratio() < 1
+    # speculation becomes cheap and good: after the pause, probes find it and it resumes
+    spec = run_steps(g, clock, 200, 4, plain_s=0.01, spec_s=0.011, accepted_per_seq=2)
+    assert spec > 100 and g.timing[4].rate_ratio() > 1
+
