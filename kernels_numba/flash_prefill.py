@@ -39,7 +39,7 @@ block_k=32: 250 registers, no spills, 19 KB. Either way 2 blocks (8 warps) per S
 Live state per lane (hd 128): Q 32 + S/P 32 + O 64 + staged K/V 32 words + addressing.
 
 Expected speed on the H200 (unmeasured when written): per 2 mma (m16n8k16 = 4096 FLOP each) a
-warp issues one 16-byte ld.shared (Q.K^T) or half an ldmatrix.x4 (512 B, 4 shared-memory
+warp issues one 16-byte ld.shared (Q.K^T) or one ldmatrix.x4 (P.V) (512 B, 4 shared-memory
 cycles of the SM), so shared-memory bandwidth alone caps the SM near 0.5 mma per clock, about the
 mma.sync issue rate (~60-70% of the 780-810 TFLOP/s dense bf16 peak measured in docs/gemm.md).
 With no cp.async pipelining (one tile of loads in flight, two barriers per tile), only 8 warps
