@@ -172,6 +172,16 @@ def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumula
         nch = K >> 3
         red = cuda.shared.array(32, float32)
         xs = cuda.shared.array(0, float32)
+        wr = cuda.local.array(NWR, uint32)
+        wc = cuda.local.array(NWR, uint32)
+        # the first weight loads go out before the prologue: its reduction / staging (x from
+        # L1/L2) runs while they are in flight
+        for u in range(U):
+            kc = 8 * min(lane + 32 * u, nch - 1)
+            for r in range(R):
+                q = ldg_u16x8(w, n0 + r, kc)
+                for e in range(4):
+                    wr[(u * R + r) * 4 + e] = q[e]
         scale = float32(1.0)
         if P == 1:
             ss = float32(0.0)
@@ -203,17 +213,9 @@ def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumula
         for r in range(R):
             acc[r] = float32(0.0)
         xv = cuda.local.array(8, float32)
-        wr = cuda.local.array(NWR, uint32)
-        wc = cuda.local.array(NWR, uint32)
         zero = uint32(0)
         step = 32 * U
         iters = (nch + step - 1) // step
-        for u in range(U):
-            kc = 8 * min(lane + 32 * u, nch - 1)
-            for r in range(R):
-                q = ldg_u16x8(w, n0 + r, kc)
-                for e in range(4):
-                    wr[(u * R + r) * 4 + e] = q[e]
         for it in range(iters):
             for u in range(U):
                 ok = it * step + 32 * u + lane < nch
