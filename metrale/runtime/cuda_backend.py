@@ -17,7 +17,7 @@ import numpy as np
 from numba import cuda
 from numba.cuda.cudadrv.driver import device_memset
 
-from kernels_numba import activation, argmax, attention, convert, embedding, gemm, qkv, rmsnorm
+from kernels_numba import activation, argmax, attention, convert, embedding, flash_prefill, gemm, qkv, rmsnorm
 from kernels_numba.bf16 import to_bf16_bits
 from kernels_numba.init import fill_normal_bf16
 from kernels_numba.rope import rope_tables
@@ -160,8 +160,9 @@ class CudaOps:
         scale = 1.0 / math.sqrt(self.cfg.head_dim)
         kc, vc = self.b.k_cache64[layer], self.b.v_cache64[layer]
         if self.g.max_query_len >= self.b.prefill_min_tokens:
-            attention.prefill_attention(q, kc, vc, self.block_tables, self.seq_query_start, self.positions, scale,
-                                        out, max_query_len=self.g.max_query_len, stream=self.s)
+            prefill = flash_prefill.flash_prefill_attention if self.b.flash_prefill else attention.prefill_attention
+            prefill(q, kc, vc, self.block_tables, self.seq_query_start, self.positions, scale,
+                    out, max_query_len=self.g.max_query_len, stream=self.s)
         else:
             attention.paged_attention(q, kc, vc, self.block_tables, self.token_seq, self.positions, scale, out,
                                       scratch=self.b.attn_scratch, max_context=self.g.max_context, stream=self.s)
@@ -209,6 +210,9 @@ class CudaBackend:
         # the streaming path's own table (gemm.skinny_cfg) still sends shapes it loses on to the tiled GEMM
         self.skinny_max_t = max(gemm.FMA_MAX_T, int(levers.gemv_max_rows))
         self.prefill_min_tokens = int(levers.prefill_attention_min_tokens)
+        if levers.prefill_attention_kernel not in ("mma", "fma"):
+            raise ValueError(f"levers.prefill_attention_kernel must be mma or fma, not '{levers.prefill_attention_kernel}'")
+        self.flash_prefill = levers.prefill_attention_kernel == "mma"
         self._init_decode_fusion(levers)
         self.use_graphs = bool(levers.cuda_graphs)
         self.graph_sizes = sorted(int(s) for s in levers.graph_batch_sizes)
