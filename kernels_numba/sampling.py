@@ -344,6 +344,7 @@ def _radix_select(logits, mask, r, use_mask, m, inv_t, lo_key, target, top_p, cn
                         cuda.atomic.add(cnt, b, np.uint32(1))
                         if by_mass:
                             cuda.atomic.add(wt, b, np.uint64(np.float32(math.exp(z)) * _MASS_SCALE))
+        cuda.syncthreads()                      # every atomic of the pass lands before the scan
         if by_mass:
             b, above, c, target = _find_bin(wt, cnt, nb, target, top_p if level == 0 else np.float32(-1.0),
                                             res, wsum)
