@@ -104,7 +104,7 @@ def main() -> None:
         pos = cuda.to_device(np.full(batch, ctx - 1, np.int32))
         tseq = cuda.to_device(np.arange(batch, dtype=np.int32))
         out = cuda.device_array((batch, HQ, HD), np.float32)
-        scratch = cuda.device_array(A.paged_attention_scratch_shape(batch, HQ, HK, HD, ctx), np.float32)
+        scratch = cuda.device_array((batch * 16, HQ, HD + 2), np.float32)   # room for any forced split
         k64, v64 = kc.view(np.uint64), vc.view(np.uint64)
         return kv_bytes, n_rot, (q, k64, v64, tables, tseq, pos, out, scratch)
 
@@ -112,24 +112,31 @@ def main() -> None:
         for batch in [int(b) for b in args.batches.split(",")]:
             kv_bytes, n_rot, (q, k64, v64, tables, tseq, pos, out, scratch) = decode_setup(batch, ctx)
             cfgs = [None]
-            if args.sweep:
+            if args.sweep:          # forced split counts with the default geometry, then geometries
+                cfgs += [("parts", n) for n in (1, 2, 4, 8, 16)]
                 cfgs += [A.decode_config(HD, HQ // HK, tpt=t, unroll=u, chunk=c)
                          for t in (4, 8, 16, 32) if (HD // 8) % t == 0
                          for u in (1, 2, 4) for c in (64, 128, 256)]
             ours = None
             for cfg in cfgs:
-                def launch(i, cfg=cfg):
+                forced = cfg[1] if isinstance(cfg, tuple) else None
+                geo = None if isinstance(cfg, tuple) else cfg
+                if forced and batch * forced > scratch.shape[0]:
+                    continue
+
+                def launch(i, geo=geo, forced=forced):
                     A.paged_attention(q, k64, v64, tables[i], tseq, pos, scale, out, scratch=scratch,
-                                      max_context=ctx, config=cfg)
+                                      max_context=ctx, config=geo, partitions=forced)
                 try:
                     ms = time_launches(launch, n_rot)
                 except Exception as e:  # a sweep geometry may not fit (shared memory, registers)
                     print(f"  {cfg}: failed ({type(e).__name__}: {e})")
                     continue
-                c = cfg or A.decode_config(HD, HQ // HK)
+                c = geo or A.decode_config(HD, HQ // HK)
                 parts, part = A.decode_partitions(batch, HK, ctx, c, scratch.shape[0])
+                parts = forced or parts
                 tbps = kv_bytes / ms / 1e9
-                tag = "" if cfg is None else f" tpt={c.tpt} unroll={c.unroll} chunk={c.chunk}"
+                tag = "" if geo is None else f" tpt={c.tpt} unroll={c.unroll} chunk={c.chunk}"
                 print(f"decode  B={batch:<4d} ctx={ctx:<5d} parts={parts:<3d}{tag}: {ms * 1e3:8.1f} us  "
                       f"{tbps:5.2f} TB/s ({tbps / ceiling:4.0%} of copy)  KV {kv_bytes / 1e6:.0f} MB", flush=True)
                 if cfg is None:

@@ -628,10 +628,21 @@ def tiled_path(T: int, N: int, bm: int = 64, bn: int = 128):
 
 
 def gemv_cfg(N: int, K: int, prologue: str = "plain"):
-    """(warps, rows per warp, unroll, x in shared memory) of the T = 1 GEMV for N x K. Until the
-    H200 sweep (`bench/gemm_bench.py --fma-sweep`) picks per shape, every shape gets what the fma
-    GEMV measured best: 4 warps, 1 row a warp, 2 loads in flight, x through L1."""
-    return 4, 1, 2, False
+    """(warps, rows per warp, unroll, x in shared memory) of the T = 1 GEMV for N x K, read off
+    the H200 sweep (`bench/gemm_bench.py --fma-sweep`, docs/bench/fma_sweep.json, session 2):
+    large matrices (>= 16M elements) stream best with 8 warps x 2 rows (o, gate_up, down of
+    Llama-3-8B: 1.01-1.07x over the old 4x1), the LM heads with 4 warps x 2 rows (K = 4096) or
+    4 x 4 (K = 576: 1.18x plain, 1.73x with the rmsnorm prologue); silu_mul on small K wants x
+    staged in shared memory (8 warps: 1.19x); rmsnorm on wide K wants more rows (8 x 2: 1.26x)."""
+    if N >= 32768:                                   # LM heads
+        return (4, 4, 1, False) if K <= 1024 else (4, 2, 2, False)
+    if prologue == "silu_mul":
+        return (8, 1, 2, True) if K <= 4096 else (4, 2, 2, False)
+    if prologue == "rmsnorm":
+        return (8, 2, 1, False) if K >= 2048 else (4, 1, 2, False)
+    if N * K >= 1 << 24:
+        return 8, 2, 2, False
+    return (8, 1, 2, False) if K <= 1024 else (4, 1, 2, False)
 
 
 def gemv_path(N: int, K: int, prologue: str = "plain", warps: int | None = None,

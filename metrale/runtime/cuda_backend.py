@@ -33,6 +33,7 @@ GRAPH_RESERVE = 512 << 20       # memory left outside the pool for graphs, conte
 MIN_GRAPH_CONTEXT = 512         # context buckets of decode graphs: powers of two from here
 BLAS_SMALL_MATRIX = 1 << 22     # weight elements below which cuBLASLt waits for BLAS_SMALL_MIN_ROWS
 BLAS_SMALL_MIN_ROWS = 64
+FUSE_MAX_K = 2048               # decode fusion (norm / silu*mul in the GEMV prologue) up to this K
 
 
 @dataclass(frozen=True)
@@ -174,8 +175,12 @@ class CudaOps:
         return out
 
     def _fused(self, rows: int, weight) -> bool:
-        """One token row, fusion on, and the Numba GEMV (not cuBLASLt) runs this product."""
-        return rows == 1 and self.b.fuse_decode and not self.b.blas_takes(1, weight)
+        """One token row, fusion on, a narrow input (K <= FUSE_MAX_K), and the Numba GEMV (not
+        cuBLASLt) runs this product. Wide inputs lose: every block of the GEMV redoes the
+        prologue over all K (H200: Llama-3-8B's qkv/gate_up/down went 17/58/33 -> 21/62/63 us,
+        while a separate norm or silu launch costs ~3 us)."""
+        return (rows == 1 and self.b.fuse_decode and weight.shape[1] <= FUSE_MAX_K
+                and not self.b.blas_takes(1, weight))
 
     def norm_linear(self, x, norm_weight, weight, bias=None):
         """linear(rms_norm(x, norm_weight), weight, bias); at one row the norm is the GEMV's
