@@ -44,13 +44,15 @@ from kernels_numba.bf16 import (
     unpack_bf16x4,
 )
 
-# Blocks the split-K heuristic aims for (132 SMs x ~16 resident 128-thread blocks on an H200).
-TARGET_BLOCKS = 16 if SIMULATOR else 2048
+# Blocks the split-K heuristic aims for. H200 sweep (bench/kernels_bench.py --sweep, Llama-3-8B
+# heads, session 2): B=1 ctx 512 takes 96 us unsplit, 34 / 23 / 20 us in 4 / 8 / 16 partitions;
+# B=32 ctx 1024: 136 us in 8 partitions, 122-125 in 2-4; B=128 ctx 1024: 429 unsplit, 451 in 2.
+TARGET_BLOCKS = 16 if SIMULATOR else 1024
+MIN_PART = 8 if SIMULATOR else 64      # smallest partition (tokens): B=1 splits 1024 tokens 16 ways
 NO_SPLIT_PART = 1 << 30
-# Launches whose max_context is at most this never split: one partition, the decode kernel writes
-# the output itself and the merge kernel is not launched (one node fewer per layer in a decode
-# graph; SmolLM2 batch 1 at the 512-token context bucket).
-NO_SPLIT_CONTEXT = 32 if SIMULATOR else 512
+# Launches whose max_context is at most this never split (the decode kernel writes the output, no
+# merge launch). 0: off — one launch fewer did not pay for the lost parallelism (96 vs 20 us above).
+NO_SPLIT_CONTEXT = 0
 
 
 # ---------------------------------------------------------------- decode / ragged: config
@@ -82,7 +84,8 @@ def decode_config(head_dim: int, group: int, **override) -> DecodeConfig:
     if pieces % tpt or tpt & (tpt - 1) or tpt > 32:
         raise ValueError(f"paged_attention: tpt={tpt} must be a power of two <= 32 dividing {pieces}")
     threads = 64 if SIMULATOR else 128
-    unroll = override.get("unroll", 1 if SIMULATOR else max(1, 2 // (pieces // tpt)))
+    # rows in flight per lane group: 4 measured best at every batch of the H200 sweep (hd 128)
+    unroll = override.get("unroll", 1 if SIMULATOR else max(1, 4 // (pieces // tpt)))
     per_iter = (threads // tpt) * unroll
     chunk = max(per_iter, override.get("chunk", 32 if SIMULATOR else 128))
     chunk = (chunk + per_iter - 1) // per_iter * per_iter
@@ -97,13 +100,13 @@ def decode_partitions(
     max_context <= no_split_context, default NO_SPLIT_CONTEXT)."""
     if max_context <= (NO_SPLIT_CONTEXT if no_split_context is None else no_split_context):
         return 1, NO_SPLIT_PART
-    max_parts = max(1, -(-max_context // cfg.chunk))
+    max_parts = max(1, -(-max_context // MIN_PART))
     want = -(-TARGET_BLOCKS // max(1, num_tokens * num_kv_heads))
     parts = min(want, max_parts, scratch_rows // max(1, num_tokens))
     if parts <= 1:
         return 1, NO_SPLIT_PART
     part = -(-max_context // parts)
-    part = -(-part // cfg.chunk) * cfg.chunk
+    part = -(-part // MIN_PART) * MIN_PART
     return -(-max_context // part), part
 
 

@@ -53,7 +53,7 @@ def test_paged_attention_device_views_and_short_max_context():
     hd, hq, hk = 64, 2, 1
     q, kc, vc, tables, token_seq, _, positions = make_batch(rng, hd, hq, hk, [(69, 1), (12, 1)])
     want = A.attention_ref(q, kc, vc, tables, token_seq, positions, 0.3)
-    assert A.decode_partitions(2, hk, 40, A.decode_config(hd, hq // hk), 8) == (2, 32)  # 2 x 32 < 70
+    assert A.decode_partitions(2, hk, 40, A.decode_config(hd, hq // hk), 8) == (3, 16)  # 3 x 16 < 70
     d_out = cuda.to_device(np.full_like(q, np.nan))
     d_scr = cuda.to_device(np.zeros((8, hq, hd + 2), np.float32))
     A.paged_attention(cuda.to_device(q), cuda.to_device(kc.view(np.uint64)), cuda.to_device(vc.view(np.uint64)),
