@@ -11,6 +11,7 @@ import numpy as np
 from numba import cuda
 
 from kernels_numba.bf16 import SIMULATOR
+from kernels_numba.ptx import pack_bf16x2
 
 THREADS = 32 if SIMULATOR else 256
 
@@ -23,6 +24,31 @@ def _silu_mul_kernel(gate_up, out):
     if f < n:
         g = gate_up[t, f]
         out[t, f] = g / (np.float32(1.0) + math.exp(-g)) * gate_up[t, f + n]
+
+
+@cuda.jit
+def _silu_mul_bf16_kernel(gate_up, out32):
+    t = cuda.blockIdx.x
+    p = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    n = 2 * out32.shape[1]
+    if p < out32.shape[1]:
+        f = 2 * p
+        g0 = gate_up[t, f]
+        g1 = gate_up[t, f + 1]
+        out32[t, p] = pack_bf16x2(g0 / (np.float32(1.0) + math.exp(-g0)) * gate_up[t, f + n],
+                                  g1 / (np.float32(1.0) + math.exp(-g1)) * gate_up[t, f + 1 + n])
+
+
+def silu_mul_bf16(gate_up, out_u16, stream=0) -> None:
+    """silu_mul into bf16 bits (room for T*F values, row-major [T, F]; F even): the input of a
+    library matmul that takes bf16, without a separate conversion pass."""
+    t, f2 = gate_up.shape
+    f = f2 // 2
+    if t == 0:
+        return
+    assert f % 2 == 0 and out_u16.size >= t * f
+    out32 = out_u16.reshape(out_u16.size)[:t * f].view(np.uint32).reshape(t, f // 2)
+    _silu_mul_bf16_kernel[(t, (f // 2 + THREADS - 1) // THREADS), THREADS, stream](gate_up, out32)
 
 
 def silu_mul(gate_up, out, stream=0) -> None:

@@ -13,6 +13,7 @@ import numpy as np
 from numba import cuda
 
 from kernels_numba.bf16 import SIMULATOR, block_sum
+from kernels_numba.ptx import pack_bf16x2
 
 MAX_THREADS = 32 if SIMULATOR else 1024
 SCRATCH = 1024 if SIMULATOR else 32
@@ -55,6 +56,24 @@ def _rms_norm_3d(x, w, eps, out):
 
 
 @cuda.jit
+def _rms_norm_bf16_2d(x, w, eps, out32):
+    """rms_norm of rows into bf16 (two per uint32 of out32 [N, D/2]): the input of a library
+    matmul that takes bf16, without a separate conversion pass."""
+    scratch = cuda.shared.array(SCRATCH, np.float32)
+    r = cuda.blockIdx.x
+    n = x.shape[1]
+    ss = np.float32(0.0)
+    for d in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+        v = x[r, d]
+        ss += v * v
+    ss = block_sum(ss, scratch)
+    inv = np.float32(1.0) / math.sqrt(ss / np.float32(n) + eps)
+    for p in range(cuda.threadIdx.x, n // 2, cuda.blockDim.x):
+        d = 2 * p
+        out32[r, p] = pack_bf16x2(x[r, d] * inv * w[d], x[r, d + 1] * inv * w[d + 1])
+
+
+@cuda.jit
 def _add_rms_norm_2d(x, residual, w, eps, out):
     scratch = cuda.shared.array(SCRATCH, np.float32)
     r = cuda.blockIdx.x
@@ -83,6 +102,16 @@ def rms_norm(x, w, eps: float, out, stream=0) -> None:
         _rms_norm_3d[(x.shape[0], x.shape[1]), nt, stream](x, w, np.float32(eps), out)
     else:
         raise ValueError(f"rms_norm: x must be 2-D or 3-D, got shape {x.shape}")
+
+
+def rms_norm_bf16(x, w, eps: float, out_u16, stream=0) -> None:
+    """x float32 [N, D] (D even) -> out_u16: bf16 bits with room for N*D values (row-major [N, D])."""
+    N, D = x.shape
+    if N == 0:
+        return
+    assert D % 2 == 0 and out_u16.size >= N * D
+    out32 = out_u16.reshape(out_u16.size)[:N * D].view(np.uint32).reshape(N, D // 2)
+    _rms_norm_bf16_2d[N, _threads(D), stream](x, w, np.float32(eps), out32)
 
 
 def add_rms_norm(x, residual, w, eps: float, out, stream=0) -> None:

@@ -104,3 +104,11 @@ def test_convert_kernel_uses_vector_loads_and_bf16x2():
 
     p = ptx_of(convert._x_to_bf16_kernel, (F32_2, types.Array(types.uint32, 1, "C")))
     assert "cvt.rn.bf16x2.f32" in p and "ld.global.nc.v4.f32" in p
+
+
+def test_bf16_producers_compile():
+    from kernels_numba import activation, rmsnorm
+
+    U32_2 = types.Array(types.uint32, 2, "C")
+    assert "cvt.rn.bf16x2.f32" in ptx_of(rmsnorm._rms_norm_bf16_2d, (F32_2, F32_1, F32, U32_2))
+    assert "cvt.rn.bf16x2.f32" in ptx_of(activation._silu_mul_bf16_kernel, (F32_2, U32_2))

@@ -185,6 +185,11 @@ class CudaOps:
     def norm_linear(self, x, norm_weight, weight, bias=None):
         """linear(rms_norm(x, norm_weight), weight, bias); at one row the norm is the GEMV's
         prologue (gemm.gemv, prologue 'rmsnorm'): no norm launch, no normed buffer."""
+        if self.b.blas_takes(x.shape[0], weight):      # cuBLASLt: the norm writes its bf16 input
+            out = self.b.act[f"out{weight.shape[0]}"][:x.shape[0]]
+            rmsnorm.rms_norm_bf16(x, norm_weight, self.cfg.rms_norm_eps, self.b.blas_input(x.shape), stream=self.s)
+            self.b.blas_linear(None, weight, out, bias, accumulate=False, rows=x.shape[0])
+            return out
         if not self._fused(x.shape[0], weight):
             return self.linear(self.rms_norm(x, norm_weight), weight, bias)
         out = self.b.act[f"out{weight.shape[0]}"][:1]
@@ -194,7 +199,12 @@ class CudaOps:
 
     def silu_mul_linear_residual(self, gate_up, weight, residual):
         """residual += silu_mul(gate_up) @ weight.T; at one row silu*mul is the GEMV's prologue."""
-        if not self._fused(gate_up.shape[0], weight):
+        rows = gate_up.shape[0]
+        if self.b.blas_takes(rows, weight):             # cuBLASLt: silu*mul writes its bf16 input
+            activation.silu_mul_bf16(gate_up, self.b.blas_input((rows, weight.shape[1])), stream=self.s)
+            self.b.blas_linear(None, weight, residual, None, accumulate=True, rows=rows)
+            return residual
+        if not self._fused(rows, weight):
             return self.linear_residual(self.silu_mul(gate_up), weight, residual)
         gemm.gemv(gate_up, weight, residual, prologue="silu_mul", accumulate=True, stream=self.s)
         return residual
@@ -291,11 +301,18 @@ class CudaBackend:
             return False
         return rows >= BLAS_SMALL_MIN_ROWS or weight.shape[0] * weight.shape[1] >= BLAS_SMALL_MATRIX
 
-    def blas_linear(self, x, weight, out, bias, accumulate: bool) -> None:
-        """out (+)= x @ bf16(weight).T (+ bias) through cuBLASLt: x is rounded to bf16 first."""
-        T, K = x.shape
-        xb = self.act["x_bf16"].reshape(-1)[:T * K]
-        convert.x_to_bf16(x, xb, stream=self.stream.numba)
+    def blas_input(self, shape: tuple[int, int]):
+        """The bf16 staging buffer of cuBLASLt's x, as room for shape[0] * shape[1] values."""
+        return self.act["x_bf16"].reshape(-1)[:shape[0] * shape[1]]
+
+    def blas_linear(self, x, weight, out, bias, accumulate: bool, rows: int | None = None) -> None:
+        """out (+)= x @ bf16(weight).T (+ bias) through cuBLASLt: x is rounded to bf16 first into
+        the staging buffer; x None: a producer already wrote `rows` rows there (blas_input)."""
+        K = weight.shape[1]
+        T = x.shape[0] if x is not None else rows
+        xb = self.blas_input((T, K))
+        if x is not None:
+            convert.x_to_bf16(x, xb, stream=self.stream.numba)
         self.blas.linear(_ptr(xb), _ptr(weight), _ptr(out), T, weight.shape[0], K,
                          bias_ptr=_ptr(bias) if bias is not None else 0, accumulate=accumulate,
                          stream=self.stream.ptr)
