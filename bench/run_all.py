@@ -22,6 +22,7 @@ DECODE = {"smollm2-135m-shape": [1, 8, 32, 128, 256], "llama-3.2-1b-shape": [1, 
 PREFILL = {"smollm2-135m-shape": 4096, "llama-3-8b-shape": 4096}
 CONTEXT = 512
 COMMAND = "python -m bench.run_all --stage {stage} --out raw/"
+LEVERS: dict[str, str] = {}          # --lever name=value: applied to every metrale backend / engine
 
 
 def _save(out: Path, name: str, data) -> None:
@@ -36,7 +37,8 @@ def stage_metrale(out: Path) -> None:
     for model, batches in DECODE.items():
         blocks = max(batches) * (-(-(CONTEXT + 64) // 16)) + 64 + (PREFILL.get(model, 0) // 16 + 1)
         t0 = time.perf_counter()
-        config, backend, load_s = make_backend(model, max(batches), [f"cache.num_blocks={blocks}"])
+        config, backend, load_s = make_backend(model, max(batches), [f"cache.num_blocks={blocks}",
+                                                                    *(f"levers.{k}={v}" for k, v in LEVERS.items())])
         r = {"load_s": load_s, "decode": [], "kv_tokens_fit_0.9": backend.kv_tokens_that_fit(0.9)}
         for b in batches:
             d = decode_tok_s(backend, b, CONTEXT)
@@ -122,12 +124,12 @@ def stage_offline(out: Path, n_requests: int = 256, *, quick: bool = False, devi
         if quick:
             eng = Engine(model=model, device=device, scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 64,
                                                                  "max_model_len": 256},
-                         cache={"num_blocks": QUICK["num_blocks"]})
+                         cache={"num_blocks": QUICK["num_blocks"]}, levers=dict(LEVERS))
             reqs = nano_vllm_requests(QUICK["requests"], QUICK["max_input"], QUICK["max_output"])
         else:
             eng = Engine(model=model, device=device, scheduler={"max_num_seqs": 256, "max_num_batched_tokens": 4096,
                                                                  "max_model_len": 4096},
-                         cache={"gpu_memory_utilization": 0.5})
+                         cache={"gpu_memory_utilization": 0.5}, levers=dict(LEVERS))
             reqs = nano_vllm_requests(n_requests)
         rng = np.random.default_rng(0)
         prompts = [rng.integers(0, eng.model_config.vocab_size, p) for p, _ in reqs]
@@ -358,7 +360,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--copy-tb-s", type=float, default=None,
                     help="device copy bandwidth (TB/s, read + write) for the offline bound; "
                          "default: the peers stage's measurement (peers.json)")
+    ap.add_argument("--lever", action="append", default=[], help="name=value, a lever for every metrale run")
     args = ap.parse_args(argv)
+    LEVERS.update(kv.split("=", 1) for kv in args.lever)
     out = Path(args.out)
     copy_bytes_s = args.copy_tb_s * 1e12 if args.copy_tb_s else None
     for stage in args.stage.split(","):
