@@ -202,15 +202,19 @@ def poisson_latency(eng, rate: float, n: int, prompt_len: int, output_len: int, 
             "ttft_ms": pct(ttft), "itl_ms": pct(itl_ms)}
 
 
-def stage_peers(out: Path) -> None:
+def stage_peers(out: Path, only: list[str] | None = None) -> None:
+    """only: job names ("torch_decode:llama-3-8b-shape:32", ...) or kinds ("torch_decode") to run."""
     from bench import peers
-    res = {"copy_bytes_s": peers.copy_bandwidth(), "matmul_tflops": peers.matmul_peak_tflops()}
+    old = _load(out / "peers.json") if only else {}
+    res = {**old, "copy_bytes_s": peers.copy_bandwidth(), "matmul_tflops": peers.matmul_peak_tflops()}
     print(f"[peers] copy {res['copy_bytes_s'] / 1e12:.2f} TB/s, matmul {res['matmul_tflops']:.0f} TFLOP/s", flush=True)
     _save(out, "peers", res)
     jobs = [("torch_decode", "llama-3-8b-shape", 1), ("torch_decode", "llama-3-8b-shape", 32),
             ("torch_decode", "smollm2-135m-shape", 1), ("torch_prefill", "llama-3-8b-shape", 4096),
             ("hf_decode", "llama-3-8b-shape", 1), ("hf_offline", "smollm2-135m-shape", HF_OFFLINE[0]),
             ("hf_offline", "llama-3.2-1b-shape", HF_OFFLINE[0])]
+    if only:
+        jobs = [j for j in jobs if j[0] in only or f"{j[0]}:{j[1]}:{j[2]}" in only]
     for kind, model, n in jobs:
         shape = peers.load_shape(model)
         try:
@@ -361,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="device copy bandwidth (TB/s, read + write) for the offline bound; "
                          "default: the peers stage's measurement (peers.json)")
     ap.add_argument("--lever", action="append", default=[], help="name=value, a lever for every metrale run")
+    ap.add_argument("--peer-jobs", nargs="+", default=None, help="peers stage: only these jobs or kinds")
     args = ap.parse_args(argv)
     LEVERS.update(kv.split("=", 1) for kv in args.lever)
     out = Path(args.out)
@@ -372,8 +377,10 @@ def main(argv: list[str] | None = None) -> None:
             models = args.models or (OFFLINE_MODELS[:1] if args.quick else OFFLINE_MODELS)
             stage_offline(out, quick=args.quick, device=args.device or ("cpu" if args.quick else "cuda"),
                           models=models, copy_bytes_s=copy_bytes_s or _load(out / "peers.json").get("copy_bytes_s"))
+        elif stage == "peers":
+            stage_peers(out, args.peer_jobs)
         else:
-            {"metrale": stage_metrale, "peers": stage_peers}[stage](out)
+            {"metrale": stage_metrale}[stage](out)
 
 
 if __name__ == "__main__":
