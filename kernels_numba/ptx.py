@@ -362,3 +362,74 @@ else:
                                "{$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", side_effect=True)
             return _tuple(context, builder, sig.return_type, builder.call(asm, [addr]), 4)
         return types.UniTuple(types.uint32, 4)(s, i), gen
+
+
+# ----------------------------------------------------------------------------- tf32 mma
+# (appended for kernels_numba/flash_decode.py)
+#   mma_tf32_1688(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3) -> (d0, d1, d2, d3)
+#       `mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32`; a*/b* are float32 values whose bits
+#       are the tf32 operands (the tensor core ignores the low 13 mantissa bits; bf16 values are
+#       exact). Layout (PTX ISA, g = lane >> 2, t = lane & 3): a0 = A[g][t], a1 = A[g+8][t],
+#       a2 = A[g][t+4], a3 = A[g+8][t+4]; b0 = B[t][g], b1 = B[t+4][g]; C/D as m16n8k16.
+#   tf32_rna(x)  `cvt.rna.tf32.f32`: x rounded to tf32 (nearest, ties away), as float32
+__all__ += ["mma_tf32_1688", "tf32_rna"]
+
+if SIM:
+    def _tf32_trunc(x) -> float:
+        u = np.array([x], np.float32).view(np.uint32) & np.uint32(0xFFFFE000)
+        return float(u.view(np.float32)[0])
+
+    def _mma_tf32_op(slots):
+        A = np.zeros((16, 8), np.float64)
+        B = np.zeros((8, 8), np.float64)
+        C = np.zeros((16, 8), np.float64)
+        for lane, (a, b, c) in enumerate(slots):
+            g, t = lane >> 2, lane & 3
+            A[g, t], A[g + 8, t], A[g, t + 4], A[g + 8, t + 4] = (_tf32_trunc(v) for v in a)
+            B[t, g], B[t + 4, g] = _tf32_trunc(b[0]), _tf32_trunc(b[1])
+            C[g, 2 * t:2 * t + 2] = c[0], c[1]
+            C[g + 8, 2 * t:2 * t + 2] = c[2], c[3]
+        D = (A @ B + C).astype(np.float32)
+        out = []
+        for lane in range(len(slots)):
+            g, t = lane >> 2, lane & 3
+            out.append((D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]))
+        return out
+
+    def mma_tf32_1688(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        st, lane = _my_warp()
+        return st.exchange(lane, _mma_tf32_op, ((a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3)))
+
+    def tf32_rna(x):
+        u = int(np.array([x], np.float32).view(np.uint32)[0])
+        if (u & 0x7F800000) != 0x7F800000:  # inf / nan pass through
+            u = (u + 0x1000) & 0xFFFFE000
+        return np.uint32(u).view(np.float32)
+
+else:
+    @intrinsic
+    def mma_tf32_1688(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        def gen(context, builder, sig, args):
+            regs = [builder.bitcast(context.cast(builder, v, t, types.float32), _i32)
+                    for v, t in zip(args[:6], sig.args[:6])]
+            accs = [context.cast(builder, v, t, types.float32)
+                    for v, t in zip(args[6:], sig.args[6:])]
+            sty = ir.LiteralStructType([_f32t] * 4)
+            fty = ir.FunctionType(sty, [_i32] * 6 + [_f32t] * 4)
+            asm = ir.InlineAsm(
+                fty,
+                "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+                "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+                "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3")
+            return _tuple(context, builder, sig.return_type, builder.call(asm, regs + accs), 4)
+        sig = types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+        return sig, gen
+
+    @intrinsic
+    def tf32_rna(typingctx, x):
+        def gen(context, builder, sig, args):
+            v = context.cast(builder, args[0], sig.args[0], types.float32)
+            fty = ir.FunctionType(_i32, [_f32t])
+            r = builder.call(ir.InlineAsm(fty, "cvt.rna.tf32.f32 $0, $1;", "=r,f"), [v])
+            return builder.bitcast(r, _f32t)
+        return types.float32(x), gen

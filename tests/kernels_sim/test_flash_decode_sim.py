@@ -1,0 +1,89 @@
+"""flash_decode_attention (mma.sync bf16 S, tf32 P.V) under the simulator vs attention_ref: several
+sequences with different contexts (1, inside one step, over several steps and partitions),
+scattered blocks, G = 3 and 4, head_dim 64 and 128, block size 4 (a table read per key) and 16
+(one per step), split-K (forced and heuristic) and not, CUDA-graph padding rows."""
+import numpy as np
+import pytest
+from numba import cuda
+
+from kernels_numba import attention as A
+from kernels_numba import flash_decode as FD
+from kernels_numba.bf16 import to_bf16_bits
+
+
+def make_batch(rng, hd, hq, hk, contexts, bs, extra_blocks=3):
+    """One decode token per sequence at position ctx - 1; blocks scattered over the cache."""
+    need = [(c + bs - 1) // bs for c in contexts]
+    nb = sum(need) + extra_blocks
+    perm = rng.permutation(nb).astype(np.int32)
+    tables = np.full((len(contexts), max(need) + 1), -1, np.int32)
+    k = 0
+    for s, m in enumerate(need):
+        tables[s, :m] = perm[k:k + m]
+        k += m
+    kc = to_bf16_bits(rng.standard_normal((nb, bs, hk, hd)))
+    vc = to_bf16_bits(rng.standard_normal((nb, bs, hk, hd)))
+    positions = np.array([c - 1 for c in contexts], np.int32)
+    token_seq = np.arange(len(contexts), dtype=np.int32)
+    q = rng.standard_normal((len(contexts), hq, hd)).astype(np.float32)
+    return q, kc, vc, tables, token_seq, positions
+
+
+def check(out, want):
+    assert np.isfinite(out).all()
+    rel = np.linalg.norm(out - want) / np.linalg.norm(want)
+    assert rel < 3e-3, rel  # q bf16, P tf32: measured ~4e-4
+    np.testing.assert_allclose(out, want, rtol=0, atol=1e-2)
+
+
+@pytest.mark.parametrize("hd,hq,hk,bs,contexts,partitions,over", [
+    (64, 4, 1, 4, [1, 13, 45], None, {"warps": 2, "keys": 8}),   # heuristic split, table read per key
+    (64, 6, 2, 16, [37, 1], 3, {"warps": 2, "keys": 8}),         # G=3, forced 3-way split, one read per step
+    (128, 4, 1, 16, [40, 3], 1, {"warps": 2}),                   # hd 128, no split, KT=16
+    (64, 3, 1, 16, [70], 2, {}),                                 # default geometry (4 warps x 16 keys), split
+    (128, 8, 2, 16, [1, 33, 100], None, {}),                     # G=4, hd 128, default geometry, heuristic
+])
+def test_flash_decode(hd, hq, hk, bs, contexts, partitions, over):
+    rng = np.random.default_rng(hd + hq + bs)
+    q, kc, vc, tables, token_seq, positions = make_batch(rng, hd, hq, hk, contexts, bs)
+    scale = hd ** -0.5
+    want = A.attention_ref(q, kc, vc, tables, token_seq, positions, scale)
+    out = np.full_like(q, np.nan)
+    scratch = np.zeros((8 * q.shape[0], hq, hd + 2), np.float32)
+    cfg = FD.flash_decode_config(hd, hq // hk, bs, **over)
+    FD.flash_decode_attention(q, kc, vc, tables, token_seq, positions, scale, out, scratch=scratch,
+                              partitions=partitions, config=cfg)
+    check(out, want)
+
+
+def test_flash_decode_graph_padding_and_short_max_context():
+    """uint64 device views; two CUDA-graph padding rows (position 0, a sequence whose table is all
+    -1: finite garbage allowed); max_context below the real context (the last partition
+    stretches)."""
+    rng = np.random.default_rng(5)
+    hd, hq, hk, bs = 64, 4, 1, 16
+    q, kc, vc, tables, token_seq, positions = make_batch(rng, hd, hq, hk, [50, 20], bs)
+    tables = np.concatenate([tables, np.full((1, tables.shape[1]), -1, np.int32)])
+    q = np.concatenate([q, rng.standard_normal((2, hq, hd)).astype(np.float32)])
+    token_seq = np.array([0, 1, 2, 2], np.int32)
+    positions = np.array([49, 19, 0, 0], np.int32)
+    cfg = FD.flash_decode_config(hd, hq // hk, bs, warps=2, keys=8)
+    want = A.attention_ref(q[:2], kc, vc, tables[:2], token_seq[:2], positions[:2], 0.3)
+    d_out = cuda.to_device(np.full_like(q, np.nan))
+    d_scr = cuda.to_device(np.zeros((16, hq, hd + 2), np.float32))
+    FD.flash_decode_attention(cuda.to_device(q), cuda.to_device(kc.view(np.uint64)),
+                              cuda.to_device(vc.view(np.uint64)), cuda.to_device(tables),
+                              cuda.to_device(token_seq), cuda.to_device(positions), 0.3, d_out,
+                              scratch=d_scr, max_context=32, partitions=2, config=cfg)
+    out = d_out.copy_to_host()
+    assert np.isfinite(out).all()
+    check(out[:2], want)
+
+
+def test_partition_heuristic():
+    cfg = FD.flash_decode_config(128, 4, 16)
+    rows = A.paged_attention_scratch_shape(64, 32, 8, 128, 8192)[0]
+    for t in (1, 2, 7, 32, 64):
+        parts, part = FD.flash_decode_partitions(t, 8, 8192, cfg, rows)
+        assert parts == 1 or (t * parts <= rows and part % cfg.granule == 0 and parts * part >= 8192)
+    assert FD.flash_decode_partitions(4, 8, 4096, cfg, 0) == (1, A.NO_SPLIT_PART)
