@@ -3,7 +3,7 @@ KV block 16): paged_attention decode at batch 1/32/128 x context 512/4096, and p
 on one 4096-token prompt.
 
   python bench/kernels_bench.py [--batches 1,32,128] [--contexts 512,4096] [--prefill 4096]
-                                [--sweep] [--torch] [--json FILE]
+                                [--sweep] [--torch] [--flash-decode] [--json FILE]
 
 Method: a GPU sleep is queued first so that the timed launches (after warm-up) queue up behind
 it and run back to back; every launch sits between two CUDA events (numba `cuda.event()`) on the
@@ -12,7 +12,9 @@ Decode KV caches rotate among enough disjoint block sets to exceed 4x the L2. De
 the K and V bytes read (every sequence at the full context); the copy ceiling (device-to-device
 memcpy) is measured in the same run. Prefill TFLOP/s counts 4 * hd * Hq * sum(positions + 1)
 (QK^T and PV, causal). --sweep also times other decode geometries (tpt, unroll, chunk);
---torch adds torch SDPA peers (bf16, contiguous KV) when torch is installed.
+--torch adds torch SDPA peers (bf16, contiguous KV) when torch is installed. --flash-decode also
+times kernels_numba.flash_decode (tensor cores) on each decode shape, next to paged_attention
+(with --sweep: its warps x keys geometries too).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=4096)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--torch", action="store_true")
+    ap.add_argument("--flash-decode", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -141,6 +144,30 @@ def main() -> None:
                       f"{tbps:5.2f} TB/s ({tbps / ceiling:4.0%} of copy)  KV {kv_bytes / 1e6:.0f} MB", flush=True)
                 if cfg is None:
                     ours = tbps
+            if args.flash_decode:
+                from kernels_numba import flash_decode as FD
+
+                fcfgs = [None]
+                if args.sweep:
+                    fcfgs += [FD.flash_decode_config(HD, HQ // HK, BS, warps=w, keys=k)
+                              for w in (2, 4, 8) for k in (8, 16)]
+                for fcfg in fcfgs:
+                    def flaunch(i, fcfg=fcfg):
+                        FD.flash_decode_attention(q, k64, v64, tables[i], tseq, pos, scale, out, scratch=scratch,
+                                                  max_context=ctx, config=fcfg)
+                    try:
+                        ms = time_launches(flaunch, n_rot)
+                    except Exception as e:
+                        print(f"  flash_decode {fcfg}: failed ({type(e).__name__}: {e})")
+                        continue
+                    c = fcfg or FD.flash_decode_config(HD, HQ // HK, BS)
+                    parts = FD.flash_decode_partitions(batch, HK, ctx, c, scratch.shape[0])[0]
+                    tbps = kv_bytes / ms / 1e9
+                    print(f"flash   B={batch:<4d} ctx={ctx:<5d} parts={parts:<3d} warps={c.warps} keys={c.keys}: "
+                          f"{ms * 1e3:8.1f} us  {tbps:5.2f} TB/s ({tbps / ceiling:4.0%} of copy)", flush=True)
+                    if fcfg is None:
+                        record(f"flash_decode decode llama3-8b B={batch} ctx={ctx}", tbps, "TB/s", ceiling,
+                               ours, "paged_attention (CUDA cores)" if ours else None)
             peer = torch_decode(batch, ctx) if args.torch else None
             if ours is not None:
                 record(f"paged_attention decode llama3-8b B={batch} ctx={ctx}", ours, "TB/s", ceiling,
