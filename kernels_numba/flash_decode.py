@@ -36,11 +36,12 @@ Both K and V of a step are issued one phase ahead (K of step i+1 flies during so
 step i, V of step i+1 during S of step i+1): per lane 2 x KT x hd x 2 / 32 bytes = 256 B
 (hd 128, KT 16) of loads in flight, 8 KB per warp.
 
-Expected speed (H200, unmeasured when written): registers ~130-170 per thread (hd 128: Q 16, K 32,
-V 32, O 32, addressing) -> 12-16 resident warps per SM -> 96-128 KB of loads in flight per SM,
-3-4x the ~25-30 KB that 4.2 TB/s x ~0.9 us of loaded latency needs across 132 SMs; tensor work
-per 8 keys x 512 B of K+V (hd 128) is 24 mma.sync (8 bf16 + 16 tf32), ~40 SM cycles against the
-~256 cycles the bytes take at 16 B/clk/SM; per 16 B loaded a lane issues ~3 mma + ~10 ALU ops.
+Expected speed (H200, unmeasured when written): ptxas 13.0 gives 209 registers at hd 128 (G 4
+or 8; no spills; capping at 168 spills), 124 at hd 64 G 3, 165 with keys=8 -> 8 resident warps
+per SM at hd 128 -> ~64 KB of loads in flight per SM, 2x the ~25-30 KB that 4.2 TB/s x ~0.9 us
+of loaded latency needs across 132 SMs; tensor work per 8 keys x 512 B of K+V (hd 128) is 24
+mma.sync (8 bf16 + 16 tf32), ~40 SM cycles against the ~256 cycles the bytes take at
+16 B/clk/SM; per 16 B loaded a lane issues ~3 mma + ~10 ALU ops.
 So it should be bandwidth-bound: expect 3-3.6 TB/s (70-85% of the 4.23 TB/s copy rate) at batch
 32-128 and contexts >= 1024, i.e. ~2.5-3x the CUDA-core kernel (1.0-1.25 TB/s). Small batches are
 launch-/latency-bound (B=1: split-K to ~2000 warps, partitions of >= 64 keys, plus the merge).
