@@ -17,7 +17,8 @@ import numpy as np
 from numba import cuda
 from numba.cuda.cudadrv.driver import device_memset
 
-from kernels_numba import activation, argmax, attention, convert, embedding, flash_prefill, gemm, qkv, rmsnorm
+from kernels_numba import (activation, argmax, attention, convert, embedding, flash_decode, flash_prefill, gemm,
+                           qkv, rmsnorm)
 from kernels_numba.bf16 import to_bf16_bits
 from kernels_numba.init import fill_normal_bf16
 from kernels_numba.rope import rope_tables
@@ -165,8 +166,9 @@ class CudaOps:
             prefill(q, kc, vc, self.block_tables, self.seq_query_start, self.positions, scale,
                     out, max_query_len=self.g.max_query_len, stream=self.s)
         else:
-            attention.paged_attention(q, kc, vc, self.block_tables, self.token_seq, self.positions, scale, out,
-                                      scratch=self.b.attn_scratch, max_context=self.g.max_context, stream=self.s)
+            decode = flash_decode.flash_decode_attention if self.b.flash_decode else attention.paged_attention
+            decode(q, kc, vc, self.block_tables, self.token_seq, self.positions, scale, out,
+                   scratch=self.b.attn_scratch, max_context=self.g.max_context, stream=self.s)
         return out.reshape(self.g.tokens, self.cfg.q_size)
 
     def silu_mul(self, gate_up):
@@ -228,6 +230,9 @@ class CudaBackend:
         if levers.prefill_attention_kernel not in ("mma", "fma"):
             raise ValueError(f"levers.prefill_attention_kernel must be mma or fma, not '{levers.prefill_attention_kernel}'")
         self.flash_prefill = levers.prefill_attention_kernel == "mma"
+        if levers.decode_attention_kernel not in ("mma", "fma"):
+            raise ValueError(f"levers.decode_attention_kernel must be mma or fma, not '{levers.decode_attention_kernel}'")
+        self.flash_decode = levers.decode_attention_kernel == "mma"
         self._init_decode_fusion(levers)
         self.use_graphs = bool(levers.cuda_graphs)
         self.graph_sizes = sorted(int(s) for s in levers.graph_batch_sizes)
