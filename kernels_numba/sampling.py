@@ -33,15 +33,37 @@ in the same units (at least 1, so the max is always kept). A selection stops ear
 bin holds one element, or (top-k) exactly the elements still needed: the bin's lower edge (never
 below the lower bound) keeps the same set as the exact key.
 
+Top-k is searched on the raw logits first: z is non-decreasing in x (inv_temp > 0), so the k-th largest
+z is z(k-th largest x) (order statistics commute with a monotone map), and the first digit of key(x)
+(11 of 32 bits: digits 11, 11, 10) is counted in the max pass, before m is known (`_top_k_x`).
+**Compaction**: as soon as the elements at or above the chosen bin's lower edge number at most
+COMPACT_CAP (2048; 64 in the simulator), one pass gathers the row's elements with key(z) >= key(z(edge))
+into shared memory as (key(z) << 32 | id) (`_compact`; z(edge) <= z_k, so every survivor is there), and
+top-k (the k-th largest key of the bitonic-sorted list), top-p (the same fixed-point masses and scan as
+the radix passes, over the sorted list), min-p and the Gumbel-max draw (Philox of the survivors' ids
+only, the same uniforms) run on that list (`_list_sample`): no further pass over V. Top-p alone
+compacts the same way when the elements at or above a mass digit's bin fit (top-p's target was set
+over the whole row by the first mass pass). Otherwise (k > COMPACT_CAP, ties at the border beyond
+the cap, top-p on a flat row) the radix passes run to the exact key and the last pass draws over V;
+a compaction that overflows (float rounding of x - m tying more z to the edge than the count of
+key(x) said) falls back to the exact radix thresholds over the row. Both paths give the same token.
+
 Passes over the row (each one load per element; V / 1024 loads per thread):
   greedy row            1   (argmax; its value is the max m every sampled row needs)
   temperature only      2   (argmax, Gumbel-max)
-  + top-k               +1..3 counting passes (early stop)
-  + top-p               +1..3 mass passes (one exp per element in play)
-  min-p                 +0  (a key compare in the last pass)
-so top-k + top-p + temperature is at most 8 passes (was 2 + 31 + 32 bisection passes), and top-k
-<= 0 or >= V / top-p >= 1 skip their passes entirely. One 1024-thread block per row: at V = 151,936
-a pass is ~150 loads per thread, and the rows of a step run side by side (one block per SM: 132 rows per
+  min-p alone           2   (a key compare in the last pass)
+  top-k (k <= CAP) [+ top-p, min-p]
+                        2..4 (max + first-digit counts, 0..2 more digits until the candidates fit,
+                        1 compaction; usually 2: a quarter-binade bin around the k-th logit holds few
+                        elements) -- was up to 8
+  top-p alone           3..5 (max, 1..3 mass passes, compaction or the Gumbel pass)
+  k > CAP or ties       up to 1 + 2 + 3 + 1 = 7 (max + counts, 2 more digits, top-p 1..3, Gumbel)
+  overflow fallback     the above plus the z-space radix passes (rare)
+Expected at V = 151,936 on an H200 (from the measured 0.044 ms greedy / 0.131 ms temperature rows and
+0.299 ms for 8 passes): top-k 50 + top-p 0.9 ~0.10-0.13 ms per step at batch 64 (was 0.299), i.e.
+~4% of the 3.05 ms decode step (unmeasured). top-k <= 0 or >= V / top-p >= 1 skip their passes.
+Static shared memory: histograms 2048 x (4 + 8) bytes + the list COMPACT_CAP x 8 bytes = ~41 KB.
+One 1024-thread block per row: at V = 151,936 a pass is ~150 loads per thread, and the rows of a step run side by side (one block per SM: 132 rows per
 wave on an H200); a row of 600 KB stays in L2 between passes. Elements with z = -inf (masked,
 banned) are skipped by the histograms: they never count (top-k with k > the finite elements keeps
 them all, as the reference, whose k-th key is then key(-inf), does). The references and the device
@@ -67,6 +89,9 @@ from kernels_numba.bf16 import FULL_MASK, NEG_INF, SIMULATOR, block_argmax, bloc
 
 THREADS = 32 if SIMULATOR else 1024
 SCRATCH = 1024 if SIMULATOR else 32
+# Most survivors a filtered row gathers into shared memory (a power of two, a multiple of THREADS);
+# small in the simulator so that its tests reach both the compacted path and the fallback.
+COMPACT_CAP = 64 if SIMULATOR else 2048
 MAX_TOP_LOGPROBS = 20
 
 # fparams columns
@@ -164,6 +189,26 @@ else:
         return b | _KEY_TOP
 
 
+if SIMULATOR:
+
+    @cuda.jit(device=True)
+    def f32_of_key(key):
+        k = int(key)
+        b = k & 0x7FFFFFFF if k & 0x80000000 else k ^ 0xFFFFFFFF
+        return np.float32(struct.unpack("<f", struct.pack("<I", b))[0])
+
+else:
+
+    @device_function
+    def f32_of_key(key):
+        """The float32 whose f32_key is `key` (uint64 holding 32 bits)."""
+        if key & _KEY_TOP:
+            b = key & np.uint64(0x7FFFFFFF)
+        else:
+            b = key ^ _M32
+        return libdevice.int_as_float(np.int32(np.uint32(b)))
+
+
 def f32_key_ref(x) -> np.ndarray:
     b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
     return np.where(b & _KEY_TOP, b ^ _M32, b | _KEY_TOP)
@@ -226,7 +271,7 @@ if SIMULATOR:
         """Scan the bins from the top: the bin b with above(b) < target <= above(b) + weights[b], where
         above(b) = sum of weights[b' > b]. With top_p >= 0 the target is first set to
         top_p_units(sum of all weights). Returns (b or -1 when the weights do not reach the target,
-        above(b), counts[b], target). Deterministic: integer sums."""
+        above(b), counts[b], target, sum of counts[b' > b]). Deterministic: integer sums."""
         cuda.syncthreads()
         if cuda.threadIdx.x == 0:
             if top_p >= 0:
@@ -234,17 +279,19 @@ if SIMULATOR:
                 for b in range(nb):
                     total += int(weights[b])
                 target = top_p_units_ref(total, float(top_p))
-            res[0], res[1], res[2], res[3] = -1, 0, 0, target
+            res[0], res[1], res[2], res[3], res[4] = -1, 0, 0, target, 0
             c = 0
+            cc = 0
             for p in range(nb):
                 b = nb - 1 - p
                 h = int(weights[b])
                 if c < target <= c + h:
-                    res[0], res[1], res[2] = b, c, int(counts[b])
+                    res[0], res[1], res[2], res[4] = b, c, int(counts[b]), cc
                     break
                 c += h
+                cc += int(counts[b])
         cuda.syncthreads()
-        out = np.int64(res[0]), np.int64(res[1]), np.int64(res[2]), np.int64(res[3])
+        out = np.int64(res[0]), np.int64(res[1]), np.int64(res[2]), np.int64(res[3]), np.int64(res[4])
         cuda.syncthreads()
         return out
 
@@ -263,31 +310,42 @@ else:
     @device_function
     def _find_bin(weights, counts, nb, target, top_p, res, wsum):
         """See the simulator version. One 1024-thread block: each thread owns nb / 1024 consecutive bins
-        (from the top), warp-shuffle inclusive scan, warp totals through shared memory."""
+        (from the top), warp-shuffle inclusive scans (weights and counts), warp totals through shared
+        memory (wsum: 64 entries)."""
         tid = cuda.threadIdx.x
         lane = tid & 31
         warp = tid >> 5
         per = nb // cuda.blockDim.x
         s = np.int64(0)
+        sc = np.int64(0)
         for j in range(per):
-            s += np.int64(weights[nb - 1 - (tid * per + j)])
+            b = nb - 1 - (tid * per + j)
+            s += np.int64(weights[b])
+            sc += np.int64(counts[b])
         incl = s
+        inclc = sc
         off = 1
         while off < 32:
             o = cuda.shfl_up_sync(FULL_MASK, incl, off)
+            oc = cuda.shfl_up_sync(FULL_MASK, inclc, off)
             if lane >= off:
                 incl += o
+                inclc += oc
             off <<= 1
         if tid == 0:
             res[0] = np.int64(-1)
             res[1] = np.int64(0)
             res[2] = np.int64(0)
+            res[4] = np.int64(0)
         if lane == 31:
             wsum[warp] = incl
+            wsum[32 + warp] = inclc
         cuda.syncthreads()
         c = incl - s
+        cc = inclc - sc
         for w in range(warp):
             c += wsum[w]
+            cc += wsum[32 + w]
         if top_p >= np.float32(0.0):
             total = np.int64(0)
             for w in range(cuda.blockDim.x >> 5):
@@ -300,29 +358,39 @@ else:
                 res[0] = np.int64(b)
                 res[1] = c
                 res[2] = np.int64(counts[b])
+                res[4] = cc
             c += h
+            cc += np.int64(counts[b])
         cuda.syncthreads()
         out0 = res[0]
         out1 = res[1]
         out2 = res[2]
+        out4 = res[4]
         cuda.syncthreads()
-        return out0, out1, out2, target
+        return out0, out1, out2, target, out4
 
 
 @device_function
-def _radix_select(logits, mask, r, use_mask, m, inv_t, lo_key, target, top_p, cnt, wt, res, wsum):
+def _radix_select(logits, mask, r, use_mask, m, inv_t, lo_key, target, top_p, allow_compact, cnt, wt, res, wsum):
     """Over the row's elements with z > -inf and key(z) >= lo_key, with weight w = 1 (top_p < 0: top-k,
     `target` = k) or w = mass units of exp(z) (top_p >= 0: top-p, target = top_p * their total mass):
     the largest key t with W(key >= t) >= target, found digit by digit (3 passes over the row at most;
-    shared histograms cnt uint32 / wt uint64 [RADIX_BINS]). It returns lo_key when the weights do not
-    reach the target (top-k with k > the finite elements) and may return a smaller key than t when
-    the row has no element between them (a bin holding one element, or exactly the k still needed):
-    {key >= result} and {key >= t} are the same set of kept elements."""
+    shared histograms cnt uint32 / wt uint64 [RADIX_BINS]). Returns (t, clo, t0), t0 = the target of
+    the first digit (for top-p: top_p_units(total mass)).
+    t is lo_key when the weights do not reach the target (top-k with k > the finite elements) and may be
+    a smaller key than the exact one when the row has no element between them (a bin holding one
+    element, or exactly the k still needed): {key >= t} is the same set of kept elements.
+    With allow_compact, the search stops as soon as the elements with key >= the chosen bin's lower edge
+    number at most COMPACT_CAP: it then returns (lo_key, that edge, t0) and the border lies among those
+    elements (clo = 0 otherwise)."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     V = logits.shape[1]
     by_mass = top_p >= np.float32(0.0)
     prefix = np.uint64(0)
+    zero = np.uint64(0)
+    t0 = np.int64(target)
+    n_above = np.int64(0)
     for level in range(3):
         shift = np.uint64(_LEVEL_SHIFT[level])
         nbits = np.uint64(_LEVEL_BITS[level])
@@ -346,18 +414,175 @@ def _radix_select(logits, mask, r, use_mask, m, inv_t, lo_key, target, top_p, cn
                             cuda.atomic.add(wt, b, np.uint64(np.float32(math.exp(z)) * _MASS_SCALE))
         cuda.syncthreads()                      # every atomic of the pass lands before the scan
         if by_mass:
-            b, above, c, target = _find_bin(wt, cnt, nb, target, top_p if level == 0 else np.float32(-1.0),
-                                            res, wsum)
+            b, above, c, target, above_c = _find_bin(wt, cnt, nb, target,
+                                                     top_p if level == 0 else np.float32(-1.0), res, wsum)
         else:
-            b, above, c, target = _find_bin(cnt, cnt, nb, target, np.float32(-1.0), res, wsum)
+            b, above, c, target, above_c = _find_bin(cnt, cnt, nb, target, np.float32(-1.0), res, wsum)
+        if level == 0:
+            t0 = target
         if b < 0:
-            return lo_key
+            return lo_key, zero, t0
         target -= above
+        n_above += above_c
         prefix = (prefix << nbits) | np.uint64(b)
+        t = (prefix << shift) + _KEY_NEG_INF
+        if t < lo_key:
+            t = lo_key
+        if allow_compact and n_above + c <= COMPACT_CAP:
+            return lo_key, t, t0
         if c == 1 or (not by_mass and c == target):
-            t = (prefix << shift) + _KEY_NEG_INF
-            return t if t > lo_key else lo_key
-    return prefix + _KEY_NEG_INF
+            return t, zero, t0
+    return prefix + _KEY_NEG_INF, zero, t0
+
+
+# Top-k on the raw logits x: the digits of the full 32-bit key of x (11, 11, 10 bits). z = (x - m) * inv_t
+# is non-decreasing in x, so the k-th largest z is z(k-th largest x) (order statistics commute with a
+# monotone map) and the first digit's histogram can be built in the max pass, before m is known.
+_X_SHIFT = (21, 10, 0)
+_X_BITS = (11, 11, 10)
+_KEY_MIN_FINITE = np.uint64(0x00800000)   # key of -FLT_MAX: the lowest key of a finite float
+
+
+@device_function
+def _top_k_x(logits, mask, r, use_mask, k, cnt, res, wsum):
+    """Top-k over the keys of the finite x of the row; cnt holds the first digit's counts (the max pass
+    built them). Returns (mode, key): mode 0: fewer than k finite elements (top-k keeps them all);
+    1: the elements with key(x) >= key number at most COMPACT_CAP and hold the k largest (a lower
+    edge: a bin's, at most 2 more counting passes); 2: key is the exact key of the k-th largest x
+    (the candidates exceed COMPACT_CAP: k > COMPACT_CAP, or ties)."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    V = logits.shape[1]
+    target = np.int64(k)
+    n_above = np.int64(0)
+    prefix = np.uint64(0)
+    for level in range(3):
+        shift = np.uint64(_X_SHIFT[level])
+        nbits = np.uint64(_X_BITS[level])
+        hi_shift = shift + nbits
+        nb = 1 << _X_BITS[level]
+        dmask = np.uint64(nb - 1)
+        if level > 0:
+            for b in range(tid, nb, nt):
+                cnt[b] = np.uint32(0)
+            cuda.syncthreads()
+            for i in range(tid, V, nt):
+                x = _masked_x(logits, mask, r, i, use_mask)
+                if x > NEG_INF:
+                    key = f32_key(x)
+                    if (key >> hi_shift) == prefix:
+                        cuda.atomic.add(cnt, np.int32((key >> shift) & dmask), np.uint32(1))
+        cuda.syncthreads()
+        b, above, c, _t, _ac = _find_bin(cnt, cnt, nb, target, np.float32(-1.0), res, wsum)
+        if b < 0:
+            return 0, np.uint64(0)
+        target -= above
+        n_above += above
+        prefix = (prefix << nbits) | np.uint64(b)
+        if n_above + c <= COMPACT_CAP:
+            return 1, prefix << shift
+    return 2, prefix
+
+
+@device_function
+def _compact(logits, mask, r, use_mask, m, inv_t, clo, buf, ncnt):
+    """One pass: the elements with z > -inf and key(z) >= clo into buf as (key(z) << 32) | i (slot order
+    is that of the atomics; the list is sorted afterwards). Returns their number (those beyond
+    COMPACT_CAP are counted, not stored)."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    V = logits.shape[1]
+    if tid == 0:
+        ncnt[0] = np.int32(0)
+    cuda.syncthreads()
+    for i in range(tid, V, nt):
+        z = (_masked_x(logits, mask, r, i, use_mask) - m) * inv_t
+        if z > NEG_INF:
+            key = f32_key(z)
+            if key >= clo:
+                s = cuda.atomic.add(ncnt, 0, np.int32(1))
+                if s < COMPACT_CAP:
+                    buf[s] = (key << _S32) | np.uint64(i)
+    cuda.syncthreads()
+    n = np.int64(ncnt[0])
+    cuda.syncthreads()
+    return n
+
+
+@device_function
+def _list_sample(buf, n, thr, k_list, p_list, p_target, kmin, k0, k1, step, cnt, wt, res, wsum, scratch,
+                 iscratch):
+    """Filters and the Gumbel-max draw over the n (<= COMPACT_CAP) compacted survivors, no pass over V:
+    bitonic sort of buf[0:P] (P = the power of two >= n, zero padded: ascending, the largest key last),
+    top-k = the k_list-th largest key (k_list > 0), top-p over the elements with key >= thr by the same
+    fixed-point masses and scan as the radix passes (p_list >= 0: target = top_p_units(their mass);
+    else p_target >= 0: that target, computed over the whole row), min-p, then Gumbel-max with the
+    Philox uniforms of the survivors' ids. Returns the block's (value, token)."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    P = np.int64(2)
+    while P < n:
+        P <<= 1
+    for s in range(n + tid, P, nt):
+        buf[s] = np.uint64(0)
+    cuda.syncthreads()
+    size = np.int64(2)
+    while size <= P:
+        stride = size >> 1
+        while stride > 0:
+            for t in range(tid, P >> 1, nt):
+                i = 2 * t - (t & (stride - 1))
+                j = i + stride
+                a = buf[i]
+                c = buf[j]
+                if (a > c) == ((i & size) == 0):
+                    buf[i] = c
+                    buf[j] = a
+            cuda.syncthreads()
+            stride >>= 1
+        size <<= 1
+    if k_list > 0 and k_list <= n:
+        thr = buf[P - k_list] >> _S32
+    if p_list >= np.float32(0.0) or p_target >= 0:
+        for b in range(tid, COMPACT_CAP, nt):
+            j = COMPACT_CAP - 1 - b               # rank from the top
+            w = np.uint64(0)
+            c1 = np.uint32(0)
+            if j < n:
+                key = buf[P - 1 - j] >> _S32
+                if key >= thr:
+                    w = np.uint64(np.float32(math.exp(f32_of_key(key))) * _MASS_SCALE)
+                    c1 = np.uint32(1)
+            wt[b] = w
+            cnt[b] = c1
+        cuda.syncthreads()
+        b, _a, _c, _t, _ac = _find_bin(wt, cnt, COMPACT_CAP, p_target, p_list, res, wsum)
+        if b >= 0:
+            thr = buf[P - COMPACT_CAP + b] >> _S32
+    if kmin > thr:
+        thr = kmin
+    zero = np.uint64(0)
+    bv = NEG_INF
+    bi = np.int32(-1)
+    for s in range(tid, n, nt):
+        e = buf[P - 1 - s]
+        key = e >> _S32
+        if key >= thr:
+            i = np.int32(e & _M32)
+            w0, w1, w2, w3 = philox4x32(np.uint64(i >> 2), step, zero, zero, k0, k1)
+            lane = i & 3
+            w = w0
+            if lane == 1:
+                w = w1
+            elif lane == 2:
+                w = w2
+            elif lane == 3:
+                w = w3
+            v = f32_of_key(key) - math.log(-math.log(_uniform(w)))
+            if bi < 0 or v > bv or (v == bv and i < bi):
+                bv = v
+                bi = i
+    return block_argmax(bv, bi, scratch, iscratch)
 
 # ---------------------------------------------------------------- kernels
 
@@ -420,63 +645,103 @@ def _sample_rows_kernel(logits, mask, fparams, iparams, adj_token, raw_saved, ls
     iscratch = cuda.shared.array(SCRATCH, np.int32)
     cnt = cuda.shared.array(RADIX_BINS, np.uint32)
     wt = cuda.shared.array(RADIX_BINS, np.uint64)
-    res = cuda.shared.array(4, np.int64)
-    wsum = cuda.shared.array(32, np.int64)
+    buf = cuda.shared.array(COMPACT_CAP, np.uint64)
+    res = cuda.shared.array(8, np.int64)
+    wsum = cuda.shared.array(64, np.int64)
+    ncnt = cuda.shared.array(1, np.int32)
     r = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     V = logits.shape[1]
     use_mask = iparams[r, I_USE_MASK] != 0
     inv_t = fparams[r, F_INV_TEMP]
+    k = iparams[r, I_TOP_K]
+    top_k_on = inv_t != 0 and k > 0 and k < V
+    if top_k_on:                                # the first digit of top-k's key(x) histogram: in pass 1
+        for b in range(tid, RADIX_BINS, nt):
+            cnt[b] = np.uint32(0)
+        cuda.syncthreads()
 
     # pass 1: the (masked) argmax, ties to the lower id; its value is the max m
     bv = NEG_INF
     bi = np.int32(-1)
     for i in range(tid, V, nt):
         v = _masked_x(logits, mask, r, i, use_mask)
-        if v > NEG_INF and (bi < 0 or v > bv):
-            bv = v
-            bi = np.int32(i)
+        if v > NEG_INF:
+            if bi < 0 or v > bv:
+                bv = v
+                bi = np.int32(i)
+            if top_k_on:
+                cuda.atomic.add(cnt, np.int32(f32_key(v) >> np.uint64(_X_SHIFT[0])), np.uint32(1))
     bv, bi = block_argmax(bv, bi, scratch, iscratch)
     m = bv
     if bi >= 0 and inv_t != 0:                  # sampled row (greedy rows and empty rows are done)
-        thr = _KEY_NEG_INF
-        k = iparams[r, I_TOP_K]
-        if k > 0 and k < V:                     # top-k: <= 3 counting passes
-            thr = _radix_select(logits, mask, r, use_mask, m, inv_t, thr, np.int64(k), np.float32(-1.0),
-                                cnt, wt, res, wsum)
+        thr = _KEY_NEG_INF                      # lower bound of the kept keys of z
+        clo = np.uint64(0)                      # > 0: compact the elements with key(z) >= clo
+        k_list = np.int64(0)                    # top-k left to the compacted list
+        if top_k_on:                            # 0..2 more counting passes over key(x)
+            mode, xkey = _top_k_x(logits, mask, r, use_mask, k, cnt, res, wsum)
+            if mode == 1:
+                if xkey < _KEY_MIN_FINITE:
+                    xkey = _KEY_MIN_FINITE
+                clo = f32_key((f32_of_key(xkey) - m) * inv_t)
+                k_list = np.int64(k)
+            elif mode == 2:
+                thr = f32_key((f32_of_key(xkey) - m) * inv_t)
         top_p = fparams[r, F_TOP_P]
-        if top_p < np.float32(1.0):             # top-p over the top-k survivors: <= 3 mass passes
-            thr = _radix_select(logits, mask, r, use_mask, m, inv_t, thr, np.int64(0), max(top_p, np.float32(0.0)),
-                                cnt, wt, res, wsum)
+        p_on = top_p < np.float32(1.0)
+        p_list = np.float32(-1.0)
+        p_target = np.int64(-1)
+        if p_on:
+            if clo > 0:
+                p_list = max(top_p, np.float32(0.0))
+            else:                               # top-p over the top-k survivors: <= 3 mass passes
+                thr, clo, p_target = _radix_select(logits, mask, r, use_mask, m, inv_t, thr, np.int64(0),
+                                                   max(top_p, np.float32(0.0)), True, cnt, wt, res, wsum)
         kmin = f32_key(fparams[r, F_LOG_MIN_P])
-        if kmin > thr:
-            thr = kmin
         k0 = np.uint64(np.uint32(iparams[r, I_SEED_LO]))
         k1 = np.uint64(np.uint32(iparams[r, I_SEED_HI]))
         step = np.uint64(np.uint32(iparams[r, I_STEP]))
-        zero = np.uint64(0)
-        bv = NEG_INF
-        bi = np.int32(-1)
-        for g in range(tid, (V + 3) // 4, nt):  # last pass: Gumbel-max over the kept elements
-            w0, w1, w2, w3 = philox4x32(np.uint64(g), step, zero, zero, k0, k1)
-            for lane in range(4):
-                i = 4 * g + lane
-                if i < V:
-                    z = (_masked_x(logits, mask, r, i, use_mask) - m) * inv_t
-                    if z > NEG_INF and f32_key(z) >= thr:
-                        w = w0
-                        if lane == 1:
-                            w = w1
-                        elif lane == 2:
-                            w = w2
-                        elif lane == 3:
-                            w = w3
-                        v = z - math.log(-math.log(_uniform(w)))
-                        if bi < 0 or v > bv:
-                            bv = v
-                            bi = np.int32(i)
-        bv, bi = block_argmax(bv, bi, scratch, iscratch)
+        n = np.int64(0)
+        if clo > 0:                             # one compaction pass
+            n = _compact(logits, mask, r, use_mask, m, inv_t, clo, buf, ncnt)
+            if n > COMPACT_CAP:                 # float rounding of z tied more elements to the edge: the
+                clo = np.uint64(0)              # exact thresholds over the row (rare)
+                p_target = np.int64(-1)
+                if k_list > 0:
+                    thr = _radix_select(logits, mask, r, use_mask, m, inv_t, thr, k_list, np.float32(-1.0),
+                                        False, cnt, wt, res, wsum)[0]
+                if p_on:
+                    thr = _radix_select(logits, mask, r, use_mask, m, inv_t, thr, np.int64(0),
+                                        max(top_p, np.float32(0.0)), False, cnt, wt, res, wsum)[0]
+        if clo > 0:
+            bv, bi = _list_sample(buf, n, thr, k_list, p_list, p_target, kmin, k0, k1, step, cnt, wt, res, wsum,
+                                  scratch, iscratch)
+        else:
+            if kmin > thr:
+                thr = kmin
+            zero = np.uint64(0)
+            bv = NEG_INF
+            bi = np.int32(-1)
+            for g in range(tid, (V + 3) // 4, nt):  # last pass: Gumbel-max over the kept elements
+                w0, w1, w2, w3 = philox4x32(np.uint64(g), step, zero, zero, k0, k1)
+                for lane in range(4):
+                    i = 4 * g + lane
+                    if i < V:
+                        z = (_masked_x(logits, mask, r, i, use_mask) - m) * inv_t
+                        if z > NEG_INF and f32_key(z) >= thr:
+                            w = w0
+                            if lane == 1:
+                                w = w1
+                            elif lane == 2:
+                                w = w2
+                            elif lane == 3:
+                                w = w3
+                            v = z - math.log(-math.log(_uniform(w)))
+                            if bi < 0 or v > bv:
+                                bv = v
+                                bi = np.int32(i)
+            bv, bi = block_argmax(bv, bi, scratch, iscratch)
     if tid == 0:
         out_tokens[r] = bi
         lp = np.float32(np.nan)

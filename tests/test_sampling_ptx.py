@@ -51,3 +51,19 @@ def test_sample_rows_shared_memory_fits():
     from kernels_numba import sampling as S
     ptx_of(S._sample_rows_kernel, (F32_2, U32_2, F32_2, I32_2, I32_1, F32_1, F32_1, I32_1, F32_1),
            max_static_shared=48 * 1024)
+
+
+def test_sample_rows_compaction_buffer():
+    """The compacted survivors live in static shared memory: one uint64 (key << 32 | id) per slot,
+    COMPACT_CAP of them (a power of two and a multiple of the 1024 threads: the scan over the sorted
+    list gives each thread COMPACT_CAP / 1024 slots), beside the 2048-bin histograms; the bitonic sort
+    and the Philox draw of the survivors stay in registers (ptx_of: no local memory)."""
+    from kernels_numba import sampling as S
+    cap = S.COMPACT_CAP
+    assert cap & (cap - 1) == 0 and cap % 1024 == 0 and cap <= S.RADIX_BINS
+    ptx = ptx_of(S._sample_rows_kernel, (F32_2, U32_2, F32_2, I32_2, I32_1, F32_1, F32_1, I32_1, F32_1),
+                 max_static_shared=48 * 1024)
+    sizes = [int(n) for n in re.findall(r"\.shared \.align \d+ \.b8 \S+\[(\d+)\]", ptx)]
+    assert sizes.count(cap * 8) >= 1 and S.RADIX_BINS * 8 in sizes and S.RADIX_BINS * 4 in sizes
+    body = ptx.split(".entry", 1)[1]
+    assert re.search(r"atom\.shared\.add\.u32", body)           # slot = atomic counter of the compaction

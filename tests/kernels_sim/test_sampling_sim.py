@@ -118,8 +118,8 @@ def _thresholds_kernel(logits, mask, fparams, iparams, out):
     """The sample kernel's thresholds of each row: out[r] = (top-k key, top-p key, max)."""
     cnt = cuda.shared.array(S.RADIX_BINS, np.uint32)
     wt = cuda.shared.array(S.RADIX_BINS, np.uint64)
-    res = cuda.shared.array(4, np.int64)
-    wsum = cuda.shared.array(32, np.int64)
+    res = cuda.shared.array(8, np.int64)
+    wsum = cuda.shared.array(64, np.int64)
     scratch = cuda.shared.array(S.SCRATCH, np.float32)
     r = cuda.blockIdx.x
     use_mask = iparams[r, S.I_USE_MASK] != 0
@@ -131,12 +131,12 @@ def _thresholds_kernel(logits, mask, fparams, iparams, out):
     thr = S._KEY_NEG_INF
     k = iparams[r, S.I_TOP_K]
     if k > 0 and k < logits.shape[1]:
-        thr = S._radix_select(logits, mask, r, use_mask, m, inv_t, thr, np.int64(k), np.float32(-1.0),
-                              cnt, wt, res, wsum)
+        thr = S._radix_select(logits, mask, r, use_mask, m, inv_t, thr, np.int64(k), np.float32(-1.0), False,
+                              cnt, wt, res, wsum)[0]
     out[r, 0] = thr
     if fparams[r, S.F_TOP_P] < 1:
-        thr = S._radix_select(logits, mask, r, use_mask, m, inv_t, thr, np.int64(0), fparams[r, S.F_TOP_P],
-                              cnt, wt, res, wsum)
+        thr = S._radix_select(logits, mask, r, use_mask, m, inv_t, thr, np.int64(0), fparams[r, S.F_TOP_P], False,
+                              cnt, wt, res, wsum)[0]
     out[r, 1] = thr
 
 
@@ -257,3 +257,156 @@ def test_radix_border_inside_a_bin():
         np.testing.assert_array_equal((keys >= out[r, 0]) & fin, want_k)
         np.testing.assert_array_equal((keys >= out[r, 1]) & fin, want_p)
     assert (S.f32_key_ref(logits[0] - 0) >= out[0, 1]).nonzero()[0].tolist() == [3, 10]
+
+
+# ---------------------------------------------------------------- compaction (COMPACT_CAP survivors)
+
+
+def _record_paths(monkeypatch):
+    """Per row: the _top_k_x mode, the compacted count n (None: no compaction pass) and whether the
+    compacted list sampled the token. The simulator runs device functions as Python: wrap them."""
+    paths = {}
+    blocks = {}
+    top_k_x, compact, list_sample = S._top_k_x, S._compact, S._list_sample
+
+    def row():          # called inside a simulated thread: the kernel's cuda is the fake one
+        return paths.setdefault(int(cuda.blockIdx.x), {"mode": None, "n": None, "list": False})
+
+    @cuda.jit(device=True)
+    def w_top_k_x(*a):
+        out = top_k_x(*a)
+        if cuda.threadIdx.x == 0:
+            row()["mode"] = int(out[0])
+        return out
+
+    @cuda.jit(device=True)
+    def w_compact(*a):
+        n = compact(*a)
+        if cuda.threadIdx.x == 0:
+            row()["n"] = int(n)
+        return n
+
+    @cuda.jit(device=True)
+    def w_list_sample(*a):
+        if cuda.threadIdx.x == 0:
+            row()["list"] = True
+        return list_sample(*a)
+
+    monkeypatch.setattr(S, "_top_k_x", w_top_k_x)
+    monkeypatch.setattr(S, "_compact", w_compact)
+    monkeypatch.setattr(S, "_list_sample", w_list_sample)
+    return paths
+
+
+def _pipeline(logits, mask, f, i):
+    tok = np.zeros(1, np.int32)
+    i[:, S.I_ADJ_START] = i[:, S.I_ADJ_END] = 0
+    args = (logits, mask, f, i, tok, tok, np.zeros(1, np.float32))
+    out, *_ = _run_kernels(*args)
+    want, *_ = S.sample_rows_ref(*args)
+    return out, want
+
+
+CAP = S.COMPACT_CAP
+COMPACT_SPECS = [
+    (1.0, 7, 1.0, -np.inf, 0),             # 0 top-k <= CAP: compacted after the max pass (+ <= 2 digits)
+    (1 / 0.7, 20, 0.8, -np.inf, 1),        # 1 top-k + top-p, masked
+    (1.0, 1, 0.9, -np.inf, 0),             # 2 k = 1
+    (1.0, 30, 1e-6, -np.inf, 0),           # 3 top_p tiny: the max only
+    (2.0, CAP, 0.9, -np.inf, 0),           # 4 k = CAP
+    (1.0, CAP + 40, 0.95, -np.inf, 0),     # 5 k > CAP: exact key(x) threshold, top-p radix (may compact)
+    (1.0, -1, 0.3, -np.inf, 0),            # 6 top-p alone
+    (0.5, -1, 0.9, -np.inf, 1),            # 7 top-p alone, masked
+    (1.0, 25, 0.9, math.log(0.05), 0),     # 8 top-k + top-p + min-p in the list
+    (1.0, -1, 1.0, math.log(0.1), 0),      # 9 min-p alone: max + Gumbel pass
+    (1.3, 10, 1.0, -np.inf, 1),            # 10 top-k alone, masked
+    (1.0, -1, 0.999, -np.inf, 0),          # 11 top-p alone near 1 on a flat row: fallback
+]
+
+
+@pytest.mark.parametrize("V,dist", [(1500, "normal"), (1200, "ties"), (900, "peaked")])
+def test_compacted_rows_match_reference(monkeypatch, V, dist):
+    """Every filtered row: the tokens equal the reference's over several steps, through the compacted
+    list when its survivors fit COMPACT_CAP and through the passes over V when they do not."""
+    paths = _record_paths(monkeypatch)
+    rng = np.random.default_rng(V + 11)
+    logits, mask, f, i = _rows(rng, V, COMPACT_SPECS, dist)
+    logits[0, :5] = -np.inf                              # banned tokens
+    logits[1, rng.integers(0, V, 30)] = -np.inf
+    for step in range(3):
+        i[:, S.I_STEP] += 1
+        paths.clear()
+        out, want = _pipeline(logits, mask, f, i)
+        np.testing.assert_array_equal(out, want, err_msg=f"step {step}: {paths}")
+        assert (out >= 0).all()
+    p = paths
+    assert 9 not in p                                                  # min-p alone: no compaction
+    assert p[5]["mode"] == 2                                           # k > CAP: the exact threshold
+    if dist == "normal":
+        for r in (0, 1, 2, 3, 8, 10):
+            assert p[r]["mode"] == 1 and p[r]["n"] <= CAP and p[r]["list"], (r, p[r])
+        assert 11 not in p                                             # top-p on a flat row: fallback
+    if dist == "peaked":
+        for r in (0, 2, 3, 6, 7):                                      # top-p alone compacts too
+            assert p[r]["list"] and p[r]["n"] <= CAP, (r, p[r])
+    if dist == "ties":                                                 # 16 values, ~V/16 ties each
+        assert any(p[r]["mode"] == 2 for r in (0, 8, 10))               # ties at the border > CAP
+
+
+def test_compaction_overflow_from_rounding_ties_falls_back(monkeypatch):
+    """x values that differ but round to the same z = x - m (m = 1000: ulp 6e-5): the key(x) candidates
+    fit COMPACT_CAP, their z-ties do not; the row falls back to the exact radix thresholds, and the
+    reference keeps every tie of the k-th z."""
+    paths = _record_paths(monkeypatch)
+    V = 400
+    specs = [(1.0, 3, 1.0, -np.inf, 0), (1.0, 3, 0.9, -np.inf, 0), (1.0, 2, 1.0, -np.inf, 0)]
+    logits, mask, f, i = _rows(np.random.default_rng(5), V, specs)
+    logits[:] = np.float32(-60.0) + np.float32(0.25) * np.arange(V, dtype=np.float32) % 7
+    logits[:, 5] = np.float32(1000.0)
+    ties = np.arange(20, 20 + CAP + 6)
+    logits[:, ties] = (np.arange(ties.size) * 1e-7).astype(np.float32)   # all z == -1000
+    z = logits[0] - np.float32(1000.0)
+    assert (z[ties] == np.float32(-1000.0)).all() and np.unique(logits[0, ties]).size == ties.size
+    f[:, S.F_INV_TEMP] = 0.01                                       # z = -10 for the ties: sampled often
+    out, want = _pipeline(logits, mask, f, i)
+    np.testing.assert_array_equal(out, want)
+    for r in range(3):
+        assert paths[r]["mode"] == 1 and paths[r]["n"] == ties.size + 1 and not paths[r]["list"], paths[r]
+    seen = set()
+    for step in range(12):                                          # the ties beyond the top-k of x are kept
+        i[:, S.I_STEP] = step
+        out, want = _pipeline(logits, mask, f, i)
+        np.testing.assert_array_equal(out, want)
+        seen |= set(out.tolist())
+    assert seen - {5, ties[-1], ties[-2], ties[-3]}
+
+
+@pytest.mark.filterwarnings("ignore:overflow")
+def test_compacted_border_ties_and_edges(monkeypatch):
+    """Ties at the top-k and top-p borders inside the compacted list, a row whose k-th z is -inf
+    (inv_temp overflow), and rows whose survivors are exactly COMPACT_CAP."""
+    paths = _record_paths(monkeypatch)
+    V = 512
+    specs = [(1.0, 4, 1.0, -np.inf, 0), (1.0, 10, 0.6, -np.inf, 0), (1.0, -1, 0.5, -np.inf, 0),
+             (1.0, CAP, 1.0, -np.inf, 0), (1.0, 3, 0.99, -np.inf, 0)]
+    logits, mask, f, i = _rows(np.random.default_rng(9), V, specs)
+    logits[:] = -20 - np.abs(logits)
+    logits[0, [3, 9, 40, 41, 77]] = [5.0, 4.0, 4.0, 4.0, 3.0]       # k = 4 ends inside the 4.0 ties: 5 kept
+    logits[1, :12] = [6, 5, 5, 5, 5, 4, 4, 3, 3, 3, 3, 3]           # k = 10 border on the 3s; top-p on the 5s
+    logits[2, 100:104] = [2.0, 2.0, 1.0, 1.0]                       # top-p 0.5 border on a tie
+    logits[3, :CAP] = np.linspace(0, 10, CAP, dtype=np.float32)     # exactly CAP candidates
+    logits[4, :4] = [3e38, 2.9e38, -3e38, -3e38]                    # z of the 3rd is -inf at inv_temp 1e10
+    f[4, S.F_INV_TEMP] = 1e10
+    seen = [set() for _ in specs]
+    for step in range(40):
+        i[:, S.I_STEP] = step
+        paths.clear()
+        out, want = _pipeline(logits, mask, f, i)
+        np.testing.assert_array_equal(out, want, err_msg=str(paths))
+        for r, t in enumerate(out):
+            seen[r].add(int(t))
+    for r in (0, 1, 2, 3):
+        assert paths[r]["list"], (r, paths[r])
+    assert seen[0] == {3, 9, 40, 41}                                 # the 4.0 ties kept, 3.0 not
+    assert seen[1] <= {0, 1, 2, 3, 4} and len(seen[1]) >= 3
+    assert seen[2] <= {100, 101} and seen[2] == {100, 101}
