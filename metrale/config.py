@@ -39,6 +39,8 @@ class Levers:
     spec_max_batch: int = 64             # no speculation while more sequences than this decode
     spec_ema_decay: float = 0.7          # weight of history in the accepted-tokens average
     state_norm_bound: float = 0.0        # hybrid models: clamp recurrent-state norms in long prefills (0: off)
+    state_snapshots: int = 64            # hybrid models: recurrent-state snapshots kept for prefix caching
+                                         # (LRU; 0: no prefix caching for hybrid models)
 
 
 @dataclass

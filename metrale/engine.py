@@ -71,9 +71,13 @@ class Engine:
         self.config: ModelConfig = self.model_config
         bs = self.backend.block_size
         hybrid = self.model_config.is_hybrid
-        if hybrid and cfg.levers.prefix_caching:
-            log.info("prefix caching is off for hybrid models: a cached prefix has no recurrent state")
-        self.blocks = BlockManager(self.backend.num_blocks, bs, cfg.levers.prefix_caching and not hybrid)
+        self._states = getattr(self.backend, "states", None)   # hybrid models: the recurrent-state pool
+        num_snapshots = max(int(cfg.levers.state_snapshots), 0) if self._states is not None else 0
+        prefix_caching = cfg.levers.prefix_caching and (not hybrid or num_snapshots > 0)
+        if hybrid and cfg.levers.prefix_caching and not prefix_caching:
+            log.info("prefix caching is off for this hybrid model: no recurrent-state snapshots "
+                     "(levers.state_snapshots=0)")
+        self.blocks = BlockManager(self.backend.num_blocks, bs, prefix_caching)
         self.max_model_len = min(self.model_config.max_position,
                                  cfg.scheduler.max_model_len or self.model_config.max_position)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.scheduler.max_num_seqs,
@@ -83,15 +87,30 @@ class Engine:
         self.requests: dict[str, RequestState] = {}
         self.min_p_floor = self.model_config.min_p_floor if cfg.levers.min_p_floor else 0.0
         self.sampler = Sampler(self.backend, self.model_config.vocab_size, self.min_p_floor)
-        if hybrid and cfg.spec.method != "none":
-            raise ValueError("speculative decoding is not wired for hybrid (Gated DeltaNet) models yet: "
-                             "use spec.method=none (docs/hybrid.md)")
+        if hybrid:
+            _refuse_hybrid_spec(cfg.spec.method)
         self.speculator = make_speculator(cfg, self.backend, self.model_config, self._load_draft_backend)
+        if hybrid and self.speculator is not None:
+            draft_config = getattr(getattr(self.speculator.drafter, "backend", None), "config", None)
+            if draft_config is not None and draft_config.is_hybrid:
+                raise ValueError("spec.draft_model: a hybrid (Gated DeltaNet) draft model is not supported: its "
+                                 "own recurrent states would need slots and rollback in the drafter; use a dense "
+                                 "draft model of the same vocabulary (docs/hybrid.md)")
         self.state_slots = None        # hybrid models: a recurrent-state slot per running sequence
-        if getattr(self.backend, "states", None) is not None:
+        self.snapshots = None          # hybrid models with prefix caching: recurrent-state snapshots
+        if self._states is not None:
             from metrale.cache.state_slots import StateSlots
-            self.state_slots = StateSlots.for_store(self.backend.states)
+            spec_k = cfg.spec.num_drafts if self.speculator is not None else 0
+            self._states.reserve(num_checkpoints=cfg.scheduler.max_num_seqs if spec_k else 0,
+                                 max_trail=max(self._states.max_trail, spec_k + 1),
+                                 num_snapshots=num_snapshots if prefix_caching else 0,
+                                 snapshot_every=_snapshot_every(bs) if prefix_caching else 0)
+            self.state_slots = StateSlots.for_store(self._states)
             self.scheduler.preempt_listeners.append(self.state_slots.free)
+            if prefix_caching:
+                from metrale.cache.snapshots import SnapshotCache
+                self.snapshots = SnapshotCache(num_snapshots, self._states.snapshot_base)
+                self.blocks.resume_filter = self.snapshots.resume_blocks
         if self.speculator is not None:
             self.scheduler.preempt_listeners.append(self.speculator.release)
             if self.speculator.needs_hidden:   # MTP: forwards keep hidden rows
@@ -261,14 +280,19 @@ class Engine:
         if not plan.scheduled:
             return deltas
         sampling = [s for s in plan.scheduled if s.needs_logits]
-        states = [self.requests[s.seq.request_id] for s in sampling]
-        segments = [Segment(np.asarray(s.seq.token_ids[s.seq.num_computed_tokens:
-                                                       s.seq.num_computed_tokens + s.num_tokens - len(s.draft)]
-                                       + s.draft, dtype=np.int32),
-                            s.seq.num_computed_tokens, np.asarray(s.seq.block_table, dtype=np.int32),
-                            "all" if s.draft else ("last" if s.needs_logits else "none"),
-                            state_slot=self._state_slot(s.seq))
-                    for s in plan.scheduled]
+        states = [self.requests[s.seq.request_id] for s in plan.scheduled if s.needs_logits]
+        segments, checkpoints = [], {}
+        for s in plan.scheduled:
+            slot = self._state_slot(s.seq)
+            ckpt = self._checkpoint(s.seq, slot) if s.draft and slot >= 0 else -1
+            if ckpt >= 0:
+                checkpoints[id(s.seq)] = (slot, ckpt)
+            segments.append(Segment(np.asarray(s.seq.token_ids[s.seq.num_computed_tokens:
+                                                               s.seq.num_computed_tokens + s.num_tokens - len(s.draft)]
+                                               + s.draft, dtype=np.int32),
+                                    s.seq.num_computed_tokens, np.asarray(s.seq.block_table, dtype=np.int32),
+                                    "all" if s.draft else ("last" if s.needs_logits else "none"),
+                                    state_slot=slot, state_checkpoint=ckpt))
         batch = build_batch(segments, self.blocks.block_size)
         if self.step_log is not None:         # bench/run_all.py: the KV+weight bandwidth bound
             self.step_log.append((len(batch.token_ids), sum(g.start_pos + len(g.token_ids) for g in segments)))
@@ -286,6 +310,17 @@ class Engine:
             return deltas
         if self.speculator is not None and self.speculator.needs_hidden:
             self.speculator.drafter.observe(sampling, emitted, self.backend.take_hidden())
+        if checkpoints:     # hybrid verify blocks: keep the recurrent state after the accepted tokens
+            for s, tokens in zip(sampling, emitted):
+                if id(s.seq) in checkpoints:
+                    slot, ckpt = checkpoints[id(s.seq)]
+                    accepted = len(tokens) - 1
+                    if accepted == len(s.draft):
+                        self.state_slots.release(ckpt)
+                    else:
+                        self.state_slots.rollback(slot, ckpt, 1 + accepted)
+        if self.snapshots is not None:
+            self._take_snapshots(plan.scheduled)
         self.stats["steps"] += 1
         for s in plan.scheduled:
             if not s.needs_logits:
@@ -336,12 +371,68 @@ class Engine:
                                              lambda r: self.sampler.row_distribution(logits, packed, r))
 
     def _state_slot(self, seq: Sequence) -> int:
+        """The sequence's recurrent-state slot (-1: not a hybrid model). A sequence that gets its
+        slot with tokens already computed resumes from a prefix-cache hit: the snapshot of the last
+        reused block (BlockManager.resume_filter admitted the hit only up to one) is copied in."""
         if self.state_slots is None:
             return -1
+        fresh = self.state_slots.slot(seq) < 0
         slot = self.state_slots.allocate(seq)
         if slot is None:   # slots are sized to max_num_seqs, so a running sequence always has one
             raise RuntimeError("no free recurrent-state slot")
+        if fresh and seq.num_computed_tokens > 0:
+            nblocks = seq.num_computed_tokens // self.blocks.block_size
+            snapshot = self.snapshots.get(seq.block_hashes[nblocks - 1]) if self.snapshots is not None else None
+            if snapshot is None:
+                raise RuntimeError(f"sequence {seq.request_id} resumes at token {seq.num_computed_tokens} "
+                                   "without a recurrent-state snapshot there")
+            self._states.copy_state(snapshot, slot)
         return slot
+
+    def _checkpoint(self, seq: Sequence, slot: int) -> int:
+        """A checkpoint of slot before a verify block (docs/hybrid.md); there is one per sequence
+        slot, so a speculating sequence always finds one."""
+        ckpt = self.state_slots.checkpoint(slot)
+        if ckpt is None:
+            raise RuntimeError(f"no free recurrent-state checkpoint for {seq.request_id}")
+        return ckpt
+
+    def _take_snapshots(self, scheduled) -> None:
+        """After a forward of a hybrid model with prefix caching: keep the recurrent states at the
+        full-block boundaries that prefill segments reached, keyed by the chained hash of the block
+        ending there: the state the pool staged at every `snapshot_every` tokens inside a segment,
+        and the slot's state when a prefill chunk ends on a block boundary (docs/hybrid.md)."""
+        staged = self._states.take_staged()
+        bs = self.blocks.block_size
+        for s in scheduled:
+            seq, slot = s.seq, self.state_slots.slot(s.seq)
+            if s.draft or s.num_tokens < 2 or slot < 0:
+                continue
+            end = seq.num_computed_tokens + s.num_tokens   # before the engine advances the counter
+            points = sorted(p for (sl, p) in staged if sl == slot)
+            if end % bs == 0 and end not in points:
+                points.append(end)
+            for p in points:
+                h = self._prefix_hash(seq, p // bs)
+                if h in self.snapshots:
+                    continue
+                sid = self.snapshots.put(h)
+                if sid is None:
+                    return
+                if p == end and (slot, p) not in staged:
+                    self._states.copy_state(slot, sid)
+                else:
+                    self._states.store_snapshot(staged[(slot, p)], sid)
+
+    def _prefix_hash(self, seq: Sequence, nblocks: int) -> int:
+        """The chained hash of seq's first nblocks full blocks (the block manager's hash)."""
+        bs, toks = self.blocks.block_size, seq.token_ids
+        if nblocks <= len(seq.block_hashes):
+            return seq.block_hashes[nblocks - 1]
+        h = seq.block_hashes[-1] if seq.block_hashes else None
+        for i in range(len(seq.block_hashes), nblocks):
+            h = self.blocks.chain_hash(h, toks[i * bs:(i + 1) * bs])
+        return h
 
     def _finish_delta(self, request_id: str, reason: str | None) -> StreamDelta:
         state = self.requests.pop(request_id)
@@ -452,6 +543,24 @@ class Engine:
 
     def memory_report(self) -> dict:
         return self.backend.memory_report()
+
+
+def _refuse_hybrid_spec(method: str) -> None:
+    """Drafters that cannot run on a hybrid (Gated DeltaNet) target yet (docs/hybrid.md)."""
+    why = {"self": "the layer-prefix drafter would advance the Gated DeltaNet states of the target's "
+                   "first layers with draft tokens (those layers would need draft slots of their own)",
+           "mtp": "hybrid checkpoints' MTP heads (mtp.* tensors) are not loaded"}
+    if method in ("none", "ngram", "draft"):
+        return
+    raise ValueError(f"spec.method={method} is not supported for hybrid (Gated DeltaNet) models: "
+                     f"{why.get(method, 'this drafter is not wired for recurrent-state rollback')}; "
+                     "use ngram or draft (a dense draft model) (docs/hybrid.md)")
+
+
+def _snapshot_every(block_size: int) -> int:
+    """Tokens between the recurrent-state snapshots taken inside a prefill segment: whole blocks,
+    at least 64 tokens (the chunked GDN form's chunk, so the split costs no speed)."""
+    return block_size * max(1, -(-64 // block_size))
 
 
 def _progress(total: int, enabled: bool):

@@ -35,8 +35,9 @@ def test_batched_chunked_equals_alone(model_dir):
     for p, out in zip(prompts, together):
         alone = alone_engine.generate([p], greedy(10), use_tqdm=False)[0]
         np.testing.assert_array_equal(out.token_ids, alone.token_ids)
-    assert not small_chunks.blocks.prefix_caching          # off for hybrid models
+    assert small_chunks.blocks.prefix_caching and small_chunks.snapshots is not None   # on, with snapshots
     small_chunks.state_slots.check_no_leaks([])
+    small_chunks.snapshots.check_no_leaks()
     small_chunks.blocks.check_no_leaks([])
 
 
@@ -57,6 +58,11 @@ def test_preemption_and_abort_free_state_slots(model_dir):
     eng.blocks.check_no_leaks([])
 
 
-def test_speculation_is_refused_clearly(model_dir):
+def test_layer_prefix_speculation_is_refused_clearly(model_dir):
     with pytest.raises(ValueError, match="hybrid"):
-        Engine(model=str(model_dir), device="cpu", spec={"method": "ngram"})
+        Engine(model=str(model_dir), device="cpu", spec={"method": "self"})
+
+
+def test_prefix_caching_can_be_turned_off(model_dir):
+    eng = Engine(model=str(model_dir), device="cpu", levers={"state_snapshots": 0})
+    assert not eng.blocks.prefix_caching and eng.snapshots is None

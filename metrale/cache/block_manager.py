@@ -24,6 +24,9 @@ class BlockManager:
         self.cached: dict[int, int] = {}                            # hash -> block id
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.cache_hits = 0          # tokens served from the prefix cache
+        # hybrid models: hashes of the matched leading blocks -> how many of them a sequence can
+        # resume after (the last with a recurrent-state snapshot: cache/snapshots.py); None: all
+        self.resume_filter = None
 
     @property
     def num_free(self) -> int:
@@ -53,17 +56,22 @@ class BlockManager:
             return 0
         tokens, bs = seq.token_ids, self.block_size
         prev = None
+        matched: list[tuple[int, int]] = []
         for i in range((len(tokens) - 1) // bs):   # never the block holding the last token
             h = self.chain_hash(prev, tokens[i * bs:(i + 1) * bs])
             block = self.cached.get(h)
             if block is None:
                 break
+            matched.append((h, block))
+            prev = h
+        if self.resume_filter is not None and matched:
+            matched = matched[:self.resume_filter([h for h, _ in matched])]
+        for h, block in matched:
             if self.ref_count[block] == 0:
                 del self.free[block]
             self.ref_count[block] += 1
             seq.block_table.append(block)
             seq.block_hashes.append(h)
-            prev = h
         reused = len(seq.block_table) * bs
         seq.num_computed_tokens = reused
         self.cache_hits += reused

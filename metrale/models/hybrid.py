@@ -218,19 +218,72 @@ class HostStatePool:
         self.trail_x = np.zeros((L, num_checkpoints, max_trail, c.linear_conv_dim), dtype)
         self.trail_ba = np.zeros((L, num_checkpoints, max_trail, 2 * nv), dtype)
         self.trail_len = np.zeros((L, num_checkpoints), np.int64)
+        self.num_snapshots = 0          # prefix-cache snapshots: ids after the checkpoints (reserve())
+        self.snapshot_every = 0         # tokens: stage the state at these boundaries inside segments (0: off)
+        self.staged: dict[tuple[int, int], list] = {}   # (slot, position) -> per-layer (conv, ssm) copies
         linear = [i for i in range(c.num_layers) if c.is_linear_layer(i)]
         self._layer_weights = [tuple(weights[f"layers.{i}.{n}"] for n in ("lin_conv", "lin_a_log", "lin_dt_bias"))
                                for i in linear]
 
     @property
+    def snapshot_base(self) -> int:
+        """The first snapshot id (snapshots follow the slots and the checkpoints)."""
+        return self.num_slots + self.num_checkpoints
+
+    def reserve(self, *, num_checkpoints: int | None = None, max_trail: int | None = None,
+                num_snapshots: int | None = None, snapshot_every: int | None = None) -> None:
+        """Resize the checkpoint and snapshot parts of the pool (the engine calls this once, before
+        any forward: speculative decoding needs checkpoints, prefix caching snapshots). Slot
+        contents are kept; checkpoint trails and snapshots start empty."""
+        c, L = self.config, self.conv.shape[0]
+        ck = self.num_checkpoints if num_checkpoints is None else int(num_checkpoints)
+        trail = self.max_trail if max_trail is None else int(max_trail)
+        snaps = self.num_snapshots if num_snapshots is None else int(num_snapshots)
+        if ck < 0 or snaps < 0 or trail < 1:
+            raise ValueError(f"need num_checkpoints >= 0, num_snapshots >= 0, max_trail >= 1; got {ck}, {snaps}, {trail}")
+        ids, S, nv, dt = self.num_slots + ck + snaps, self.num_slots, c.linear_num_value_heads, self.conv.dtype
+        conv = np.zeros((L, ids) + self.conv.shape[2:], dt)
+        ssm = np.zeros((L, ids) + self.ssm.shape[2:], dt)
+        tokens = np.zeros((L, ids), np.int64)
+        conv[:, :S], ssm[:, :S], tokens[:, :S] = self.conv[:, :S], self.ssm[:, :S], self.tokens[:, :S]
+        self.conv, self.ssm, self.tokens = conv, ssm, tokens
+        self.num_checkpoints, self.max_trail, self.num_snapshots = ck, trail, snaps
+        self.trail_x = np.zeros((L, ck, trail, c.linear_conv_dim), dt)
+        self.trail_ba = np.zeros((L, ck, trail, 2 * nv), dt)
+        self.trail_len = np.zeros((L, ck), np.int64)
+        if snapshot_every is not None:
+            self.snapshot_every = int(snapshot_every)
+        self.staged = {}
+
+    def take_staged(self) -> dict[tuple[int, int], list]:
+        """The states staged at snapshot boundaries by the last forward, {(slot, position): per-layer
+        (conv, ssm)}; the caller keeps what it wants (store_snapshot) and the rest is dropped."""
+        staged, self.staged = self.staged, {}
+        return staged
+
+    def store_snapshot(self, states: list, snapshot: int) -> None:
+        """Write a staged state (take_staged's value) into snapshot id `snapshot`."""
+        if not self.snapshot_base <= snapshot < self.snapshot_base + self.num_snapshots:
+            raise ValueError(f"{snapshot} is not a snapshot id")
+        if len(states) != self.conv.shape[0] or any(st is None for st in states):
+            raise ValueError("a staged state must cover every linear-attention layer")
+        for layer, (conv, ssm, tokens) in enumerate(states):
+            self.conv[layer, snapshot], self.ssm[layer, snapshot] = conv, ssm
+            self.tokens[layer, snapshot] = tokens
+
+    @property
     def nbytes(self) -> int:
         return self.conv.nbytes + self.ssm.nbytes + self.trail_x.nbytes + self.trail_ba.nbytes
+
+    @property
+    def bytes_per_state(self) -> int:
+        return (self.conv[:, 0].nbytes + self.ssm[:, 0].nbytes) if self.conv.shape[1] else 0
 
     def copy_state(self, src: int, dst: int) -> None:
         self.conv[:, dst] = self.conv[:, src]
         self.ssm[:, dst] = self.ssm[:, src]
         self.tokens[:, dst] = self.tokens[:, src]
-        if dst >= self.num_slots:
+        if self.num_slots <= dst < self.snapshot_base:   # a fresh checkpoint records no block yet
             self.trail_len[:, dst - self.num_slots] = 0
 
     def replay(self, slot: int, ckpt: int, num_tokens: int) -> None:
@@ -252,7 +305,8 @@ class HostStatePool:
             conv0, ssm0 = np.zeros_like(self.conv[layer, slot]), np.zeros_like(self.ssm[layer, slot])
         elif self.tokens[layer, slot] != start:
             raise ValueError(f"state slot {slot} holds {int(self.tokens[layer, slot])} tokens but the segment "
-                             f"starts at position {start} (hybrid models need prefix caching off)")
+                             f"starts at position {start} (a missed rollback, or prefix caching without a "
+                             "state snapshot)")
         else:
             conv0, ssm0 = self.conv[layer, slot], self.ssm[layer, slot]
         o, conv1, ssm1 = gdn_segment_ref(x, b, a, conv_w, a_log, dt_bias, conv0, ssm0, c.linear_num_key_heads,
@@ -268,6 +322,8 @@ class HostStatePool:
         c = self.config
         cd, vd, nv, dv = c.linear_conv_dim, c.linear_value_dim, c.linear_num_value_heads, c.linear_value_head_dim
         slots, ckpts = batch.state_slots, batch.state_checkpoints
+        if layer == 0:
+            self.staged = {}         # a new forward: the last one's stage was taken or is stale
         if slots is None or (slots < 0).any():
             raise ValueError("every segment of a hybrid model's batch needs a state slot (Segment.state_slot)")
         out = np.empty((proj.shape[0], nv, dv), proj.dtype)
@@ -287,7 +343,21 @@ class HostStatePool:
                                      f"at {start}")
                 self.trail_x[layer, ci, :n], self.trail_len[layer, ci] = x, n
                 self.trail_ba[layer, ci, :n, :nv], self.trail_ba[layer, ci, :n, nv:] = gb, ga
-            out[a:b] = self._run(layer, slot, start, x, gb, ga, conv_w, a_log, dt_bias,
-                                 chunked=ck < 0 and n >= self.chunk)
+            every = self.snapshot_every
+            if ck >= 0 or every <= 0 or n < 2 or (start + n) // every == start // every:
+                out[a:b] = self._run(layer, slot, start, x, gb, ga, conv_w, a_log, dt_bias,
+                                     chunked=ck < 0 and n >= self.chunk)
+                continue
+            # prefix caching: split the segment at each snapshot boundary and stage the state there
+            cuts = list(range((start // every + 1) * every, start + n + 1, every))
+            lo = start
+            for hi in cuts + ([start + n] if cuts[-1] < start + n else []):
+                i, j = lo - start, hi - start
+                out[a + i:a + j] = self._run(layer, slot, lo, x[i:j], gb[i:j], ga[i:j], conv_w, a_log, dt_bias,
+                                             chunked=j - i >= self.chunk)
+                if hi % every == 0:
+                    per_layer = self.staged.setdefault((slot, hi), [None] * self.conv.shape[0])
+                    per_layer[layer] = (self.conv[layer, slot].copy(), self.ssm[layer, slot].copy(), hi)
+                lo = hi
         z = proj[:, cd:cd + vd].reshape(-1, nv, dv)
         return rms_norm_gated_ref(out, z, norm_w, eps).reshape(-1, vd)
