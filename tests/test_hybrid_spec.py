@@ -125,6 +125,22 @@ def test_greedy_speculative_equals_plain(model_dir, dense_draft_dir, plain, meth
     assert_clean(eng)
 
 
+def test_seeded_sampled_speculation_equals_plain(model_dir, plain):
+    """Sampled rows: a seeded request gives plain decoding's tokens (rejections roll the state back)."""
+    prompts, _ = plain
+    params = SamplingParams(max_tokens=14, temperature=0.9, top_k=8, seed=11, ignore_eos=True)
+    ref = engine(model_dir).generate(prompts, params, use_tqdm=False)
+    eng = engine(model_dir, spec={"method": "ngram", "num_drafts": 3})
+    eng.speculator.gate = AlwaysGate(3)
+    truth = {tuple(int(t) for t in p): [int(t) for t in o.token_ids] for p, o in zip(prompts, ref)}
+    eng.speculator.drafter = NoisyOracle(truth, 0.3, seed=2)
+    for a, b in zip(ref, eng.generate(prompts, params, use_tqdm=False)):
+        np.testing.assert_array_equal(a.token_ids, b.token_ids)
+    st = eng.speculator.stats()
+    assert st["proposed"] > st["accepted"] > 0
+    assert_clean(eng)
+
+
 def test_speculation_under_preemption(model_dir, plain):
     prompts, ref = plain
     eng = engine(model_dir, spec={"method": "ngram", "num_drafts": 3}, cache={"num_blocks": 24},
