@@ -166,3 +166,22 @@ def test_draft_model_with_another_vocabulary_is_refused(tmp_path):
     with pytest.raises(ValueError, match="vocabulary"):
         Engine(model="smollm2-135m", device="cpu", spec={"method": "draft", "draft_model": "llama-3.2-1b-shape"},
                cache={"num_blocks": 64})
+
+
+def test_draft_model_catch_up_fits_the_backend_step_budget(smollm2):
+    """A draft model catching up with prompts longer than its backend's step budget (max_tokens,
+    as on the CUDA backend) feeds them in several forwards and still drafts exactly."""
+    eng = Engine(model="smollm2-135m", device="cpu", spec={"method": "draft", "num_drafts": 3,
+                                                           "draft_model": "smollm2-135m"})
+    drafter = eng.speculator.drafter
+    drafter.backend.max_tokens = 5            # the prompts below are 6-9 tokens each
+    calls = []
+    forward = drafter.backend.forward
+    drafter.backend.forward = lambda batch, *a, **k: calls.append(batch.num_tokens) or forward(batch, *a, **k)
+    prompts = ["Once upon a time there was", "The capital of France is a city"]
+    outs = eng.generate(prompts, greedy(8), use_tqdm=False)
+    plain = smollm2.generate(prompts, greedy(8), use_tqdm=False)
+    for a, b in zip(outs, plain):
+        np.testing.assert_array_equal(a.token_ids, b.token_ids)
+    assert calls and max(calls) <= 5
+    assert eng.speculator.stats()["acceptance_rate"] == 1.0

@@ -41,6 +41,7 @@ class ModelDrafter:
                 break
             segs = [Segment(np.asarray(feed[i], np.int32), start[i], np.asarray(seqs[i].block_table, np.int32))
                     for i in live]
+            segs = self._catch_up(segs)
             logits = np.asarray(self.backend.forward(build_batch(segs, bs), self.num_layers), dtype=np.float64)
             for row, i in enumerate(live):
                 x = logits[row] - logits[row].max()
@@ -55,6 +56,28 @@ class ModelDrafter:
             if ks[i] > 0 and not self.shared:
                 self.computed[s.request_id] = start[i]     # inputs fed so far (drafts included)
         return drafts
+
+    def _catch_up(self, segs: list[Segment]) -> list[Segment]:
+        """When the round's tokens exceed the backend's step budget (a draft model catching up with
+        32 prompts at once), feed all but each segment's last token in forwards that fit, and
+        return the one-token segments left for the round's own forward."""
+        budget = int(getattr(self.backend, "max_tokens", 0) or 0)
+        if not budget or sum(len(s.token_ids) for s in segs) <= budget:
+            return segs
+        bs, batch, used, rest = self.backend.block_size, [], 0, []
+        for s in segs:
+            head = s.token_ids[:-1]
+            for a in range(0, len(head), budget):
+                piece = head[a:a + budget]
+                if used + len(piece) > budget:
+                    self.backend.forward(build_batch(batch, bs), self.num_layers)
+                    batch, used = [], 0
+                batch.append(Segment(piece, s.start_pos + a, s.block_table))
+                used += len(piece)
+            rest.append(Segment(s.token_ids[-1:], s.start_pos + len(head), s.block_table))
+        if batch:
+            self.backend.forward(build_batch(batch, bs), self.num_layers)
+        return rest
 
     def accepted(self, seq: Sequence, num_tokens_before: int, draft_len: int, accepted: int) -> None:
         """After verify: the drafter's cache is valid up to the last draft it fed that was accepted."""
