@@ -6,8 +6,7 @@ export PYTHONPATH=/tmp/site:/tmp/src PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore OP
 t0=$(date +%s); stamp() { echo "=== $1 at $(( $(date +%s) - t0 )) s"; }
 L=""; [ -f /tmp/flash_decode_ok ] && L="--lever decode_attention_kernel=mma"
 stamp offline
-timeout 200 python3 -m bench.run_all --stage offline --out $OUT/raw --copy-tb-s 4.23 $L 2>&1 | grep -E "\[offline\]|Error" | tail -8
+timeout 180 python3 -m bench.run_all --stage offline --out $OUT/raw --copy-tb-s 4.23 $L 2>&1 | grep -E "\[offline\]|Error" | tail -8
 stamp peers
-timeout 150 python3 -m bench.run_all --stage peers --out $OUT/raw --peer-jobs torch_decode:llama-3-8b-shape:32 \
-   hf_offline:llama-3.2-1b-shape:32 2>&1 | grep "\[peers\]" | cut -c1-400
+timeout 120 python3 -m bench.run_all --stage peers --out $OUT/raw --peer-jobs hf_offline:llama-3.2-1b-shape:32 2>&1 | grep "\[peers\]" | cut -c1-400
 stamp done
