@@ -25,7 +25,7 @@ from kernels_numba.rope import rope_tables
 from metrale.models.config import ModelConfig
 from metrale.models.llama import llama_forward
 from metrale.models.loader import WeightStream
-from metrale.runtime.batch import ForwardBatch
+from metrale.runtime.batch import ForwardBatch, Segment, build_batch
 from metrale.runtime.cuda import CudaGraph, DevicePool, Stream, cu, free_device_memory, kv_pool_bytes
 
 log = logging.getLogger("metrale.cuda")
@@ -281,6 +281,19 @@ class CudaBackend:
         self.graphs: dict[Geometry, CudaGraph] = {}
         self._argmax_host = cuda.pinned_array(self.max_rows, dtype=np.int32)
         cuda.synchronize()
+        if self.use_graphs:
+            self._capture_ladder()
+
+    def _capture_ladder(self) -> None:
+        """Capture the decode graph of every ladder size at the first context bucket now (this also
+        compiles every decode kernel): a run's first steps, and the speculation gate's first timings
+        of verify steps, then replay instead of paying for a capture. Warm-up tokens write block 0,
+        which no sequence owns yet."""
+        for size in self.graph_sizes:
+            if size > min(self.max_tokens, self.max_rows):
+                break
+            segs = [Segment(np.zeros(1, np.int32), 0, np.zeros(1, np.int32)) for _ in range(size)]
+            self.forward_greedy(build_batch(segs, self.block_size))
 
     # ------------------------------------------------------------------ cuBLASLt
     @staticmethod
@@ -418,7 +431,10 @@ class CudaBackend:
             raise ValueError(f"step of {T} tokens / {S} seqs / {R} logits rows exceeds the CUDA buffers "
                              f"({self.max_tokens} / {self.max_seqs} / {self.max_rows})")
         max_ctx = int(batch.context_lens.max())
-        graphed = (self.use_graphs and batch.is_decode_only and R == T and self.graph_sizes
+        # Decode steps, and verify blocks (a few tokens per sequence, logits for every row) mixed
+        # with decode rows, run the same token-level kernels: pad to a ladder size and replay the
+        # decode graph of that size (padding tokens are one-token sequences writing nowhere).
+        graphed = (self.use_graphs and batch.max_query_len < self.prefill_min_tokens and R == T and self.graph_sizes
                    and T <= self.graph_sizes[-1])
         if graphed:
             size = next(s for s in self.graph_sizes if s >= T)
