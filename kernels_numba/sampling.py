@@ -88,6 +88,10 @@ from numba import cuda
 from kernels_numba.bf16 import FULL_MASK, NEG_INF, SIMULATOR, block_argmax, block_max, block_sum, device_function
 
 THREADS = 32 if SIMULATOR else 1024
+# A 1024-thread block may use at most 64 registers a thread: say so to the compiler, or a kernel
+# that wants more (sample_rows: 84 on sm_90) fails to launch with LAUNCH_OUT_OF_RESOURCES
+# (seen on the H200); with the bound it spills ~300 bytes a thread to L1-cached local memory.
+_row_kernel = cuda.jit if SIMULATOR else cuda.jit(launch_bounds=(THREADS,))
 SCRATCH = 1024 if SIMULATOR else 32
 # Most survivors a filtered row gathers into shared memory (a power of two, a multiple of THREADS);
 # small in the simulator so that its tests reach both the compacted path and the fallback.
@@ -587,7 +591,7 @@ def _list_sample(buf, n, thr, k_list, p_list, p_target, kmin, k0, k1, step, cnt,
 # ---------------------------------------------------------------- kernels
 
 
-@cuda.jit
+@_row_kernel
 def _prepare_rows_kernel(logits, fparams, iparams, adj_token, adj_rep, adj_add, raw_saved, lse, top_ids, top_lps):
     scratch = cuda.shared.array(SCRATCH, np.float32)
     iscratch = cuda.shared.array(SCRATCH, np.int32)
@@ -639,7 +643,7 @@ def _prepare_rows_kernel(logits, fparams, iparams, adj_token, adj_rep, adj_add, 
         logits[r, t] = x + adj_add[e]
 
 
-@cuda.jit
+@_row_kernel
 def _sample_rows_kernel(logits, mask, fparams, iparams, adj_token, raw_saved, lse, out_tokens, out_lps):
     scratch = cuda.shared.array(SCRATCH, np.float32)
     iscratch = cuda.shared.array(SCRATCH, np.int32)

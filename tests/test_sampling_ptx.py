@@ -67,3 +67,15 @@ def test_sample_rows_compaction_buffer():
     assert sizes.count(cap * 8) >= 1 and S.RADIX_BINS * 8 in sizes and S.RADIX_BINS * 4 in sizes
     body = ptx.split(".entry", 1)[1]
     assert re.search(r"atom\.shared\.add\.u32", body)           # slot = atomic counter of the compaction
+
+
+def test_row_kernels_fit_a_1024_thread_block():
+    """Both row kernels launch 1024 threads: compiled with that launch bound they use at most 64
+    registers a thread (without it sample_rows took 84 and failed to launch on the H200)."""
+    from cuda_check import registers_with_bound
+    from kernels_numba import sampling as S
+    for k, sig in [(S._sample_rows_kernel, (F32_2, U32_2, F32_2, I32_2, I32_1, F32_1, F32_1, I32_1, F32_1)),
+                   (S._prepare_rows_kernel, (F32_2, F32_2, I32_2, I32_1, I32_1, F32_1, F32_1, F32_1, I32_2, F32_2))]:
+        ptx, regs = registers_with_bound(k, sig, S.THREADS)
+        assert ".maxntid 1024" in ptx
+        assert regs is None or regs <= 64, regs
