@@ -105,6 +105,8 @@ def spec_settings(method: str, args) -> dict:
         spec["draft_model"] = args.draft_model or args.model
     if method == "mtp":
         spec["mtp_head"] = args.mtp_head
+    if method == "dflash":
+        spec["dflash_head"] = args.dflash_head
     return spec
 
 
@@ -120,6 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--self-layers", type=int, default=10)
     ap.add_argument("--draft-model", default=None, help="method=draft: the draft model (default: --model itself)")
     ap.add_argument("--mtp-head", default="smollm2-135m-instruct", help="method=mtp: head name or path")
+    ap.add_argument("--dflash-head", default="smollm2-135m-instruct",
+                    help="method=dflash: drafter name or path (NumPy backend only)")
     ap.add_argument("--reps", type=int, default=None, help="runs per figure, fastest kept (default: 2 cuda, 1 cpu)")
     ap.add_argument("--num-blocks", type=int, default=None,
                     help="KV blocks per backend (default 4096 on cuda, so a draft model's pool fits beside the target's)")

@@ -74,13 +74,15 @@ class SchedulerConfig:
 
 @dataclass
 class SpecConfig:
-    method: str = "none"                 # none | ngram | self | draft | mtp
+    method: str = "none"                 # none | ngram | self | draft | mtp | dflash
     num_drafts: int = 4                  # most tokens proposed per step (the gate may use fewer)
     ngram_max_n: int = 4
     ngram_min_n: int = 1
     self_layers: Optional[int] = None    # layers of the target the self-speculative drafter runs (default: a third)
     draft_model: Optional[str] = None    # preset or path of the draft model (method=draft)
     mtp_head: Optional[str] = None       # MTP head .safetensors (method=mtp); None: the model's bundled head
+    dflash_head: Optional[str] = None    # DFlash drafter .safetensors (method=dflash; block = num_drafts + 1);
+                                         # None: the model's bundled drafter; "random": untrained (tests)
 
 
 @dataclass

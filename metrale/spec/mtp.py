@@ -162,16 +162,23 @@ def load_head(path: str | Path, model_config: ModelConfig, target_weights: dict[
 # ---------------------------------------------------------------------------- the engine hook
 class HiddenTap:
     """The target backend, whose forwards also keep the hidden rows of their logits rows
-    (backend.forward(..., return_hidden=True)); everything else passes through."""
+    (backend.forward(..., return_hidden=True)); everything else passes through. With `layers` and
+    `on_layers` set (DFlash), each forward also hands the residual stream after those layers, for
+    every token of the batch, to on_layers(batch, rows) (NumPy backend)."""
 
-    def __init__(self, backend):
+    def __init__(self, backend, layers: tuple[int, ...] = (), on_layers=None):
         self.inner, self.hidden = backend, None
+        self.layers, self.on_layers = tuple(layers), on_layers
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def forward(self, batch, num_layers=None, return_hidden=False):
-        logits, hidden = self.inner.forward(batch, num_layers, return_hidden=True)
+        if self.on_layers is None or num_layers is not None:
+            logits, hidden = self.inner.forward(batch, num_layers, return_hidden=True)
+        else:
+            (logits, hidden), rows = forward_with_layer_rows(self.inner, batch, self.layers)
+            self.on_layers(batch, rows)
         self.hidden = np.asarray(hidden)
         return (logits, hidden) if return_hidden else logits
 
@@ -181,6 +188,37 @@ class HiddenTap:
     def take_hidden(self) -> np.ndarray | None:
         hidden, self.hidden = self.hidden, None
         return hidden
+
+
+class _LayerRows:
+    """Ops that keep the residual stream after the chosen layers (each layer of llama_forward
+    ends with exactly one silu_mul_linear_residual)."""
+
+    def __init__(self, ops, layers: tuple[int, ...]):
+        self.ops, self.layers, self.layer, self.rows = ops, set(layers), 0, {}
+
+    def __getattr__(self, name):
+        return getattr(self.ops, name)
+
+    def silu_mul_linear_residual(self, gate_up, weight, residual):
+        out = self.ops.silu_mul_linear_residual(gate_up, weight, residual)
+        if self.layer in self.layers:
+            self.rows[self.layer] = out
+        self.layer += 1
+        return out
+
+
+def forward_with_layer_rows(backend, batch: ForwardBatch, layers: tuple[int, ...]):
+    """((logits, hidden rows), [residual after layer l for every token, l in layers]) of one
+    target forward on the NumPy backend."""
+    from metrale.models.llama import llama_forward
+    from metrale.runtime.numpy_backend import NumpyBackend
+    if not isinstance(backend, NumpyBackend):
+        raise ValueError(f"capturing layer rows needs the NumPy backend, not {type(backend).__name__}")
+    ops = _LayerRows(NumpyOps(backend, batch), layers)
+    with np.errstate(over="ignore"):
+        out = llama_forward(ops, backend.weights, backend.config, None, True)
+    return out, [ops.rows[i] for i in layers]
 
 
 # ---------------------------------------------------------------------------- the drafter

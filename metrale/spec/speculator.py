@@ -40,7 +40,7 @@ from metrale.spec.verify import accept_greedy, accept_sampled
 
 log = logging.getLogger("metrale.spec")
 
-METHODS = ("none", "ngram", "self", "draft", "mtp")
+METHODS = ("none", "ngram", "self", "draft", "mtp", "dflash")
 
 _ACCEPT_DRAW, _RESIDUAL_DRAW = 0x5EC0, 0x5EC1     # Philox counter word 2 (the pipeline's Gumbel draws use 0)
 
@@ -230,6 +230,9 @@ def make_speculator(cfg, backend, model_config, load_draft_backend) -> Speculato
     elif spec.method == "mtp":
         from metrale.spec.mtp import MtpDrafter
         drafter = MtpDrafter.from_config(spec, backend, model_config)
+    elif spec.method == "dflash":
+        from metrale.spec.dflash import DFlashDrafter
+        drafter = DFlashDrafter.from_config(spec, backend, model_config)
     else:
         from metrale.spec.model_drafter import ModelDrafter
         if not spec.draft_model:
