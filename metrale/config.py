@@ -30,7 +30,7 @@ class Levers:
     numpy_dtype: str = "float32"         # float32 | float64: arithmetic of the NumPy backend
     prefill_attention_min_tokens: int = 64  # segments this long use the tiled prefill kernel
     prefill_attention_kernel: str = "mma"   # mma (tensor cores, flash_prefill.py) | fma (FP32, attention.py)
-    decode_attention_kernel: str = "fma"    # fma (attention.paged_attention) | mma (tensor cores, flash_decode.py)
+    decode_attention_kernel: str = "mma"    # mma (tensor cores, flash_decode.py; H200: 2-2.9x at B>=128) | fma (attention.py)
     fuse_decode: bool = True             # one-row steps (CUDA): RMSNorm and silu*mul inside the next GEMV
     spec_min_confidence: float = 0.0     # cut a draft at its first token below this confidence
     spec_verify_cost: float = -1.0       # cost of one verified draft token, in plain decode steps
