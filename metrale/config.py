@@ -38,6 +38,8 @@ class Levers:
     spec_probe_interval: int = 16        # steps a sequence stays unspeculated after a losing streak
     spec_max_batch: int = 64             # no speculation while more sequences than this decode
     spec_ema_decay: float = 0.7          # weight of history in the accepted-tokens average
+    spec_measured_gate: str = "auto"     # auto | on | off: pause speculation on measured step times
+                                         # (auto: on CUDA backends; CPU uses the spec_verify_cost model)
     state_norm_bound: float = 0.0        # hybrid models: clamp recurrent-state norms in long prefills (0: off)
     state_snapshots: int = 64            # hybrid models: recurrent-state snapshots kept for prefix caching
                                          # (LRU; 0: no prefix caching for hybrid models)

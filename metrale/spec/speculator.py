@@ -242,6 +242,15 @@ def make_speculator(cfg, backend, model_config, load_draft_backend) -> Speculato
     verify_cost = lv.spec_verify_cost if lv.spec_verify_cost >= 0 else (0.1 if backend.name == "cuda" else 0.5)
     gate = AdaptiveGate(spec.num_drafts, verify_cost=verify_cost, draft_cost=getattr(drafter, "cost_per_token", 0.0),
                         probe_interval=lv.spec_probe_interval, max_batch=lv.spec_max_batch,
-                        ema_decay=lv.spec_ema_decay)
+                        ema_decay=lv.spec_ema_decay, measure=_measured_gate(lv.spec_measured_gate, backend))
     log.info("speculative decoding: %s, up to %d drafts", drafter.name, spec.num_drafts)
     return Speculator(drafter, num_drafts=spec.num_drafts, gate=gate, min_confidence=lv.spec_min_confidence)
+
+
+def _measured_gate(choice: str, backend) -> bool:
+    """levers.spec_measured_gate: auto times steps on CUDA backends only, where a verify step and a
+    graph-replayed decode step cost very differently; on CPU the cost model (spec_verify_cost)
+    decides, which keeps speculation deterministic for a given input."""
+    if choice not in ("auto", "on", "off"):
+        raise ValueError(f"levers.spec_measured_gate must be auto, on or off, not '{choice}'")
+    return choice == "on" or (choice == "auto" and getattr(backend, "name", "") == "cuda")
