@@ -185,3 +185,24 @@ def test_smollm2_greedy_mtp_equals_plain(smollm2):
     assert stats["verifies"] > 0 and stats["accepted"] > 0
     assert eng.speculator.drafter.tracks == {}
     eng.blocks.check_no_leaks([])
+
+
+def test_hidden_tap_keeps_a_device_argmax_path():
+    """A backend with forward_greedy_hidden (CUDA) serves greedy steps through it: the tap keeps
+    the hidden rows without asking for [R, V] logits."""
+    from metrale.spec.mtp import HiddenTap
+
+    class DeviceArgmax:
+        calls = []
+
+        def forward(self, batch, num_layers=None, return_hidden=False):
+            raise AssertionError("full logits requested on a greedy step")
+
+        def forward_greedy_hidden(self, batch):
+            self.calls.append(batch)
+            return np.array([3, 1], np.int32), np.ones((2, 4), np.float32)
+
+    tap = HiddenTap(DeviceArgmax())
+    ids = tap.forward_greedy("batch")
+    np.testing.assert_array_equal(ids, [3, 1])
+    assert tap.take_hidden().shape == (2, 4) and DeviceArgmax.calls == ["batch"]

@@ -485,6 +485,14 @@ class CudaBackend:
         R = len(batch.logits_indices)
         return self._fetch(self.act["argmax"], self._argmax_host[:R]).copy()
 
+    def forward_greedy_hidden(self, batch: ForwardBatch) -> tuple[np.ndarray, np.ndarray]:
+        """forward_greedy plus the hidden rows before the final norm (an MTP drafter's input):
+        the argmax stays on the device, so a greedy step copies R ids and R x hidden floats."""
+        self._execute(batch)
+        R = len(batch.logits_indices)
+        ids = self._fetch(self.act["argmax"], self._argmax_host[:R]).copy()
+        return ids, self._fetch(self.act["rows"], np.empty((R, self.config.hidden_size), np.float32))
+
     def export_weights(self) -> WeightStream:
         """The weights as float32 host arrays (bf16 matrices widened): to build a NumPy oracle
         that computes with exactly the weights this backend holds."""

@@ -183,6 +183,10 @@ class HiddenTap:
         return (logits, hidden) if return_hidden else logits
 
     def forward_greedy(self, batch, num_layers=None):
+        if self.on_layers is None and num_layers is None and hasattr(self.inner, "forward_greedy_hidden"):
+            # CUDA: argmax on the device, only the hidden rows come to the host (not [R, V] logits)
+            ids, self.hidden = self.inner.forward_greedy_hidden(batch)
+            return ids
         return np.argmax(np.asarray(self.forward(batch, num_layers)), axis=-1).astype(np.int32)
 
     def take_hidden(self) -> np.ndarray | None:
