@@ -282,17 +282,26 @@ class Engine:
         sampling = [s for s in plan.scheduled if s.needs_logits]
         states = [self.requests[s.seq.request_id] for s in plan.scheduled if s.needs_logits]
         segments, checkpoints = [], {}
-        for s in plan.scheduled:
-            slot = self._state_slot(s.seq)
-            ckpt = self._checkpoint(s.seq, slot) if s.draft and slot >= 0 else -1
-            if ckpt >= 0:
-                checkpoints[id(s.seq)] = (slot, ckpt)
-            segments.append(Segment(np.asarray(s.seq.token_ids[s.seq.num_computed_tokens:
-                                                               s.seq.num_computed_tokens + s.num_tokens - len(s.draft)]
-                                               + s.draft, dtype=np.int32),
-                                    s.seq.num_computed_tokens, np.asarray(s.seq.block_table, dtype=np.int32),
-                                    "all" if s.draft else ("last" if s.needs_logits else "none"),
-                                    state_slot=slot, state_checkpoint=ckpt))
+        try:
+            for s in plan.scheduled:
+                slot = self._state_slot(s.seq)
+                ckpt = self._checkpoint(s.seq, slot) if s.draft and slot >= 0 else -1
+                if ckpt >= 0:
+                    checkpoints[id(s.seq)] = (slot, ckpt)
+                segments.append(Segment(np.asarray(s.seq.token_ids[s.seq.num_computed_tokens:
+                                                                   s.seq.num_computed_tokens + s.num_tokens - len(s.draft)]
+                                                   + s.draft, dtype=np.int32),
+                                        s.seq.num_computed_tokens, np.asarray(s.seq.block_table, dtype=np.int32),
+                                        "all" if s.draft else ("last" if s.needs_logits else "none"),
+                                        state_slot=slot, state_checkpoint=ckpt))
+        except Exception as exc:   # no state slot / checkpoint left: end the step's requests with the reason
+            log.exception("building the step failed")
+            for slot, ckpt in checkpoints.values():
+                self.state_slots.release(ckpt)
+            for s in plan.scheduled:
+                self.scheduler.finish(s.seq, f"error: {type(exc).__name__}: {exc}")
+                deltas.append(self._finish_delta(s.seq.request_id, s.seq.finish_reason))
+            return deltas
         batch = build_batch(segments, self.blocks.block_size)
         if self.step_log is not None:         # bench/run_all.py: the KV+weight bandwidth bound
             self.step_log.append((len(batch.token_ids), sum(g.start_pos + len(g.token_ids) for g in segments)))

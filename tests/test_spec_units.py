@@ -143,3 +143,18 @@ def test_measured_gate_reprobes_after_the_pause():
     spec = run_steps(g, clock, 200, 4, plain_s=0.01, spec_s=0.011, accepted_per_seq=2)
     assert spec > 100 and g.timing[4].rate_ratio() > 1
 
+
+
+def test_drafts_fit_the_backend_logits_rows():
+    """With a backend that holds R logits rows a forward (CUDA: max_rows), the drafts of a step
+    never need more than R rows in all: one per running sequence plus the drafts."""
+    from metrale import Engine, SamplingParams
+    eng = Engine(model="smollm2-135m-shape", device="cpu", cache={"num_blocks": 256},
+                 spec={"method": "ngram", "num_drafts": 4})
+    eng.speculator.max_rows = 6            # uncapped, this run reaches 8 rows
+    rows = []
+    forward = eng.backend.forward
+    eng.backend.forward = lambda batch, *a, **k: rows.append(len(batch.logits_indices)) or forward(batch, *a, **k)
+    prompts = [np.array([5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]) for _ in range(4)]
+    eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert eng.speculator.stats()["verifies"] > 0 and max(rows) <= 6

@@ -69,7 +69,7 @@ class MetaBuffers:
         total = off + max_seqs * max_blocks
         self.host = cuda.pinned_array(total, dtype=np.int32)
         self.device = pool.alloc("activations", total, np.int32)
-        self.arange = np.arange(max(max_tokens, max_seqs, max_rows) + 2, dtype=np.int32)
+        self.arange = np.arange(max_tokens + max_seqs + max_rows + 2, dtype=np.int32)
 
     def view(self, name: str, n: int):
         o = self.offsets[name]
@@ -92,7 +92,9 @@ class MetaBuffers:
         self._put("positions", batch.positions, g.tokens, 0)
         self._put("slot_mapping", batch.slot_mapping, g.tokens, -1)
         self._put("token_seq", batch.token_seq, g.tokens, ar[S:])
-        self._put("seq_query_start", batch.seq_query_start, g.seqs + 1, ar[T + 1:])
+        # padding sequences hold one padding token each; with verify blocks (T > S) there are more
+        # padding sequences than padding tokens: the extra ones start (and end) at g.tokens, empty
+        self._put("seq_query_start", batch.seq_query_start, g.seqs + 1, np.minimum(ar[T + 1:], g.tokens))
         self._put("context_lens", batch.context_lens, g.seqs, 1)
         self._put("logits_indices", batch.logits_indices, g.rows, ar[T:])
         t, mb = self.table_offset, self.max_blocks
@@ -434,7 +436,7 @@ class CudaBackend:
         # Decode steps, and verify blocks (a few tokens per sequence, logits for every row) mixed
         # with decode rows, run the same token-level kernels: pad to a ladder size and replay the
         # decode graph of that size (padding tokens are one-token sequences writing nowhere).
-        graphed = (self.use_graphs and batch.max_query_len < self.prefill_min_tokens and R == T and self.graph_sizes
+        graphed = (self.use_graphs and batch.max_query_len < max(2, self.prefill_min_tokens) and R == T and self.graph_sizes
                    and T <= self.graph_sizes[-1])
         if graphed:
             size = next(s for s in self.graph_sizes if s >= T)
@@ -484,6 +486,10 @@ class CudaBackend:
         self._execute(batch, num_layers)
         R = len(batch.logits_indices)
         return self._fetch(self.act["argmax"], self._argmax_host[:R]).copy()
+
+    def hidden_rows(self, rows: int) -> np.ndarray:
+        """The last forward's hidden rows before the final norm, [rows, hidden], to the host."""
+        return self._fetch(self.act["rows"], np.empty((rows, self.config.hidden_size), np.float32))
 
     def forward_greedy_hidden(self, batch: ForwardBatch) -> tuple[np.ndarray, np.ndarray]:
         """forward_greedy plus the hidden rows before the final norm (an MTP drafter's input):

@@ -189,6 +189,13 @@ class HiddenTap:
             return ids
         return np.argmax(np.asarray(self.forward(batch, num_layers)), axis=-1).astype(np.int32)
 
+    def forward_device(self, batch, num_layers=None):
+        """The device-logits path (sampled rows on CUDA): logits stay on the device, the hidden
+        rows come to the host."""
+        logits = self.inner.forward_device(batch, num_layers)
+        self.hidden = self.inner.hidden_rows(len(batch.logits_indices))
+        return logits
+
     def take_hidden(self) -> np.ndarray | None:
         hidden, self.hidden = self.hidden, None
         return hidden

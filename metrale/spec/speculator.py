@@ -90,8 +90,10 @@ def philox_uniform(ss: SamplingState, draw: int) -> float:
 
 
 class Speculator:
-    def __init__(self, drafter, *, num_drafts: int, gate: AdaptiveGate, min_confidence: float = 0.0):
+    def __init__(self, drafter, *, num_drafts: int, gate: AdaptiveGate, min_confidence: float = 0.0,
+                 max_rows: int | None = None):
         self.drafter, self.num_drafts, self.gate, self.min_confidence = drafter, num_drafts, gate, min_confidence
+        self.max_rows = max_rows          # logits rows a forward can hold (CUDA buffers): drafts fit in it
         self.proposed = self.accepted = self.verifies = self.cut = 0
         self._rows: dict[str, list] = {}                       # this step's verify rows per request
         self._pending: dict[str, tuple[Sequence, int, int]] = {}   # proposed, not yet verified
@@ -107,15 +109,17 @@ class Speculator:
         if not self.gate.begin_step(len(decoding)):
             return
         seqs, ks = [], []
+        spare = (self.max_rows - len(running)) if self.max_rows else 1 << 30   # rows left for drafts
         for seq in decoding:
             state = states.get(seq.request_id)
             if state is None:
                 continue
             left = (state.params.max_tokens or 1 << 30) - len(seq.output_token_ids)
-            k = min(self.gate.drafts_for(seq.request_id), left - 1, state.max_model_len - seq.num_tokens - 1)
+            k = min(self.gate.drafts_for(seq.request_id), left - 1, state.max_model_len - seq.num_tokens - 1, spare)
             if k > 0 and blocks.grow(seq, seq.num_tokens + k):
                 seqs.append(seq)
                 ks.append(k)
+                spare -= k
         if not seqs:
             return
         for seq, k, draft in zip(seqs, ks, self.drafter.propose(seqs, ks)):
@@ -244,7 +248,8 @@ def make_speculator(cfg, backend, model_config, load_draft_backend) -> Speculato
                         probe_interval=lv.spec_probe_interval, max_batch=lv.spec_max_batch,
                         ema_decay=lv.spec_ema_decay, measure=_measured_gate(lv.spec_measured_gate, backend))
     log.info("speculative decoding: %s, up to %d drafts", drafter.name, spec.num_drafts)
-    return Speculator(drafter, num_drafts=spec.num_drafts, gate=gate, min_confidence=lv.spec_min_confidence)
+    return Speculator(drafter, num_drafts=spec.num_drafts, gate=gate, min_confidence=lv.spec_min_confidence,
+                      max_rows=getattr(backend, "max_rows", None))
 
 
 def _measured_gate(choice: str, backend) -> bool:

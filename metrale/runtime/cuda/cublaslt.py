@@ -15,7 +15,6 @@ backend keeps its Numba kernels (the CPU machine and CI never load this).
 """
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +25,7 @@ CUDA_R_16BF = 14
 CUBLAS_COMPUTE_32F = 68
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 WORKSPACE_BYTES = 32 << 20
+MAX_PLANS = 512          # plans kept (LRU): eager prefill chunks of every length would grow it
 
 
 def _lib() -> Any:
@@ -71,9 +71,12 @@ class CublasLt:
 
     def plan(self, T: int, N: int, K: int, accumulate: bool, bias: bool) -> _Plan:
         key = (T, N, K, accumulate, bias)
-        p = self.plans.get(key)
+        p = self.plans.pop(key, None)
         if p is not None:
+            self.plans[key] = p               # most recently used last
             return p
+        if len(self.plans) >= MAX_PLANS:
+            self._destroy(self.plans.pop(next(iter(self.plans))))
         L = self.L
         desc = L.matmul_desc_create(CUBLAS_COMPUTE_32F, CUDA_R_32F)
         A = L.MatmulDescAttribute
@@ -105,15 +108,16 @@ class CublasLt:
                       beta.ctypes.data, out_ptr, d, out_ptr, d, p.algo_ptr, self.workspace,
                       self.workspace_bytes, stream)
 
+    def _destroy(self, p: _Plan) -> None:
+        for lay in p.layouts:
+            self.L.matrix_layout_destroy(lay)
+        self.L.matmul_desc_destroy(p.desc)
+
     def close(self) -> None:
         L = self.L
         for p in self.plans.values():
-            for lay in p.layouts:
-                L.matrix_layout_destroy(lay)
-            L.matmul_desc_destroy(p.desc)
+            self._destroy(p)
         self.plans.clear()
         L.matmul_preference_destroy(self.pref)
         L.destroy(self.handle)
 
-
-_ = ctypes  # (kept for callers that pass ctypes pointers)
