@@ -185,3 +185,19 @@ def test_draft_model_catch_up_fits_the_backend_step_budget(smollm2):
         np.testing.assert_array_equal(a.token_ids, b.token_ids)
     assert calls and max(calls) <= 5
     assert eng.speculator.stats()["acceptance_rate"] == 1.0
+
+
+def test_draft_model_rounds_split_when_more_sequences_than_the_budget(smollm2):
+    """More drafting sequences than the draft backend's step budget: each round's one-token
+    forward is split too, and the drafts stay exact."""
+    eng = Engine(model="smollm2-135m", device="cpu", spec={"method": "draft", "num_drafts": 2,
+                                                           "draft_model": "smollm2-135m"})
+    drafter = eng.speculator.drafter
+    drafter.backend.max_tokens = 2
+    prompts = ["Once upon a time", "The capital of France is", "1, 2, 3,"]
+    outs = eng.generate(prompts, greedy(6), use_tqdm=False)
+    plain = smollm2.generate(prompts, greedy(6), use_tqdm=False)
+    for a, b in zip(outs, plain):
+        np.testing.assert_array_equal(a.token_ids, b.token_ids)
+    assert eng.speculator.stats()["acceptance_rate"] == 1.0
+

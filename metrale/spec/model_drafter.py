@@ -42,7 +42,7 @@ class ModelDrafter:
             segs = [Segment(np.asarray(feed[i], np.int32), start[i], np.asarray(seqs[i].block_table, np.int32))
                     for i in live]
             segs = self._catch_up(segs)
-            logits = np.asarray(self.backend.forward(build_batch(segs, bs), self.num_layers), dtype=np.float64)
+            logits = self._last_rows(segs)
             for row, i in enumerate(live):
                 x = logits[row] - logits[row].max()
                 p = np.exp(x)
@@ -78,6 +78,19 @@ class ModelDrafter:
         if batch:
             self.backend.forward(build_batch(batch, bs), self.num_layers)
         return rest
+
+    def _last_rows(self, segs: list[Segment]) -> np.ndarray:
+        """The last row's logits of every segment, in forwards that fit the backend's step budget."""
+        budget = int(getattr(self.backend, "max_tokens", 0) or 0) or 1 << 30
+        bs, out, batch, used = self.backend.block_size, [], [], 0
+        for s in segs + [None]:
+            if batch and (s is None or used + len(s.token_ids) > budget):
+                out.append(np.asarray(self.backend.forward(build_batch(batch, bs), self.num_layers), dtype=np.float64))
+                batch, used = [], 0
+            if s is not None:
+                batch.append(s)
+                used += len(s.token_ids)
+        return np.concatenate(out) if len(out) > 1 else out[0]
 
     def accepted(self, seq: Sequence, num_tokens_before: int, draft_len: int, accepted: int) -> None:
         """After verify: the drafter's cache is valid up to the last draft it fed that was accepted."""
