@@ -158,3 +158,14 @@ def test_drafts_fit_the_backend_logits_rows():
     prompts = [np.array([5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]) for _ in range(4)]
     eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert eng.speculator.stats()["verifies"] > 0 and max(rows) <= 6
+
+
+def test_draft_count_shrinks_where_extra_drafts_lose():
+    """ema 1 (the prior): one more draft than accepted on a cheap verify (GPU), a single draft when
+    each drafted token costs most of a step (CPU self-drafting)."""
+    cheap = AdaptiveGate(4, verify_cost=0.1)
+    dear = AdaptiveGate(4, verify_cost=0.5, draft_cost=0.33)
+    assert cheap.drafts_for("a") == 2 and dear.drafts_for("a") == 1
+    for g in (cheap, dear):
+        g.stats["a"].ema = 3.5                      # long acceptances: more drafts pay for both
+    assert cheap.drafts_for("a") == 4 and dear.drafts_for("a") == 4

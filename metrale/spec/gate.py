@@ -141,10 +141,18 @@ class AdaptiveGate:
         return self.stats.setdefault(request_id, SeqSpecStats(ema=1.0))
 
     def drafts_for(self, request_id: str) -> int:
+        """One more draft than is usually accepted (room for the average to grow), fewer while the
+        cost model expects the block to lose: k drafts at ema accepted tokens gain
+        (min(ema, k) + 1) / (1 + c k), c the per-token verify + draft cost (CPU self-drafting,
+        c ~ 0.8: a probe drafts 1 token instead of 2, so a losing probe costs half as much)."""
         st = self._stats(request_id)
         if self.step < st.suspended_until:
             return 0
-        return max(1, min(self.num_drafts, math.ceil(st.ema) + 1))
+        k = max(1, min(self.num_drafts, math.ceil(st.ema) + 1))
+        c = self.verify_cost + self.draft_cost
+        while k > 1 and (min(st.ema, k) + 1) / (1 + c * k) < 1.0:
+            k -= 1
+        return k
 
     def update(self, request_id: str, proposed: int, accepted: int) -> None:
         if proposed == 0:
