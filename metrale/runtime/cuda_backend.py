@@ -291,9 +291,11 @@ class CudaBackend:
         compiles every decode kernel): a run's first steps, and the speculation gate's first timings
         of verify steps, then replay instead of paying for a capture. Warm-up tokens write block 0,
         which no sequence owns yet."""
-        for size in self.graph_sizes:
-            if size > min(self.max_tokens, self.max_rows):
-                break
+        import sys
+        from tqdm.auto import tqdm
+        sizes = [s for s in self.graph_sizes if s <= min(self.max_tokens, self.max_rows)]
+        log.info("compiling kernels and capturing %d decode graphs (batch %s)", len(sizes), sizes)
+        for size in tqdm(sizes, desc="CUDA graphs", unit="graph", leave=False, disable=not sys.stderr.isatty()):
             segs = [Segment(np.zeros(1, np.int32), 0, np.zeros(1, np.int32)) for _ in range(size)]
             self.forward_greedy(build_batch(segs, self.block_size))
 
