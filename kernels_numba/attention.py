@@ -324,6 +324,16 @@ def _as_u64(cache):
     return cache if cache.dtype == np.uint64 else cache.view(np.uint64)
 
 
+def cache_views(name: str, q, k_cache, v_cache):
+    """(k, v, kv heads): a layer's K/V caches as uint64 views (16-byte loads), checked against
+    q [T, Hq, hd]; shared by every attention launcher (decode, prefill, tensor-core variants)."""
+    kc, vc = _as_u64(k_cache), _as_u64(v_cache)
+    hk = kc.shape[2]
+    if q.shape[1] % hk or kc.shape[3] * 4 != q.shape[2]:
+        raise ValueError(f"{name}: q {q.shape} does not match cache {kc.shape} (uint64 view)")
+    return kc, vc, hk
+
+
 def paged_attention(
     q,
     k_cache_layer,
@@ -353,11 +363,7 @@ def paged_attention(
     num_tokens, hq, hd = q.shape
     if num_tokens == 0:
         return
-    kc = _as_u64(k_cache_layer)
-    vc = _as_u64(v_cache_layer)
-    hk = kc.shape[2]
-    if hq % hk or kc.shape[3] * 4 != hd:
-        raise ValueError(f"paged_attention: q {q.shape} does not match cache {kc.shape} (uint64 view)")
+    kc, vc, hk = cache_views("paged_attention", q, k_cache_layer, v_cache_layer)
     cfg = config or decode_config(hd, hq // hk)
     if max_context is None:
         max_context = block_tables.shape[1] * kc.shape[1]
@@ -602,11 +608,7 @@ def prefill_attention(
     num_seqs = seq_query_start.shape[0] - 1
     if num_tokens == 0 or num_seqs == 0:
         return
-    kc = _as_u64(k_cache_layer)
-    vc = _as_u64(v_cache_layer)
-    hk = kc.shape[2]
-    if hq % hk or kc.shape[3] * 4 != hd:
-        raise ValueError(f"prefill_attention: q {q.shape} does not match cache {kc.shape} (uint64 view)")
+    kc, vc, hk = cache_views("prefill_attention", q, k_cache_layer, v_cache_layer)
     cfg = config or prefill_config(hd, hq // hk)
     qlen = num_tokens if max_query_len is None else max_query_len
     per_tile = cfg.rows // cfg.group

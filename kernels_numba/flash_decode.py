@@ -62,6 +62,7 @@ from numba import cuda
 from kernels_numba.attention import (  # noqa: F401 (reference and shared scratch layout)
     NO_SPLIT_PART,
     _merge_partitions_kernel,
+    cache_views,
     attention_ref,
     paged_attention_scratch_shape,
 )
@@ -339,10 +340,6 @@ def _kernel(cfg: FlashDecodeConfig):
     return cuda.jit(py_kernel(cfg))
 
 
-def _as_u64(cache):
-    return cache if cache.dtype == np.uint64 else cache.view(np.uint64)
-
-
 def flash_decode_attention(
     q,
     k_cache_layer,
@@ -368,11 +365,7 @@ def flash_decode_attention(
     num_tokens, hq, hd = q.shape
     if num_tokens == 0:
         return
-    kc = _as_u64(k_cache_layer)
-    vc = _as_u64(v_cache_layer)
-    hk = kc.shape[2]
-    if hq % hk or kc.shape[3] * 4 != hd:
-        raise ValueError(f"flash_decode: q {q.shape} does not match cache {kc.shape} (uint64 view)")
+    kc, vc, hk = cache_views("flash_decode", q, k_cache_layer, v_cache_layer)
     cfg = config or flash_decode_config(hd, hq // hk, kc.shape[1])
     if (cfg.head_dim, cfg.group, cfg.block_size) != (hd, hq // hk, kc.shape[1]):
         raise ValueError(f"flash_decode: config {cfg} does not match q {q.shape} / cache {kc.shape}")
@@ -399,6 +392,3 @@ def flash_decode_attention(
             scratch, positions, np.int32(part), np.int32(parts), out
         )
 
-
-# Same name as the kernel it replaces, for a lever that swaps modules.
-paged_attention = flash_decode_attention

@@ -59,7 +59,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda
 
-from kernels_numba.attention import attention_ref, token_seq_from_starts  # noqa: F401 (reference)
+from kernels_numba.attention import attention_ref, cache_views, token_seq_from_starts  # noqa: F401 (reference)
 from kernels_numba.ptx import (
     SIM,
     ex2_f32,
@@ -395,10 +395,6 @@ def _kernel(cfg: FlashConfig):
     return cuda.jit(py_kernel(cfg))
 
 
-def _as_u64(cache):
-    return cache if cache.dtype == np.uint64 else cache.view(np.uint64)
-
-
 def flash_prefill_attention(
     q,
     k_cache64,
@@ -419,11 +415,7 @@ def flash_prefill_attention(
     num_seqs = seq_query_start.shape[0] - 1
     if num_tokens == 0 or num_seqs == 0:
         return
-    kc = _as_u64(k_cache64)
-    vc = _as_u64(v_cache64)
-    hk = kc.shape[2]
-    if hq % hk or kc.shape[3] * 4 != hd:
-        raise ValueError(f"flash_prefill_attention: q {q.shape} does not match cache {kc.shape} (uint64 view)")
+    kc, vc, hk = cache_views("flash_prefill_attention", q, k_cache64, v_cache64)
     cfg = config or flash_config(hd)
     if cfg.head_dim != hd:
         raise ValueError(f"flash_prefill_attention: config for head_dim {cfg.head_dim}, q has {hd}")

@@ -45,13 +45,13 @@ from metrale.models.llama import llama_forward
 from metrale.runtime.batch import ForwardBatch, Segment, build_batch
 from metrale.runtime.numpy_backend import NumpyOps, apply_rope, rope_cos_sin
 from metrale.scheduler.sequence import Sequence
+from metrale.spec import assets
 from metrale.spec.drafter import Draft
 from metrale.spec.mtp import HiddenTap
 
 log = logging.getLogger("metrale.spec")
 
-ASSETS = Path(__file__).resolve().parents[1] / "assets"
-DEFAULT_DRAFTERS = {"smollm2-135m-instruct": ASSETS / "dflash" / "smollm2-135m-instruct.safetensors"}
+DEFAULT_DRAFTERS = assets.bundled("dflash")
 LAYER = ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "down")
 SHARED = ("embed", "final_norm", "lm_head")
 
@@ -190,33 +190,10 @@ class DFlashModel:
 
 
 # ---------------------------------------------------------------------------- files
-def read_drafter_file(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    from safetensors import safe_open
-    with safe_open(str(path), framework="numpy") as f:
-        meta = f.metadata() or {}
-        tensors = {k: np.asarray(f.get_tensor(k), dtype=np.float32) for k in f.keys()}
-    return tensors, meta
-
-
-def resolve_drafter_path(name: str | None, model_config: ModelConfig) -> Path:
-    if name:
-        p = Path(name)
-        for candidate in (p, ASSETS / p, ASSETS / "dflash" / p, ASSETS / "dflash" / f"{name}.safetensors"):
-            if candidate.is_file():
-                return candidate
-        raise FileNotFoundError(f"spec.dflash_head: no drafter file at '{name}'")
-    model = model_config.name.lower()
-    for key, path in DEFAULT_DRAFTERS.items():
-        if model.startswith(key) and path.is_file():
-            return path
-    raise ValueError("spec.method=dflash needs spec.dflash_head=<path to a drafter .safetensors> "
-                     f"(bundled drafters: {', '.join(DEFAULT_DRAFTERS)})")
-
-
 def load_drafter(path: str | Path, model_config: ModelConfig, target_weights: dict[str, np.ndarray], *,
                  num_blocks: int, pool_block_size: int, dtype=np.float32) -> DFlashModel:
     """A drafter file (tools/train_dflash.py writes them) checked against the target's shapes."""
-    tensors, meta = read_drafter_file(path)
+    tensors, meta = assets.read_safetensors(path)
     D, V = model_config.hidden_size, model_config.vocab_size
     if int(meta.get("hidden_size", D)) != D or int(meta.get("vocab_size", V)) != V:
         raise ValueError(f"DFlash drafter {path} was made for hidden {meta.get('hidden_size')} / vocab "
@@ -276,7 +253,7 @@ class DFlashDrafter:
         if name == "random":
             model = random_drafter(model_config, inner.weights, **kw)
         else:
-            path = resolve_drafter_path(name, model_config)
+            path = assets.resolve("dflash", name, model_config, lever="spec.dflash_head", method="dflash")
             model = load_drafter(path, model_config, inner.weights, **kw)
             log.info("DFlash drafter %s (target layers %s, trained block %d)", path, model.target_layers,
                      model.trained_block_size)

@@ -37,12 +37,12 @@ from metrale.models.config import ModelConfig
 from metrale.runtime.batch import ForwardBatch, Segment, build_batch
 from metrale.runtime.numpy_backend import NumpyOps, rope_cos_sin
 from metrale.scheduler.sequence import Sequence
+from metrale.spec import assets
 from metrale.spec.drafter import Draft
 
 log = logging.getLogger("metrale.spec")
 
-ASSETS = Path(__file__).resolve().parents[1] / "assets"
-DEFAULT_HEADS = {"smollm2-135m-instruct": ASSETS / "mtp" / "smollm2-135m-instruct.safetensors"}
+DEFAULT_HEADS = assets.bundled("mtp")
 BLOCK = ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "down")       # the block's weights (q/k norms optional)
 HEAD = ("enorm", "hnorm", "eh_proj") + BLOCK
 MAX_PENDING = 512          # hidden rows kept per sequence while it does not draft; older ones restart the window
@@ -119,33 +119,10 @@ class MtpHead:
         return logits, rows
 
 
-def read_head_file(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    from safetensors import safe_open
-    with safe_open(str(path), framework="numpy") as f:
-        meta = f.metadata() or {}
-        tensors = {k: np.asarray(f.get_tensor(k), dtype=np.float32) for k in f.keys()}
-    return tensors, meta
-
-
-def resolve_head_path(mtp_head: str | None, model_config: ModelConfig) -> Path:
-    if mtp_head:
-        p = Path(mtp_head)
-        for candidate in (p, ASSETS / p, ASSETS / "mtp" / p, ASSETS / "mtp" / f"{mtp_head}.safetensors"):
-            if candidate.is_file():
-                return candidate
-        raise FileNotFoundError(f"spec.mtp_head: no head file at '{mtp_head}'")
-    name = model_config.name.lower()
-    for key, path in DEFAULT_HEADS.items():
-        if name.startswith(key) and path.is_file():
-            return path
-    raise ValueError("spec.method=mtp needs spec.mtp_head=<path to a head .safetensors> "
-                     f"(bundled heads: {', '.join(DEFAULT_HEADS)})")
-
-
 def load_head(path: str | Path, model_config: ModelConfig, target_weights: dict[str, np.ndarray], *,
               num_blocks: int, block_size: int, dtype=np.float32) -> MtpHead:
     """A head file (tools/train_mtp.py writes them) checked against the target's shapes."""
-    tensors, meta = read_head_file(path)
+    tensors, meta = assets.read_safetensors(path)
     D, V = model_config.hidden_size, model_config.vocab_size
     if int(meta.get("hidden_size", D)) != D or int(meta.get("vocab_size", V)) != V:
         raise ValueError(f"MTP head {path} was made for hidden {meta.get('hidden_size')} / vocab "
@@ -250,7 +227,7 @@ class MtpDrafter:
 
     @classmethod
     def from_config(cls, spec, backend, model_config: ModelConfig) -> "MtpDrafter":
-        path = resolve_head_path(getattr(spec, "mtp_head", None), model_config)
+        path = assets.resolve("mtp", getattr(spec, "mtp_head", None), model_config, lever="spec.mtp_head", method="mtp")
         weights = getattr(backend, "weights", None)
         if not isinstance(weights, dict) or not all(isinstance(a, np.ndarray) for a in weights.values()):
             weights = {n: a for n, a in backend.export_weights() if n in ("embed", "final_norm", "lm_head")}
