@@ -74,7 +74,8 @@ class NumpyOps:
     def silu_mul_linear_residual(self, gate_up, weight, residual):
         return self.linear_residual(self.silu_mul(gate_up), weight, residual)
 
-    def qkv_to_cache(self, qkv, layer, q_norm, k_norm):
+    def split_qkv(self, qkv, q_norm, k_norm):
+        """q, k (per-head norms, RoPE at the batch's positions) and v of a fused QKV projection."""
         c, T = self.cfg, qkv.shape[0]
         q = qkv[:, :c.q_size].reshape(T, c.num_heads, c.head_dim)
         k = qkv[:, c.q_size:c.q_size + c.kv_size].reshape(T, c.num_kv_heads, c.head_dim)
@@ -82,7 +83,33 @@ class NumpyOps:
         if q_norm is not None:
             q, k = self.rms_norm(q, q_norm), self.rms_norm(k, k_norm)
         cos, sin = self.b.rope_for(self.batch)
-        q, k = apply_rope(q, cos, sin, c.rope_interleaved), apply_rope(k, cos, sin, c.rope_interleaved)
+        return apply_rope(q, cos, sin, c.rope_interleaved), apply_rope(k, cos, sin, c.rope_interleaved), v
+
+    def cached_kv(self, layer: int, s: int, end: int):
+        """K and V of the batch's sequence s at positions [0, end), from the paged pool."""
+        c, bt = self.cfg, self.batch
+        blocks = bt.block_tables[s, :-(-end // bt.block_size)]
+        k = self.b.k_cache[layer, blocks].reshape(-1, c.num_kv_heads, c.head_dim)[:end]
+        v = self.b.v_cache[layer, blocks].reshape(-1, c.num_kv_heads, c.head_dim)[:end]
+        return k, v
+
+    def attend(self, q_rows, k, v, masked=None):
+        """Softmax attention of query rows [n, Hq, hd] over keys [m, Hk, hd] (GQA); masked: a bool
+        [n, m] of the scores to drop. Returns [n, Hq, hd]."""
+        c, n = self.cfg, q_rows.shape[0]
+        group = c.num_heads // c.num_kv_heads
+        qs = q_rows.reshape(n, c.num_kv_heads, group, c.head_dim)
+        scores = np.einsum("nkgd,ckd->kgnc", qs, k) * (1.0 / np.sqrt(c.head_dim))
+        if masked is not None:
+            scores[..., masked] = -np.inf
+        scores -= scores.max(axis=-1, keepdims=True)
+        p = np.exp(scores)
+        p /= p.sum(axis=-1, keepdims=True)
+        return np.einsum("kgnc,ckd->nkgd", p, v).reshape(n, c.num_heads, c.head_dim)
+
+    def qkv_to_cache(self, qkv, layer, q_norm, k_norm):
+        c = self.cfg
+        q, k, v = self.split_qkv(qkv, q_norm, k_norm)
         flat_k = self.b.k_cache[layer].reshape(-1, c.num_kv_heads, c.head_dim)
         flat_v = self.b.v_cache[layer].reshape(-1, c.num_kv_heads, c.head_dim)
         keep = self.batch.slot_mapping >= 0
@@ -92,23 +119,11 @@ class NumpyOps:
 
     def attention(self, q, layer):
         c, bt = self.cfg, self.batch
-        group = c.num_heads // c.num_kv_heads
         out = np.empty_like(q)
-        scale = 1.0 / np.sqrt(c.head_dim)
         for s in range(bt.num_seqs):
             a, b, ctx = bt.seq_query_start[s], bt.seq_query_start[s + 1], bt.context_lens[s]
-            nb = -(-ctx // bt.block_size)
-            blocks = bt.block_tables[s, :nb]
-            k = self.b.k_cache[layer, blocks].reshape(-1, c.num_kv_heads, c.head_dim)[:ctx]
-            v = self.b.v_cache[layer, blocks].reshape(-1, c.num_kv_heads, c.head_dim)[:ctx]
-            qs = q[a:b].reshape(b - a, c.num_kv_heads, group, c.head_dim)
-            scores = np.einsum("nkgd,ckd->kgnc", qs, k) * scale
-            causal = np.arange(ctx)[None, :] > bt.positions[a:b][:, None]
-            scores[..., causal] = -np.inf
-            scores -= scores.max(axis=-1, keepdims=True)
-            p = np.exp(scores)
-            p /= p.sum(axis=-1, keepdims=True)
-            out[a:b] = np.einsum("kgnc,ckd->nkgd", p, v).reshape(b - a, c.num_heads, c.head_dim)
+            k, v = self.cached_kv(layer, s, ctx)
+            out[a:b] = self.attend(q[a:b], k, v, np.arange(ctx)[None, :] > bt.positions[a:b][:, None])
         return out.reshape(q.shape[0], c.q_size)
 
     def silu_mul(self, gate_up):

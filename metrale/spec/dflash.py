@@ -82,34 +82,20 @@ class DFlashOps(NumpyOps):
         return x
 
     def qkv_to_cache(self, qkv, layer, q_norm, k_norm):
-        c, T = self.cfg, qkv.shape[0]
-        q = qkv[:, :c.q_size].reshape(T, c.num_heads, c.head_dim)
-        k = qkv[:, c.q_size:c.q_size + c.kv_size].reshape(T, c.num_kv_heads, c.head_dim)
-        v = qkv[:, c.q_size + c.kv_size:].reshape(T, c.num_kv_heads, c.head_dim)
-        if q_norm is not None:
-            q, k = self.rms_norm(q, q_norm), self.rms_norm(k, k_norm)
-        cos, sin = self.b.rope_for(self.batch)
-        self.block_kv[layer] = (apply_rope(k, cos, sin, c.rope_interleaved), v)
-        return apply_rope(q, cos, sin, c.rope_interleaved)
+        q, k, v = self.split_qkv(qkv, q_norm, k_norm)
+        self.block_kv[layer] = (k, v)
+        return q
 
     def attention(self, q, layer):
         c, bt = self.cfg, self.batch
-        group = c.num_heads // c.num_kv_heads
         out = np.empty_like(q)
-        scale = 1.0 / np.sqrt(c.head_dim)
         bk, bv = self.block_kv[layer]
         for s in range(bt.num_seqs):
             a, b = bt.seq_query_start[s], bt.seq_query_start[s + 1]
             ctx = int(bt.positions[a])                         # context: positions [0, start of the block)
-            blocks = bt.block_tables[s, :-(-ctx // bt.block_size)] if ctx else bt.block_tables[s, :0]
-            k = np.concatenate([self.b.k_cache[layer, blocks].reshape(-1, c.num_kv_heads, c.head_dim)[:ctx], bk[a:b]])
-            v = np.concatenate([self.b.v_cache[layer, blocks].reshape(-1, c.num_kv_heads, c.head_dim)[:ctx], bv[a:b]])
-            qs = q[a:b].reshape(b - a, c.num_kv_heads, group, c.head_dim)
-            scores = np.einsum("nkgd,ckd->kgnc", qs, k) * scale      # non-causal: every row sees the block
-            scores -= scores.max(axis=-1, keepdims=True)
-            p = np.exp(scores)
-            p /= p.sum(axis=-1, keepdims=True)
-            out[a:b] = np.einsum("kgnc,ckd->nkgd", p, v).reshape(b - a, c.num_heads, c.head_dim)
+            k, v = self.cached_kv(layer, s, ctx)
+            # non-causal: every row sees the context and the whole block
+            out[a:b] = self.attend(q[a:b], np.concatenate([k, bk[a:b]]), np.concatenate([v, bv[a:b]]))
         return out.reshape(q.shape[0], c.q_size)
 
 

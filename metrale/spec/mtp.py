@@ -65,21 +65,11 @@ class MtpOps(NumpyOps):
 
     def attention(self, q, layer):
         c, bt = self.cfg, self.batch
-        group = c.num_heads // c.num_kv_heads
         out = np.empty_like(q)
-        scale = 1.0 / np.sqrt(c.head_dim)
         for s in range(bt.num_seqs):
             a, b, ctx, lo = bt.seq_query_start[s], bt.seq_query_start[s + 1], bt.context_lens[s], int(self.lo[s])
-            blocks = bt.block_tables[s, :-(-ctx // bt.block_size)]
-            k = self.b.k_cache[layer, blocks].reshape(-1, c.num_kv_heads, c.head_dim)[lo:ctx]
-            v = self.b.v_cache[layer, blocks].reshape(-1, c.num_kv_heads, c.head_dim)[lo:ctx]
-            qs = q[a:b].reshape(b - a, c.num_kv_heads, group, c.head_dim)
-            scores = np.einsum("nkgd,ckd->kgnc", qs, k) * scale
-            scores[..., np.arange(lo, ctx)[None, :] > bt.positions[a:b][:, None]] = -np.inf
-            scores -= scores.max(axis=-1, keepdims=True)
-            p = np.exp(scores)
-            p /= p.sum(axis=-1, keepdims=True)
-            out[a:b] = np.einsum("kgnc,ckd->nkgd", p, v).reshape(b - a, c.num_heads, c.head_dim)
+            k, v = self.cached_kv(layer, s, ctx)
+            out[a:b] = self.attend(q[a:b], k[lo:], v[lo:], np.arange(lo, ctx)[None, :] > bt.positions[a:b][:, None])
         return out.reshape(q.shape[0], c.q_size)
 
 
