@@ -37,3 +37,31 @@ def ptx_of(kernel, sig, max_static_shared: int | None = None) -> str:
         shared = sum(int(n) for n in re.findall(r"\.shared \.align \d+ \.b8 \S+\[(\d+)\]", ptx))
         assert shared <= max_static_shared, f"{shared} bytes of static shared memory"
     return ptx
+
+
+def sass_info(ptx: str):
+    """ptxas -v through nvJitLink: (registers, spill bytes), or None when nvJitLink is missing."""
+    try:
+        from cuda.bindings import nvjitlink as J
+    except ImportError:
+        return None
+    h = J.create(3, ["-arch=sm_90", "-verbose", "-Xptxas=-v"])
+    try:
+        data = ptx.encode()
+        J.add_data(h, J.InputType.PTX, data, len(data), "k.ptx")
+        J.complete(h)
+        buf = bytearray(J.get_info_log_size(h))
+        J.get_info_log(h, buf)
+    finally:
+        J.destroy(h)
+    log = buf.decode(errors="replace")
+    regs = int(re.search(r"[Uu]sed (\d+) registers", log).group(1))
+    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill", log))
+    return regs, spills
+
+
+def registers_with_bound(kernel, sig, threads: int) -> tuple[str, int | None]:
+    """compile_ptx with a launch bound of `threads`; (PTX, ptxas's register count or None)."""
+    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0), launch_bounds=(threads,))
+    info = sass_info(ptx)
+    return ptx, None if info is None else info[0]

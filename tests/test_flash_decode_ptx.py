@@ -3,14 +3,13 @@ for: mma.sync m16n8k16 bf16 (S = Q K^T) and m16n8k8 tf32 (O += P V) in the exact
 16-byte `ld.global.nc.v2.u64` K/V loads, cvt.rn.bf16x2 / cvt.rna.tf32, shfl.bfly, ex2.approx; no
 float64 arithmetic, no local memory, static shared memory within 48 KB. Where nvJitLink is present
 ptxas -v reports registers (printed) and no spills."""
-import re
 
 import pytest
 from numba import types
 
 from kernels_numba import flash_decode as FD
 from kernels_numba.ptx import SIM
-from ptx_util import no_gpu_needed, ptx_of  # noqa: F401
+from ptx_util import no_gpu_needed, ptx_of, sass_info  # noqa: F401
 
 pytestmark = pytest.mark.skipif(SIM, reason="compile_ptx needs the real CUDA target")
 
@@ -20,27 +19,6 @@ SIG = (types.Array(types.float32, 3, "A"), types.Array(types.uint64, 4, "C"),
        types.Array(types.uint64, 4, "C"), types.Array(types.int32, 2, "C"),
        types.Array(types.int32, 1, "C"), types.Array(types.int32, 1, "C"), types.float32, types.int32,
        types.Array(types.float32, 3, "C"), types.Array(types.float32, 3, "C"))
-
-
-def sass_info(ptx):
-    """ptxas -v through nvJitLink: (registers, spill bytes), or None when nvJitLink is missing."""
-    try:
-        from cuda.bindings import nvjitlink as J
-    except ImportError:
-        return None
-    h = J.create(3, ["-arch=sm_90", "-verbose", "-Xptxas=-v"])
-    try:
-        data = ptx.encode()
-        J.add_data(h, J.InputType.PTX, data, len(data), "k.ptx")
-        J.complete(h)
-        buf = bytearray(J.get_info_log_size(h))
-        J.get_info_log(h, buf)
-    finally:
-        J.destroy(h)
-    log = buf.decode(errors="replace")
-    regs = int(re.search(r"[Uu]sed (\d+) registers", log).group(1))
-    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill", log))
-    return regs, spills
 
 
 @pytest.mark.parametrize("hd,g,bs,over", [(128, 4, 16, {}), (64, 3, 16, {}), (128, 8, 16, {}),

@@ -2,7 +2,6 @@
 kv_cache/attention/argmax compiles for sm_90, with the instructions it is written for (warp
 shuffles, 16-byte `ld.global.nc.v2.u64` KV loads), no float64 arithmetic and no local memory;
 where nvJitLink is present the PTX is also assembled to SASS and checked for spills."""
-import re
 
 import pytest
 from numba import cuda, types
@@ -20,28 +19,7 @@ U16_2, U16_4, U64_4 = (types.Array(types.uint16, 2, "C"), types.Array(types.uint
 I32_2 = types.Array(I32, 2, "C")
 
 
-from ptx_util import no_gpu_needed, ptx_of  # noqa: E402,F401  (autouse fixture)
-
-
-def sass_info(ptx):
-    """ptxas -v through nvJitLink: (registers, spill bytes), or None when nvJitLink is missing."""
-    try:
-        from cuda.bindings import nvjitlink as J
-    except ImportError:
-        return None
-    h = J.create(3, ["-arch=sm_90", "-verbose", "-Xptxas=-v"])
-    try:
-        data = ptx.encode()
-        J.add_data(h, J.InputType.PTX, data, len(data), "k.ptx")
-        J.complete(h)
-        buf = bytearray(J.get_info_log_size(h))
-        J.get_info_log(h, buf)
-    finally:
-        J.destroy(h)
-    log = buf.decode(errors="replace")
-    regs = int(re.search(r"[Uu]sed (\d+) registers", log).group(1))
-    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill", log))
-    return regs, spills
+from ptx_util import no_gpu_needed, ptx_of, sass_info  # noqa: E402,F401  (autouse fixture)
 
 
 def test_small_kernels():

@@ -72,7 +72,7 @@ def test_sample_rows_compaction_buffer():
 def test_row_kernels_fit_a_1024_thread_block():
     """Both row kernels launch 1024 threads: compiled with that launch bound they use at most 64
     registers a thread (without it sample_rows took 84 and failed to launch on the H200)."""
-    from cuda_check import registers_with_bound
+    from ptx_util import registers_with_bound
     from kernels_numba import sampling as S
     for k, sig in [(S._sample_rows_kernel, (F32_2, U32_2, F32_2, I32_2, I32_1, F32_1, F32_1, I32_1, F32_1)),
                    (S._prepare_rows_kernel, (F32_2, F32_2, I32_2, I32_1, I32_1, F32_1, F32_1, F32_1, I32_2, F32_2))]:
