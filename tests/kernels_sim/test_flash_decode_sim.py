@@ -8,24 +8,14 @@ from numba import cuda
 
 from kernels_numba import attention as A
 from kernels_numba import flash_decode as FD
-from kernels_numba.bf16 import to_bf16_bits
+
+from test_attention_sim import make_batch as attention_batch
 
 
 def make_batch(rng, hd, hq, hk, contexts, bs, extra_blocks=3):
-    """One decode token per sequence at position ctx - 1; blocks scattered over the cache."""
-    need = [(c + bs - 1) // bs for c in contexts]
-    nb = sum(need) + extra_blocks
-    perm = rng.permutation(nb).astype(np.int32)
-    tables = np.full((len(contexts), max(need) + 1), -1, np.int32)
-    k = 0
-    for s, m in enumerate(need):
-        tables[s, :m] = perm[k:k + m]
-        k += m
-    kc = to_bf16_bits(rng.standard_normal((nb, bs, hk, hd)))
-    vc = to_bf16_bits(rng.standard_normal((nb, bs, hk, hd)))
-    positions = np.array([c - 1 for c in contexts], np.int32)
-    token_seq = np.arange(len(contexts), dtype=np.int32)
-    q = rng.standard_normal((len(contexts), hq, hd)).astype(np.float32)
+    """One decode token per sequence at position ctx - 1 (test_attention_sim's batch)."""
+    q, kc, vc, tables, token_seq, _, positions = attention_batch(rng, hd, hq, hk, [(c - 1, 1) for c in contexts],
+                                                                 bs, extra_blocks)
     return q, kc, vc, tables, token_seq, positions
 
 

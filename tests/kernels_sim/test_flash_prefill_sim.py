@@ -8,26 +8,16 @@ import pytest
 
 from kernels_numba import flash_prefill as F
 from kernels_numba.attention import attention_ref
-from kernels_numba.bf16 import bf16_round, to_bf16_bits
+from kernels_numba.bf16 import bf16_round
+
+from test_attention_sim import make_batch as attention_batch
 
 
 def make_batch(rng, hd, hq, hk, segments, bs=16, extra_blocks=3):
-    """segments: [(first_position, num_tokens)]; blocks are scattered over the cache."""
-    need = [(p + n + bs - 1) // bs for p, n in segments]
-    nb = sum(need) + extra_blocks
-    perm = rng.permutation(nb).astype(np.int32)
-    tables = np.full((len(segments), max(need) + 1), -1, np.int32)
-    k = 0
-    for s, m in enumerate(need):
-        tables[s, :m] = perm[k:k + m]
-        k += m
-    kc = to_bf16_bits(rng.standard_normal((nb, bs, hk, hd)))
-    vc = to_bf16_bits(rng.standard_normal((nb, bs, hk, hd)))
-    positions = np.concatenate([np.arange(p, p + n) for p, n in segments]).astype(np.int32)
-    token_seq = np.concatenate([np.full(n, s) for s, (_, n) in enumerate(segments)]).astype(np.int32)
-    starts = np.concatenate([[0], np.cumsum([n for _, n in segments])]).astype(np.int32)
-    q = (rng.standard_normal((positions.shape[0], hq, hd)) * 2.0).astype(np.float32)
-    return q, kc, vc, tables, token_seq, starts, positions
+    """test_attention_sim's batch (segments: [(first_position, num_tokens)], scattered blocks)
+    with block 16 and q doubled (scores spread wider than N(0, 1))."""
+    q, *rest = attention_batch(rng, hd, hq, hk, segments, bs, extra_blocks)
+    return (q * np.float32(2.0), *rest)
 
 
 def _check(out, want):
