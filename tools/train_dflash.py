@@ -35,7 +35,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_mtp import EVAL_PROMPTS, training_prompts  # noqa: E402
+from train_mtp import measure_acceptance, training_prompts  # noqa: E402
 
 OUT = ROOT / "metrale" / "assets" / "dflash" / "smollm2-135m-instruct.safetensors"
 CORPUS = Path("/tmp/dflash_corpus.npz")
@@ -325,35 +325,7 @@ def train(args) -> None:
 
 # ---------------------------------------------------------------------------- measure
 def measure(args) -> None:
-    sys.path.insert(0, str(ROOT))
-    from metrale import Engine, SamplingParams
-    from metrale.runtime.numpy_backend import NumpyBackend
-    from metrale.settings import compose, to_overrides
-
-    base = Engine(model="smollm2-135m", device="cpu")
-    prompts = [base.encode_prompt(p, chat=chat) for p, chat in EVAL_PROMPTS]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    plain = base.generate([np.array(p) for p in prompts], params, use_tqdm=False)
-    rows = []
-    for method, k in [("ngram", 3), ("mtp", 1), ("mtp", 3), ("dflash", 3), ("dflash", 4)]:
-        spec = {"method": method, "num_drafts": k}
-        cfg = compose(to_overrides({"device": "cpu", "spec": spec}))
-        be = base.backend
-        twin = NumpyBackend(be.config, be.weights.items(), num_blocks=be.num_blocks, block_size=be.block_size)
-        eng = Engine(cfg=cfg, parts=(be.config, base.tokenizer, twin))
-        eng.speculator.gate.drafts_for = lambda request_id, k=k: k     # exactly k drafts every step
-        t = time.time()
-        outs = eng.generate([np.array(p) for p in prompts], params, use_tqdm=False)
-        secs = time.time() - t
-        same = all(np.array_equal(a.token_ids, b.token_ids) for a, b in zip(outs, plain))
-        st = eng.speculator.stats()
-        decoded = sum(len(o.token_ids) for o in outs) - len(outs)
-        rows.append({"method": method, "k": k, "acceptance": round(st["acceptance_rate"], 3),
-                     "tokens_per_verify": round(st["tokens_per_verify"], 2),
-                     "tokens_per_forward": round(decoded / (decoded - st["accepted"]), 2), "verifies": st["verifies"],
-                     "proposed": st["proposed"], "same_as_plain": same, "seconds": round(secs, 1)})
-        print(json.dumps(rows[-1]), flush=True)
-    Path(args.log).write_text(json.dumps({"prompts": EVAL_PROMPTS, "max_tokens": args.max_tokens, "rows": rows}, indent=1))
+    measure_acceptance([("ngram", 3), ("mtp", 1), ("mtp", 3), ("dflash", 3), ("dflash", 4)], args.max_tokens, args.log)
 
 
 def main() -> None:

@@ -94,7 +94,7 @@ class MetaBuffers:
         self._put("token_seq", batch.token_seq, g.tokens, ar[S:])
         # padding sequences hold one padding token each; with verify blocks (T > S) there are more
         # padding sequences than padding tokens: the extra ones start (and end) at g.tokens, empty
-        self._put("seq_query_start", batch.seq_query_start, g.seqs + 1, np.minimum(ar[T + 1:], g.tokens))
+        self._put("seq_query_start", batch.seq_query_start, g.seqs + 1, np.minimum(ar[T + 1:T + 1 + g.seqs - S], g.tokens))
         self._put("context_lens", batch.context_lens, g.seqs, 1)
         self._put("logits_indices", batch.logits_indices, g.rows, ar[T:])
         t, mb = self.table_offset, self.max_blocks
