@@ -37,28 +37,14 @@ def main() -> None:
 
     from numba import cuda
 
+    from bench import timing
     from bench.records import make_record, write_records
     from kernels_numba import attention as A
     from kernels_numba import flash_prefill as F
     from kernels_numba.init import fill_normal_bf16
 
-    @cuda.jit
-    def spin(n):
-        for _ in range(n):
-            cuda.nanosleep(np.uint32(1000))
-
     def time_launches(launch):
-        for _ in range(WARMUP):
-            launch()
-        cuda.synchronize()
-        evs = [cuda.event() for _ in range(ITERS + 1)]
-        spin[1, 1](20000)
-        evs[0].record(0)
-        for i in range(ITERS):
-            launch()
-            evs[i + 1].record(0)
-        evs[-1].synchronize()
-        return float(np.median([cuda.event_elapsed_time(evs[i], evs[i + 1]) for i in range(ITERS)]))
+        return timing.time_launches(lambda _: launch(), 1, ITERS, WARMUP)
 
     dev = cuda.get_current_device()
     gpu = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)

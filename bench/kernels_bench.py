@@ -46,27 +46,12 @@ def main() -> None:
 
     from numba import cuda
 
+    from bench import timing
     from kernels_numba import attention as A
     from kernels_numba.init import fill_normal_bf16
 
-    @cuda.jit
-    def spin(n):
-        for _ in range(n):
-            cuda.nanosleep(np.uint32(1000))
-
     def time_launches(launch, n_rot=1):
-        """median ms of one launch(i) (i = rotation index), queued behind a GPU sleep."""
-        for i in range(WARMUP):
-            launch(i % n_rot)
-        cuda.synchronize()
-        evs = [cuda.event() for _ in range(ITERS + 1)]
-        spin[1, 1](20000)  # ~20 ms, longer than enqueueing the launches from Python
-        evs[0].record(0)
-        for i in range(ITERS):
-            launch(i % n_rot)
-            evs[i + 1].record(0)
-        evs[-1].synchronize()
-        return float(np.median([cuda.event_elapsed_time(evs[i], evs[i + 1]) for i in range(ITERS)]))
+        return timing.time_launches(launch, n_rot, ITERS, WARMUP)
 
     dev = cuda.get_current_device()
     gpu = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
