@@ -209,15 +209,15 @@ def _xz(path: Path) -> bytes:
 
 
 def pack(margin: int = 2**20) -> dict:
-    """Fill the two carry folders. c1 = llama.cpp source + Python packages + tokenizer metadata +
-    the first part of the xz-compressed SmolLM2 GGUF; c2 = the rest. The split leaves both calls
-    the same headroom under the 64 MiB limit (the working tree travels in both)."""
+    """Fill the carry folders c1..cN. c1 = llama.cpp source + Python packages + tokenizer metadata +
+    the first part of the xz-compressed SmolLM2 GGUF; c2.. = the rest, in as few calls as the 64 MiB
+    limit allows (the working tree travels in every call), the parts split evenly."""
     from bench.gguf_export import save_fields, source_fields
     from metrale.models.registry import resolve_model
-    c1, c2 = HERE / "c1", HERE / "c2"
-    for d in (c1, c2):
+    for d in HERE.glob("c[0-9]*"):
         shutil.rmtree(d, ignore_errors=True)
-        d.mkdir(parents=True)
+    c1 = HERE / "c1"
+    c1.mkdir(parents=True)
     pack_source(HERE / "src", c1 / "llama.cpp.tar.xz")
     pack_site(c1 / "site.tar.xz")
     save_fields(source_fields(SMOL_SRC), c1 / TOKENIZER_FILE)
@@ -225,21 +225,30 @@ def pack(margin: int = 2**20) -> dict:
     data = smol.read_bytes()
     packed = _xz(smol)
     tree = _tree_bytes()
-    headroom = (2 * CARRY_LIMIT - 2 * tree - _du(c1) - len(packed) - 1024) // 2
-    if headroom < margin:
-        raise ValueError(f"two calls cannot carry it: {_mb(-headroom)} over with the working tree at {_mb(tree)}")
-    room = CARRY_LIMIT - tree - _du(c1) - headroom
+    per_call = CARRY_LIMIT - tree - margin - 1024          # one call's room for carried bytes
+    total = _du(c1) + len(packed)
+    calls = -(-total // per_call)
+    if per_call <= _du(c1):
+        raise ValueError(f"the working tree ({_mb(tree)}) leaves no room for c1 ({_mb(_du(c1))})")
+    share = -(-total // calls)                              # even split: the same headroom each call
+    cuts, start = [], 0
+    for i in range(calls):
+        room = share - (_du(c1) if i == 0 else 0)
+        cuts.append((start, min(len(packed), start + room)))
+        start += room
+    parts = [f"smol.part{i + 1}" for i in range(calls)]
     manifest = {"name": smol.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-                "xz_sha256": hashlib.sha256(packed).hexdigest(), "parts": ["smol.part1", "smol.part2"]}
-    (c1 / "smol.part1").write_bytes(packed[:room])
-    (c2 / "smol.part2").write_bytes(packed[room:])
-    for d in (c1, c2):
+                "xz_sha256": hashlib.sha256(packed).hexdigest(), "parts": parts}
+    sizes = {"tree": tree}
+    for i, ((a, b), part) in enumerate(zip(cuts, parts)):
+        d = HERE / f"c{i + 1}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / part).write_bytes(packed[a:b])
         (d / "smol.json").write_text(json.dumps(manifest))
-    sizes = {"tree": tree, "c1": _du(c1), "c2": _du(c2)}
-    sizes["call1"], sizes["call2"] = tree + sizes["c1"], tree + sizes["c2"]
-    print(f"[llamacpp] call 1 sends {_mb(sizes['call1'])} (tree {_mb(tree)} + c1 {_mb(sizes['c1'])}), "
-          f"call 2 sends {_mb(sizes['call2'])} (tree + c2 {_mb(sizes['c2'])}); limit {_mb(CARRY_LIMIT)}: "
-          f"{_mb(headroom)} of headroom each", flush=True)
+        sizes[f"c{i + 1}"] = _du(d)
+        sizes[f"call{i + 1}"] = tree + sizes[f"c{i + 1}"]
+        print(f"[llamacpp] call {i + 1} sends {_mb(sizes[f'call{i + 1}'])} (tree {_mb(tree)} + "
+              f"c{i + 1} {_mb(sizes[f'c{i + 1}'])}); limit {_mb(CARRY_LIMIT)}", flush=True)
     return sizes
 
 
@@ -566,7 +575,7 @@ class Work:
 
 
 def _carried() -> list[Path]:
-    return [d for d in (HERE / "c1", HERE / "c2") if d.is_dir()]
+    return sorted((d for d in HERE.glob("c[0-9]*") if d.is_dir()), key=lambda d: int(d.name[1:]))
 
 
 def stage_source(w: Work, cuda: bool, jobs: int) -> None:
@@ -619,7 +628,7 @@ def stage_smollm2(w: Work) -> Path | None:
             return None
     missing = [p for p in manifest["parts"] if not (w.parts / p).exists()]
     if missing:
-        w.say(f"SmolLM2: waiting for {missing} (carry .llamacpp/c2 in the next call)")
+        w.say(f"SmolLM2: waiting for {missing} (carry the next .llamacpp/cN folder in the next call)")
         return None
     import lzma
     packed = b"".join((w.parts / p).read_bytes() for p in manifest["parts"])

@@ -10,6 +10,7 @@ import math
 import numpy as np
 from numba import cuda
 
+from kernels_numba.ptx import grid_trigger, grid_wait
 from kernels_numba.bf16 import SIMULATOR
 from kernels_numba.ptx import pack_bf16x2
 
@@ -18,6 +19,8 @@ THREADS = 32 if SIMULATOR else 256
 
 @cuda.jit
 def _silu_mul_kernel(gate_up, out):
+    grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+    grid_trigger()
     t = cuda.blockIdx.x
     f = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
     n = out.shape[1]
@@ -28,6 +31,8 @@ def _silu_mul_kernel(gate_up, out):
 
 @cuda.jit
 def _silu_mul_bf16_kernel(gate_up, out32):
+    grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+    grid_trigger()
     t = cuda.blockIdx.x
     p = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
     n = 2 * out32.shape[1]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from kernels_numba.ptx import grid_trigger, grid_wait
 from kernels_numba.bf16 import NEG_INF, SIMULATOR, block_argmax
 
 THREADS = 32 if SIMULATOR else 1024
@@ -18,6 +19,8 @@ SCRATCH = 1024 if SIMULATOR else 32
 
 @cuda.jit
 def _argmax_rows_kernel(logits, out):
+    grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+    grid_trigger()
     vs = cuda.shared.array(SCRATCH, np.float32)
     ids = cuda.shared.array(SCRATCH, np.int32)
     r = cuda.blockIdx.x

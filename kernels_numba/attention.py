@@ -33,6 +33,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda
 
+from kernels_numba.ptx import grid_trigger, grid_wait
 from kernels_numba.bf16 import (
     NEG_INF,
     SIMULATOR,
@@ -137,6 +138,8 @@ def _decode_kernel(cfg: DecodeConfig):
 
     @cuda.jit
     def kernel(q, k_cache, v_cache, block_tables, token_seq, positions, scale, part_size, out, scratch):
+        grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+        grid_trigger()
         p = cuda.blockIdx.x
         h = cuda.blockIdx.y
         t = cuda.blockIdx.z
@@ -298,6 +301,8 @@ def _decode_kernel(cfg: DecodeConfig):
 
 @cuda.jit
 def _merge_partitions_kernel(scratch, positions, part_size, grid_parts, out):
+    grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+    grid_trigger()
     hq = cuda.blockIdx.x
     t = cuda.blockIdx.y
     ctx = positions[t] + 1
@@ -435,6 +440,8 @@ def _prefill_kernel(cfg: PrefillConfig):
 
     @cuda.jit
     def kernel(q, k_cache, v_cache, block_tables, seq_query_start, positions, scale, out):
+        grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+        grid_trigger()
         tile = cuda.blockIdx.x
         h = cuda.blockIdx.y
         seq = cuda.blockIdx.z

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from kernels_numba.ptx import grid_trigger, grid_wait
 from kernels_numba.ptx import SIM, f32_to_bf16_bits, ldg_f32x4, pack_bf16x2
 
 THREADS = 32 if SIM else 256
@@ -21,6 +22,8 @@ def x_to_bf16_ref(x: np.ndarray) -> np.ndarray:
 
 @cuda.jit
 def _x_to_bf16_kernel(x, out32):
+    grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+    grid_trigger()
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x     # 8-float group index
     groups = x.shape[1] // 8
     if i >= x.shape[0] * groups:

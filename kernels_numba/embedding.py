@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from kernels_numba.ptx import grid_trigger, grid_wait
 from kernels_numba.bf16 import SIMULATOR, bf16_to_f32, from_bf16_bits
 
 THREADS = 32 if SIMULATOR else 256
@@ -15,6 +16,8 @@ THREADS = 32 if SIMULATOR else 256
 
 @cuda.jit
 def _embedding_gather_kernel(table, ids, out):
+    grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+    grid_trigger()
     t = cuda.blockIdx.x
     tok = ids[t]
     valid = tok >= 0 and tok < table.shape[0]

@@ -59,6 +59,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda
 
+from kernels_numba.ptx import grid_trigger, grid_wait
 from kernels_numba.attention import attention_ref, cache_views, token_seq_from_starts  # noqa: F401 (reference)
 from kernels_numba.ptx import (
     SIM,
@@ -139,6 +140,8 @@ def _make_kernel(cfg: FlashConfig):
     S32 = np.uint64(32)
 
     def flash_prefill(q, k_cache, v_cache, block_tables, seq_query_start, positions, qscale, out):
+        grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+        grid_trigger()
         h = cuda.blockIdx.x
         seq = cuda.blockIdx.z
         tile = cuda.gridDim.y - 1 - cuda.blockIdx.y  # heaviest (latest) tiles first

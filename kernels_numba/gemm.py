@@ -33,6 +33,7 @@ import math
 import numpy as np
 from numba import cuda, float32, uint32
 
+from kernels_numba.ptx import grid_trigger, grid_wait
 from kernels_numba.ptx import (SIM, bf16_bits_to_f32, bf16hi_f32, bf16lo_f32, f32_to_bf16_bits,
                                ldg_f32x4, ldg_u16x8, lds_u32x4, mma_bf16_16816, pack_bf16x2,
                                sts_u32x4, warp_sum_f32)
@@ -70,6 +71,8 @@ def _make_fma(TT: int, W: int, U: int, has_bias: bool, accumulate: bool):
     NW = 4 * U
 
     def gemv_fma(x, w, out, bias):
+        grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+        grid_trigger()
         K = x.shape[1]
         tid = cuda.threadIdx.x
         warp = tid >> 5
@@ -164,6 +167,8 @@ def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumula
     NWR = 4 * U * R
 
     def gemv(x, w, out, bias, nw, eps):
+        grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+        grid_trigger()
         K = w.shape[1]
         tid = cuda.threadIdx.x
         warp = tid >> 5
@@ -293,6 +298,8 @@ def _make_skinny(MT: int, NT: int, W: int, U: int, has_bias: bool, accumulate: b
     NAF = 8 * MT
 
     def gemm_skinny(x, w, out, bias):
+        grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+        grid_trigger()
         T = x.shape[0]
         K = x.shape[1]
         tid = cuda.threadIdx.x
@@ -425,6 +432,8 @@ def _make_tiled(BM: int, BN: int, has_bias: bool, accumulate: bool):
     SB2 = 2 * SB
 
     def gemm_tiled(x, w, out, bias):
+        grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+        grid_trigger()
         T = x.shape[0]
         K = x.shape[1]
         N = w.shape[0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from kernels_numba.ptx import grid_trigger, grid_wait
 from kernels_numba.bf16 import SIMULATOR, f32_to_bf16, to_bf16_bits
 
 THREADS = 32 if SIMULATOR else 256
@@ -16,6 +17,8 @@ THREADS = 32 if SIMULATOR else 256
 
 @cuda.jit
 def _store_kv_kernel(k, v, slot_mapping, k_cache, v_cache):
+    grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+    grid_trigger()
     t = cuda.blockIdx.x
     slot = slot_mapping[t]
     if slot < 0:

@@ -433,3 +433,37 @@ else:
             r = builder.call(ir.InlineAsm(fty, "cvt.rna.tf32.f32 $0, $1;", "=r,f"), [v])
             return builder.bitcast(r, _f32t)
         return types.float32(x), gen
+
+
+# ----------------------------------------------------------------------------- grid dependency control
+# (programmatic dependent launch, sm_90+; kernels_numba/pdl.py launches the kernels that call these)
+#   grid_wait()     `griddepcontrol.wait`: block until every prerequisite grid has completed and its
+#                   memory is visible. A kernel that calls it FIRST may be launched with programmatic
+#                   stream serialization: it then starts while its predecessor is still running.
+#                   Without that launch attribute it returns at once.
+#   grid_trigger()  `griddepcontrol.launch_dependents`: once every CTA of this grid has issued it (or
+#                   exited), the next PDL-launched grid may be scheduled. Call it after grid_wait().
+__all__ += ["grid_wait", "grid_trigger"]
+
+if SIM:
+    def grid_wait():
+        return None
+
+    def grid_trigger():
+        return None
+
+else:
+    def _griddepcontrol(op: str):
+        def gen(context, builder, sig, args):
+            fty = ir.FunctionType(ir.VoidType(), [])
+            builder.call(ir.InlineAsm(fty, f"griddepcontrol.{op};", "~{memory}", side_effect=True), [])
+            return context.get_dummy_value()
+        return gen
+
+    @intrinsic
+    def grid_wait(typingctx):
+        return types.none(), _griddepcontrol("wait")
+
+    @intrinsic
+    def grid_trigger(typingctx):
+        return types.none(), _griddepcontrol("launch_dependents")

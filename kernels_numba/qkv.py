@@ -5,6 +5,8 @@ qkv [T, Hq*hd + 2*Hk*hd] f32 (q | k | v columns); grid (T, Hq + 2*Hk), block hd/
 each thread owning one rotation pair. RoPE pairs: interleaved (x[2i], x[2i+1]) for GGUF llama
 weights, half-split (x[i], x[i+hd/2]) for Hugging Face weights. slot_mapping[t] = -1 skips the
 store (padding rows of a CUDA graph). q_norm/k_norm are used only when has_qk_norm (Qwen3).
+Partial RoPE (cos/sin tables [max_pos, rot/2] with rot < hd, Qwen3-Next): the first rot dims
+rotate (half-split pairs (x[i], x[i+rot/2])), the others pass through.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import math
 import numpy as np
 from numba import cuda
 
+from kernels_numba.ptx import grid_trigger, grid_wait
 from kernels_numba.bf16 import SIMULATOR, block_sum, f32_to_bf16
 
 SCRATCH = 1024 if SIMULATOR else 32
@@ -21,6 +24,8 @@ SCRATCH = 1024 if SIMULATOR else 32
 @cuda.jit
 def _qkv_rope_store_kernel(qkv, positions, cos, sin, slot_mapping, q_norm, k_norm, has_qk_norm, eps,
                            interleaved, q_out, k_cache, v_cache):
+    grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+    grid_trigger()
     scratch = cuda.shared.array(SCRATCH, np.float32)
     t = cuda.blockIdx.x
     hh = cuda.blockIdx.y
@@ -29,12 +34,13 @@ def _qkv_rope_store_kernel(qkv, positions, cos, sin, slot_mapping, q_norm, k_nor
     hk = k_cache.shape[2]
     hd = q_out.shape[2]
     half = hd // 2
-    if interleaved:
+    rh = cos.shape[1]                       # rotated pairs: rot/2 (< half with partial RoPE)
+    if interleaved or i >= rh:              # i >= rh: a pass-through pair of partial RoPE
         a = 2 * i
         b = 2 * i + 1
     else:
         a = i
-        b = i + half
+        b = i + rh
     block_size = k_cache.shape[1]
     slot = slot_mapping[t]
     if hh >= hq + hk:                       # V head: copy into the cache
@@ -64,11 +70,14 @@ def _qkv_rope_store_kernel(qkv, positions, cos, sin, slot_mapping, q_norm, k_nor
                 x1 = x1 * inv * k_norm[b]
     if i >= half:
         return
-    pos = positions[t]
-    c = cos[pos, i]
-    s = sin[pos, i]
-    r0 = x0 * c - x1 * s
-    r1 = x0 * s + x1 * c
+    r0 = x0
+    r1 = x1
+    if i < rh:
+        pos = positions[t]
+        c = cos[pos, i]
+        s = sin[pos, i]
+        r0 = x0 * c - x1 * s
+        r1 = x0 * s + x1 * c
     if is_q:
         q_out[t, hh, a] = r0
         q_out[t, hh, b] = r1
@@ -110,12 +119,15 @@ def qkv_rope_store_ref(qkv, positions, cos, sin, slot_mapping, hq: int, hk: int,
     s = np.asarray(sin, np.float64)[positions][:, None, :]
 
     def rot(z):
+        rd = 2 * c.shape[-1]                 # partial RoPE: dims from rd on pass through
+        if rd < hd:
+            return np.concatenate([rot(z[..., :rd]), z[..., rd:]], axis=-1)
         out = np.empty_like(z)
         if interleaved:
             z0, z1 = z[..., 0::2], z[..., 1::2]
             out[..., 0::2], out[..., 1::2] = z0 * c - z1 * s, z0 * s + z1 * c
         else:
-            h = hd // 2
+            h = z.shape[-1] // 2
             z0, z1 = z[..., :h], z[..., h:]
             out[..., :h], out[..., h:] = z0 * c - z1 * s, z0 * s + z1 * c
         return out
@@ -132,6 +144,8 @@ def qkv_rope_store_ref(qkv, positions, cos, sin, slot_mapping, hq: int, hk: int,
 
 @cuda.jit
 def _gather_rows_kernel(x, rows, out):
+    grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+    grid_trigger()
     r = cuda.blockIdx.x
     src = rows[r]
     for d in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):

@@ -12,6 +12,7 @@ import math
 import numpy as np
 from numba import cuda
 
+from kernels_numba.ptx import grid_trigger, grid_wait
 from kernels_numba.bf16 import SIMULATOR, block_sum
 from kernels_numba.ptx import pack_bf16x2
 
@@ -26,6 +27,8 @@ def _threads(d: int) -> int:
 
 @cuda.jit
 def _rms_norm_2d(x, w, eps, out):
+    grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+    grid_trigger()
     scratch = cuda.shared.array(SCRATCH, np.float32)
     r = cuda.blockIdx.x
     n = x.shape[1]
@@ -41,6 +44,8 @@ def _rms_norm_2d(x, w, eps, out):
 
 @cuda.jit
 def _rms_norm_3d(x, w, eps, out):
+    grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+    grid_trigger()
     scratch = cuda.shared.array(SCRATCH, np.float32)
     t = cuda.blockIdx.x
     h = cuda.blockIdx.y
@@ -59,6 +64,8 @@ def _rms_norm_3d(x, w, eps, out):
 def _rms_norm_bf16_2d(x, w, eps, out32):
     """rms_norm of rows into bf16 (two per uint32 of out32 [N, D/2]): the input of a library
     matmul that takes bf16, without a separate conversion pass."""
+    grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+    grid_trigger()
     scratch = cuda.shared.array(SCRATCH, np.float32)
     r = cuda.blockIdx.x
     n = x.shape[1]
@@ -75,6 +82,8 @@ def _rms_norm_bf16_2d(x, w, eps, out32):
 
 @cuda.jit
 def _add_rms_norm_2d(x, residual, w, eps, out):
+    grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+    grid_trigger()
     scratch = cuda.shared.array(SCRATCH, np.float32)
     r = cuda.blockIdx.x
     n = x.shape[1]

@@ -15,6 +15,7 @@ import math
 import numpy as np
 from numba import cuda
 
+from kernels_numba.ptx import grid_trigger, grid_wait
 from kernels_numba.bf16 import SIMULATOR
 
 THREADS = 32 if SIMULATOR else 128
@@ -36,6 +37,8 @@ def _rotate(x, t, h, i, half, interleaved, c, s):
 
 @cuda.jit
 def _rope_kernel(q, k, positions, cos, sin, interleaved):
+    grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+    grid_trigger()
     t = cuda.blockIdx.x
     pos = positions[t]
     half = cos.shape[1]

@@ -85,6 +85,7 @@ import struct
 import numpy as np
 from numba import cuda
 
+from kernels_numba.ptx import grid_trigger, grid_wait
 from kernels_numba.bf16 import FULL_MASK, NEG_INF, SIMULATOR, block_argmax, block_max, block_sum, device_function
 
 THREADS = 32 if SIMULATOR else 1024
@@ -593,6 +594,8 @@ def _list_sample(buf, n, thr, k_list, p_list, p_target, kmin, k0, k1, step, cnt,
 
 @_row_kernel
 def _prepare_rows_kernel(logits, fparams, iparams, adj_token, adj_rep, adj_add, raw_saved, lse, top_ids, top_lps):
+    grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+    grid_trigger()
     scratch = cuda.shared.array(SCRATCH, np.float32)
     iscratch = cuda.shared.array(SCRATCH, np.int32)
     r = cuda.blockIdx.x
@@ -645,6 +648,8 @@ def _prepare_rows_kernel(logits, fparams, iparams, adj_token, adj_rep, adj_add, 
 
 @_row_kernel
 def _sample_rows_kernel(logits, mask, fparams, iparams, adj_token, raw_saved, lse, out_tokens, out_lps):
+    grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+    grid_trigger()
     scratch = cuda.shared.array(SCRATCH, np.float32)
     iscratch = cuda.shared.array(SCRATCH, np.int32)
     cnt = cuda.shared.array(RADIX_BINS, np.uint32)

@@ -32,6 +32,8 @@ class Levers:
     prefill_attention_kernel: str = "mma"   # mma (tensor cores, flash_prefill.py) | fma (FP32, attention.py)
     decode_attention_kernel: str = "mma"    # mma (tensor cores, flash_decode.py; H200: 2-2.9x at B>=128) | fma (attention.py)
     fuse_decode: bool = True             # one-row steps (CUDA): RMSNorm and silu*mul inside the next GEMV
+    pdl: bool = True                     # CUDA sm_90+: programmatic dependent launch of the kernels that
+                                         # opt in (the next kernel starts while the previous one drains)
     spec_min_confidence: float = 0.0     # cut a draft at its first token below this confidence
     spec_verify_cost: float = -1.0       # cost of one verified draft token, in plain decode steps
                                          # (-1: 0.1 on CUDA, where decode is memory-bound; 0.5 on CPU)

@@ -17,7 +17,7 @@ import numpy as np
 from numba import cuda
 from numba.cuda.cudadrv.driver import device_memset
 
-from kernels_numba import (activation, argmax, attention, convert, embedding, flash_decode, flash_prefill, gemm,
+from kernels_numba import (activation, argmax, attention, convert, embedding, flash_decode, flash_prefill, gemm, pdl,
                            qkv, rmsnorm)
 from kernels_numba.bf16 import to_bf16_bits
 from kernels_numba.init import fill_normal_bf16
@@ -236,6 +236,8 @@ class CudaBackend:
             raise ValueError(f"levers.decode_attention_kernel must be mma or fma, not '{levers.decode_attention_kernel}'")
         self.flash_decode = levers.decode_attention_kernel == "mma"
         self._init_decode_fusion(levers)
+        # PDL is process-wide (it wraps Numba's launcher); the last backend built decides
+        self.pdl = pdl.enable(bool(getattr(levers, "pdl", True)))
         self.use_graphs = bool(levers.cuda_graphs)
         self.graph_sizes = sorted(int(s) for s in levers.graph_batch_sizes)
         self.max_model_len = min(c.max_position, cfg.scheduler.max_model_len or c.max_position)

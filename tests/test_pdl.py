@@ -1,0 +1,110 @@
+"""Programmatic dependent launch (kernels_numba/pdl.py): which kernels opt in, that each opted-in
+kernel waits before anything else, and that the PTX carries the grid-dependency instructions.
+The launch itself (and the decode graphs built with it) is checked on the H200 by the GPU suite,
+which runs with levers.pdl on by default."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from numba import types
+
+from kernels_numba import pdl
+from kernels_numba.bf16 import SIMULATOR
+from ptx_util import no_gpu_needed  # noqa: F401  (autouse fixture: compile_ptx without a driver)
+
+KERNELS = Path(__file__).resolve().parents[1] / "kernels_numba"
+# every kernel of a dense decode / prefill step lives in these modules and must opt in
+DECODE_PATH = ["activation", "argmax", "attention", "convert", "embedding", "flash_decode",
+               "flash_prefill", "gemm", "kv_cache", "qkv", "rmsnorm", "rope", "sampling"]
+
+
+def _calls(stmt: ast.stmt, name: str) -> bool:
+    return (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)
+            and isinstance(stmt.value.func, ast.Name) and stmt.value.func.id == name)
+
+
+def _body_without_docstring(fn: ast.FunctionDef) -> list[ast.stmt]:
+    body = fn.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        body = body[1:]
+    return body
+
+
+def _own_nodes(fn: ast.FunctionDef):
+    """fn's nodes, not those of functions defined inside it (a factory is not its kernel)."""
+    todo = list(fn.body)
+    while todo:
+        n = todo.pop()
+        yield n
+        if not isinstance(n, (ast.FunctionDef, ast.Lambda)):
+            todo.extend(ast.iter_child_nodes(n))
+
+
+def _functions(path: Path):
+    return [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)]
+
+
+@pytest.mark.parametrize("path", sorted(KERNELS.glob("*.py")), ids=lambda p: p.name)
+def test_grid_wait_comes_first(path):
+    """A kernel launched with the PDL attribute may start while its predecessor still writes: the
+    wait must precede every statement (grid_trigger right after it)."""
+    for fn in _functions(path):
+        calls_wait = any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "grid_wait"
+                         for n in _own_nodes(fn))
+        if not calls_wait or fn.name == "grid_wait":
+            continue
+        body = _body_without_docstring(fn)
+        assert _calls(body[0], "grid_wait"), f"{path.name}:{fn.name}: grid_wait() is not the first statement"
+        assert _calls(body[1], "grid_trigger"), f"{path.name}:{fn.name}: grid_trigger() must follow grid_wait()"
+
+
+def _is_kernel(fn: ast.FunctionDef) -> bool:
+    for d in fn.decorator_list:
+        src = ast.unparse(d)
+        if src in ("cuda.jit", "_row_kernel") or (src.startswith("cuda.jit(") and "device=True" not in src):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("module", DECODE_PATH)
+def test_decode_path_kernels_opt_in(module):
+    """Every decorated kernel of the decode-path modules opts in; one that did not would be launched
+    the plain way (correct, but the graph edge before it keeps its full gap)."""
+    for fn in _functions(KERNELS / f"{module}.py"):
+        if _is_kernel(fn):
+            assert _calls(_body_without_docstring(fn)[0], "grid_wait"), f"{module}.{fn.name} does not opt in to PDL"
+
+
+def test_opted_in_reads_the_code():
+    from kernels_numba import gemm, rmsnorm
+
+    assert pdl.opted_in(rmsnorm._rms_norm_2d.py_func)
+    assert pdl.opted_in(gemm.py_kernel("gemv", 4, 1, 2, 0, 0, False, False))   # factory-made kernels too
+
+    def plain(x):
+        x[0] = 1.0
+    assert not pdl.opted_in(plain)
+
+
+def test_enable_without_a_gpu_stays_off():
+    """No GPU here (or the simulator): enable() refuses, and the launcher is never wrapped."""
+    assert pdl.enable(True) is False
+    assert not pdl.enabled()
+
+
+@pytest.mark.skipif(SIMULATOR, reason="compile_ptx needs the real CUDA target")
+def test_ptx_has_the_wait_before_any_global_load():
+    from ptx_util import ptx_of
+
+    from kernels_numba import rmsnorm
+
+    F32_1, F32_2A = types.Array(types.float32, 1, "C"), types.Array(types.float32, 2, "A")
+    ptx = ptx_of(rmsnorm._rms_norm_2d, (F32_2A, F32_1, types.float32, F32_2A))
+    lines = ptx.splitlines()
+    wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
+    trigger = next(i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln)
+    first_load = next(i for i, ln in enumerate(lines) if "ld.global" in ln)
+    assert wait < trigger < first_load
