@@ -481,3 +481,66 @@ def state_norm_clamp_ref(ssm_state, bound: float):
     """ssm_state [nv, dk, dv] -> the same with each head's norm clamped to bound."""
     norm = np.sqrt((ssm_state * ssm_state).sum(axis=(-2, -1), keepdims=True))
     return ssm_state * np.where(norm > bound, bound / np.maximum(norm, 1e-30), 1.0)
+
+
+# ------------------------------------------------- hybrid attention layers and rollback trails
+
+
+@cuda.jit
+def _sigmoid_mul_kernel(x, gate, out):
+    t = cuda.blockIdx.x
+    f = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    if f < out.shape[1]:
+        out[t, f] = x[t, f] / (F32(1.0) + math.exp(-gate[t, f]))
+
+
+def sigmoid_mul(x, gate, out, stream=0) -> None:
+    """out[T, N] = x * sigmoid(gate): the output gate of Qwen3-Next's attention layers."""
+    T, N = out.shape
+    if T and N:
+        _sigmoid_mul_kernel[(T, (N + 127) // 128), 128, stream](x, gate, out)
+
+
+def sigmoid_mul_ref(x, gate):
+    return np.asarray(x) / (1.0 + np.exp(-np.asarray(gate)))
+
+
+@cuda.jit
+def _record_trail_kernel(proj, seq_query_start, trail_ids, gate_offset, trail_x, trail_ba):
+    s = cuda.blockIdx.x
+    ci = trail_ids[s]
+    if ci < 0:
+        return
+    a = seq_query_start[s]
+    n = seq_query_start[s + 1] - a
+    if n > trail_x.shape[1]:           # the host refuses such blocks; never write past the trail
+        return
+    cd = trail_x.shape[2]
+    width = cd + trail_ba.shape[2]
+    for e in range(cuda.threadIdx.x, n * width, cuda.blockDim.x):
+        r = e // width
+        c = e - r * width
+        if c < cd:
+            trail_x[ci, r, c] = proj[a + r, c]
+        else:
+            trail_ba[ci, r, c - cd] = proj[a + r, gate_offset + c - cd]
+
+
+def record_trail(proj, seq_query_start, trail_ids, gate_offset: int, trail_x, trail_ba, stream=0) -> None:
+    """For every segment s with trail_ids[s] >= 0 (a verify block after a checkpoint), copy its
+    raw GDN inputs into that checkpoint's trail: the pre-conv rows proj[:, :conv_dim] into
+    trail_x[id, :n] [ids, max_trail, conv_dim] and the b | a columns proj[:, gate_offset:+2nv]
+    into trail_ba[id, :n] [ids, max_trail, 2nv]. A rollback replays them (docs/hybrid.md)."""
+    S = trail_ids.shape[0]
+    if S:
+        _record_trail_kernel[S, 256, stream](proj, seq_query_start, trail_ids, np.int32(gate_offset),
+                                             trail_x, trail_ba)
+
+
+def record_trail_ref(proj, seq_query_start, trail_ids, gate_offset: int, trail_x, trail_ba) -> None:
+    cd, nba = trail_x.shape[2], trail_ba.shape[2]
+    for s, ci in enumerate(trail_ids):
+        a, b = int(seq_query_start[s]), int(seq_query_start[s + 1])
+        if ci >= 0 and b - a <= trail_x.shape[1]:
+            trail_x[ci, :b - a] = proj[a:b, :cd]
+            trail_ba[ci, :b - a] = proj[a:b, gate_offset:gate_offset + nba]
