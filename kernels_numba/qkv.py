@@ -120,7 +120,7 @@ def qkv_rope_store_ref(qkv, positions, cos, sin, slot_mapping, hq: int, hk: int,
 
     def rot(z):
         rd = 2 * c.shape[-1]                 # partial RoPE: dims from rd on pass through
-        if rd < hd:
+        if rd < z.shape[-1]:
             return np.concatenate([rot(z[..., :rd]), z[..., rd:]], axis=-1)
         out = np.empty_like(z)
         if interleaved:

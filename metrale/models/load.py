@@ -56,6 +56,9 @@ def _load_hf(path):
 
 def make_backend(device: str, cfg, config: ModelConfig, weights):
     block_size = int(cfg.cache.block_size)
+    if device == "cuda" and config.is_hybrid and not config.is_moe:   # Gated DeltaNet + attention (docs/hybrid.md)
+        from metrale.runtime.cuda_hybrid import HybridCudaBackend
+        return HybridCudaBackend(config, weights() if weights else None, cfg=cfg, random_seed=int(cfg.seed))
     if device == "cuda" and (config.is_mla or config.is_hybrid or config.is_moe):
         raise ValueError(f"{config.name or config.architecture}: MLA, MoE and hybrid (Gated DeltaNet) models "
                          f"run on the NumPy backend only so far; use device=cpu")

@@ -195,6 +195,9 @@ def _to_f32(a: np.ndarray) -> np.ndarray:
 # ------------------------------------------------------------------------------ random weights
 
 def random_model_config(preset: dict, name: str) -> ModelConfig:
+    if preset.get("model_type") in ("qwen3_next", "metrale_hybrid"):   # hybrid presets: a config.json's fields
+        from metrale.models.hybrid import hybrid_model_config
+        return hybrid_model_config(preset, name)
     keys = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
             "num_kv_heads", "head_dim", "rope_theta", "tie_word_embeddings", "max_position")
     return ModelConfig(**{k: preset[k] for k in keys if k in preset}, name=name)
