@@ -55,6 +55,13 @@ def profile(model: str, batches: list[int], context: int, overrides: list[str], 
         us = replay_us(backend.graphs[g], backend.stream)
         print(f"replay: {model} B={batch} ctx={context} pdl={backend.pdl}: {us:.1f} us a step "
               f"({batch / us * 1e6:.0f} tok/s), {backend.graphs[g].num_nodes} nodes", flush=True)
+        tuned = getattr(getattr(backend, "blas", None), "tuned", {})
+        changed = {k: v for k, v in tuned.items() if v[0] != 0}
+        if changed:
+            saved = sum(v[2] - v[1] for v in changed.values())
+            print(f"  cuBLASLt autotune: {len(changed)} of {len(tuned)} plans changed, "
+                  f"{saved:.1f} us saved over one call of each: " + ", ".join(
+                      f"T{k[0]}xN{k[1]}xK{k[2]} {v[2]:.1f}->{v[1]:.1f}" for k, v in sorted(changed.items())))
         if time_only:
             continue
         cu("cuProfilerStart")
@@ -75,9 +82,9 @@ def summarize(path: str) -> None:
         name = re.sub(r"\(.*", "", r["Kernel Name"])[:60]
         value = float(r["Metric Value"].replace(",", ""))
         if metric == "gpu__time_duration.sum":
-            times[name].append(value * {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(unit, 1.0))
+            times[name].append(value * {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}[unit])
         elif metric == "dram__bytes.sum":
-            nbytes[name] += value * {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}.get(unit, 1)
+            nbytes[name] += value * {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}[unit]
     total = sum(sum(v) for v in times.values())
     bw = bool(nbytes)
     print(f"{'kernel':60s} {'n':>4s} {'total us':>10s} {'mean us':>9s} {'share':>6s}" + (f" {'TB/s':>6s}" if bw else ""))

@@ -453,8 +453,16 @@ if SIM:
         return None
 
 else:
+    import os
+
+    # Experiment knob (bench only): METRALE_PDL_TRIGGER=0 compiles grid_trigger() to nothing, so a
+    # successor launches when this grid's blocks exit instead of when they start. Read at compile time.
+    _EARLY_TRIGGER = os.environ.get("METRALE_PDL_TRIGGER", "1") != "0"
+
     def _griddepcontrol(op: str):
         def gen(context, builder, sig, args):
+            if op == "launch_dependents" and not _EARLY_TRIGGER:
+                return context.get_dummy_value()
             fty = ir.FunctionType(ir.VoidType(), [])
             builder.call(ir.InlineAsm(fty, f"griddepcontrol.{op};", "~{memory}", side_effect=True), [])
             return context.get_dummy_value()

@@ -270,6 +270,31 @@ class CudaBackend:
                                {"weights": weight_bytes, "activations": act_bytes, "kv": None})
         self.weights = self._load_weights(weights, random_seed)
         self._alloc_activations()
+        self._alloc_kv_cache(num_blocks)
+        if self.use_blas:
+            from metrale.runtime.cuda.cublaslt import CublasLt
+            ws = self.act["blas_workspace"]
+            self.blas = CublasLt(_ptr(ws), ws.nbytes, autotune=int(getattr(levers, "cublaslt_autotune", 0)))
+        self.graphs: dict[Geometry, CudaGraph] = {}
+        self._argmax_host = cuda.pinned_array(self.max_rows, dtype=np.int32)
+        cuda.synchronize()
+        if self.use_graphs:
+            self._capture_ladder()
+
+    # ------------------------------------------------------------------ hooks of model families
+    def _gemm_dims(self) -> list[tuple[str, int]]:
+        """(name, size) of the dimensions the GEMM kernels need as multiples of 64."""
+        c = self.config
+        return [("hidden_size", c.hidden_size), ("intermediate_size", c.intermediate_size),
+                ("q+k+v size", c.q_size + 2 * c.kv_size), ("vocab_size", c.vocab_size)]
+
+    def _kv_block_bytes(self) -> int:
+        """Device bytes of one cache block over all layers (K and V here; MLA: the latent rows)."""
+        c = self.config
+        return 2 * c.num_layers * self.block_size * c.kv_size * 2
+
+    def _alloc_kv_cache(self, num_blocks: int) -> None:
+        c = self.config
         shape = (c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
         self.k_cache = self.pool.alloc("kv", shape, np.uint16)
         self.v_cache = self.pool.alloc("kv", shape, np.uint16)
@@ -278,15 +303,10 @@ class CudaBackend:
         device_memset(self.v_cache, 0, self.v_cache.nbytes)
         self.k_cache64 = self.k_cache.view(np.uint64)
         self.v_cache64 = self.v_cache.view(np.uint64)
-        if self.use_blas:
-            from metrale.runtime.cuda.cublaslt import CublasLt
-            ws = self.act["blas_workspace"]
-            self.blas = CublasLt(_ptr(ws), ws.nbytes)
-        self.graphs: dict[Geometry, CudaGraph] = {}
-        self._argmax_host = cuda.pinned_array(self.max_rows, dtype=np.int32)
-        cuda.synchronize()
-        if self.use_graphs:
-            self._capture_ladder()
+
+    def _rope_host_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        c = self.config
+        return rope_tables(c.head_dim, self.max_model_len, c.rope_theta, (c.extra or {}).get("rope_scaling"))
 
     def _capture_ladder(self) -> None:
         """Capture the decode graph of every ladder size at the first context bucket now (this also

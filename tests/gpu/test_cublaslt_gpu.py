@@ -74,3 +74,35 @@ def test_linear_replays_in_a_graph(blas):
     out = dout.copy_to_host()
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-4
     g.close()
+
+
+@pytest.mark.parametrize("mode", ["accumulate", "bias"])
+def test_autotuned_plans_leave_the_output_alone(mode):
+    """Autotune times candidates on the call's operands into a scratch buffer: the first call's
+    result (accumulate: out += x @ w.T) is the reference's, and the chosen candidate is no slower
+    than the heuristic's first (the same timings chose it)."""
+    ws = cuda.device_array(WORKSPACE_BYTES, np.uint8)
+    blas = CublasLt(_ptr(ws), WORKSPACE_BYTES, autotune=8)
+    T, N, K = 32, 6144, 4096
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    w = f32_to_bf16_bits(rng.standard_normal((N, K)).astype(np.float32) / np.float32(64))
+    bias = rng.standard_normal(N).astype(np.float32) if mode == "bias" else None
+    r0 = rng.standard_normal((T, N)).astype(np.float32) if mode == "accumulate" else np.zeros((T, N), np.float32)
+    s = Stream()
+    dx, dw, dout = cuda.to_device(x), cuda.to_device(w), cuda.to_device(r0)
+    xb = cuda.device_array(T * K, np.uint16)
+    x_to_bf16(dx, xb, stream=s.numba)
+    db = cuda.to_device(bias) if bias is not None else None
+    blas.linear(_ptr(xb), _ptr(dw), _ptr(dout), T, N, K, bias_ptr=_ptr(db) if db is not None else 0,
+                accumulate=mode == "accumulate", stream=s.ptr)
+    s.synchronize()
+    ref = (bf16_bits_to_f32(f32_to_bf16_bits(x)).astype(np.float64) @ bf16_bits_to_f32(w).astype(np.float64).T
+           + (0 if bias is None else bias) + r0)
+    out = dout.copy_to_host()
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-4
+    (key, (pick, best_us, first_us)), = blas.tuned.items()
+    assert key == (T, N, K, mode == "accumulate", mode == "bias")
+    assert best_us <= first_us
+    print(f"autotune {key}: candidate {pick} {best_us:.1f} us, heuristic's first {first_us:.1f} us")
+    blas.close()

@@ -77,3 +77,29 @@ def test_partition_heuristic():
         parts, part = FD.flash_decode_partitions(t, 8, 8192, cfg, rows)
         assert parts == 1 or (t * parts <= rows and part % cfg.granule == 0 and parts * part >= 8192)
     assert FD.flash_decode_partitions(4, 8, 4096, cfg, 0) == (1, A.NO_SPLIT_PART)
+
+
+@pytest.mark.parametrize("contexts,partitions", [([100, 37, 5, 64], 3), ([130, 1], 4), ([200], 2)])
+def test_flash_decode_balanced_over_a_large_bucket(contexts, partitions):
+    """The grid is sized for a graph bucket (max_context 1024) far above the real contexts: each
+    token still splits its own context over the grid's partitions (balanced_partitions), and the
+    merge agrees with the split."""
+    rng = np.random.default_rng(sum(contexts))
+    hd, hq, hk, bs = 64, 4, 1, 16
+    q, kc, vc, tables, token_seq, positions = make_batch(rng, hd, hq, hk, contexts, bs)
+    want = A.attention_ref(q, kc, vc, tables, token_seq, positions, hd ** -0.5)
+    out = np.full_like(q, np.nan)
+    scratch = np.zeros((8 * q.shape[0], hq, hd + 2), np.float32)
+    cfg = FD.flash_decode_config(hd, hq // hk, bs, warps=2, keys=8)
+    FD.flash_decode_attention(q, kc, vc, tables, token_seq, positions, hd ** -0.5, out, scratch=scratch,
+                              max_context=1024, partitions=partitions, config=cfg)
+    check(out, want)
+
+
+def test_balanced_partitions_cover_the_context_evenly():
+    for ctx in (1, 15, 16, 17, 100, 520, 4097):
+        for quantum in (16, 64):
+            for grid in (1, 2, 3, 16):
+                n, size = A.balanced_partitions_ref(ctx, quantum, grid)
+                assert 1 <= n <= grid and size % quantum == 0 and (n - 1) * size < ctx <= n * size
+                assert size <= max(quantum, -(-ctx // grid) + quantum - 1)   # no partition over a quantum too long

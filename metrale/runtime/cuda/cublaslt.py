@@ -10,6 +10,14 @@ epilogue (one fp32 value per row of D). A plan (descriptors + heuristic algorith
 (T, N, K, accumulate, bias) and kept; the workspace is one device buffer given at construction, so
 launches allocate nothing and can be captured in a CUDA graph.
 
+Autotune (`autotune` candidates, for plans of at most `autotune_max_rows` rows, i.e. the decode and
+verify ladder): the heuristic's top candidates are each timed on the call's own operands (output to
+a scratch buffer, so the real output is untouched) and the fastest is kept. The heuristic's first
+choice is often a split-K kernel plus a reduce launch for the skinny decode products (H200, 8B
+shape, 32 rows: 2.5-2.8 TB/s on qkv/o_proj against 3.8 for gate_up). Plans first made while a stream
+is being captured are not tuned (nothing may run then); the backend's eager warm-up run makes them
+before every capture.
+
 Optional: `available()` is False when nvmath-python or the cuBLASLt library is missing, and the
 backend keeps its Numba kernels (the CPU machine and CI never load this).
 """
@@ -42,6 +50,21 @@ def available() -> tuple[bool, str]:
         return False, f"{type(exc).__name__}: {exc}"
 
 
+def _check(ret: Any) -> Any:
+    """cuda.bindings returns (CUresult, value...): raise on an error, return the value(s)."""
+    err, *vals = ret if isinstance(ret, tuple) else (ret,)
+    if int(err) != 0:
+        raise RuntimeError(f"CUDA driver error {int(err)}")
+    return vals[0] if len(vals) == 1 else (tuple(vals) or None)
+
+
+def _capturing(stream: int) -> bool:
+    """Whether `stream` is being captured into a graph (then nothing may be timed or synchronized)."""
+    from cuda.bindings import driver as drv
+    status = _check(drv.cuStreamIsCapturing(stream))
+    return int(status) != int(drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE)
+
+
 @dataclass
 class _Plan:
     desc: int
@@ -53,8 +76,12 @@ class _Plan:
 class CublasLt:
     """One handle, one workspace, a cache of plans keyed by shape."""
 
-    def __init__(self, workspace_ptr: int, workspace_bytes: int = WORKSPACE_BYTES) -> None:
+    def __init__(self, workspace_ptr: int, workspace_bytes: int = WORKSPACE_BYTES, *,
+                 autotune: int = 0, autotune_max_rows: int = 256) -> None:
         self.L = L = _lib()
+        self.autotune, self.autotune_max_rows = int(autotune), int(autotune_max_rows)
+        self.tuned: dict[tuple, tuple[int, float, float]] = {}    # key -> (chosen index, its us, first's us)
+        self._scratch, self._scratch_bytes = 0, 0
         self.handle = L.create()
         self.workspace, self.workspace_bytes = int(workspace_ptr), int(workspace_bytes)
         self.plans: dict[tuple, _Plan] = {}
@@ -69,7 +96,9 @@ class CublasLt:
         buf = np.array([value], ctype)
         self.L.matmul_desc_set_attribute(desc, attr, buf.ctypes.data, buf.nbytes)
 
-    def plan(self, T: int, N: int, K: int, accumulate: bool, bias: bool) -> _Plan:
+    def plan(self, T: int, N: int, K: int, accumulate: bool, bias: bool, tune_with: tuple | None = None) -> _Plan:
+        """The cached plan of this shape, made on first use; tune_with = (x_ptr, w_ptr, bias_ptr,
+        stream): operands to time the candidates on when autotuning applies."""
         key = (T, N, K, accumulate, bias)
         p = self.plans.pop(key, None)
         if p is not None:
@@ -88,18 +117,77 @@ class CublasLt:
         a = L.matrix_layout_create(CUDA_R_16BF, K, N, K)
         b = L.matrix_layout_create(CUDA_R_16BF, K, T, K)
         d = L.matrix_layout_create(CUDA_R_32F, N, T, N)
-        result = L.MatmulHeuristicResult(1)
+        tune = (self.autotune > 1 and T <= self.autotune_max_rows and tune_with is not None
+                and not _capturing(tune_with[3]))
+        n = self.autotune if tune else 1
+        result = L.MatmulHeuristicResult(n)
         count = np.zeros(1, np.int32)
-        L.matmul_algo_get_heuristic(self.handle, desc, a, b, d, d, self.pref, 1, result.ptr, count.ctypes.data)
+        L.matmul_algo_get_heuristic(self.handle, desc, a, b, d, d, self.pref, n, result.ptr, count.ctypes.data)
         if count[0] < 1:
             raise RuntimeError(f"cuBLASLt has no algorithm for T={T} N={N} K={K}")
-        p = _Plan(desc, (a, b, d), result, int(result.ptr))   # the algo is the struct's first member
+        pick = 0
+        if tune and count[0] > 1:
+            pick = self._fastest(key, desc, (a, b, d), result, int(count[0]), tune_with)
+        # the algo is the struct's first member; the result array stays referenced by the plan
+        p = _Plan(desc, (a, b, d), result, int(result[pick].ptr) if n > 1 else int(result.ptr))
         self.plans[key] = p
         return p
 
+    def _fastest(self, key: tuple, desc: int, layouts: tuple, result: Any, count: int, tune_with: tuple) -> int:
+        """Index of the fastest of `count` candidates, timed on the given operands (median of 5 runs
+        after one warm-up each) into a scratch output; candidates that fail to run are skipped."""
+        from cuda.bindings import driver as drv
+        T, N, K, accumulate, bias = key
+        x_ptr, w_ptr, bias_ptr, stream = tune_with
+        a, b, d = layouts
+        scratch = self._scratch_for(T * N * 4)
+        if bias:
+            self._set(desc, self.L.MatmulDescAttribute.BIAS_POINTER, bias_ptr, np.uint64)
+        beta = self._one if accumulate else self._zero
+        start, stop = (_check(drv.cuEventCreate(0)) for _ in range(2))
+        times = []
+        try:
+            for i in range(count):
+                algo = int(result[i].ptr)
+                if int(result[i].state) != 0 or int(result[i].workspace_size) > self.workspace_bytes:
+                    times.append(float("inf"))
+                    continue
+                runs = []
+                try:
+                    for r in range(6):
+                        _check(drv.cuEventRecord(start, stream))
+                        self.L.matmul(self.handle, desc, self._one.ctypes.data, w_ptr, a, x_ptr, b,
+                                      beta.ctypes.data, scratch, d, scratch, d, algo, self.workspace,
+                                      self.workspace_bytes, stream)
+                        _check(drv.cuEventRecord(stop, stream))
+                        _check(drv.cuEventSynchronize(stop))
+                        if r:
+                            runs.append(_check(drv.cuEventElapsedTime(start, stop)) * 1e3)
+                    times.append(float(np.median(runs)))
+                except Exception:      # this algorithm cannot run these operands: skip it
+                    times.append(float("inf"))
+        finally:
+            for e in (start, stop):
+                drv.cuEventDestroy(e)
+        pick = int(np.argmin(times))
+        if not np.isfinite(times[pick]):
+            pick = 0
+        self.tuned[key] = (pick, times[pick], times[0])
+        return pick
+
+    def _scratch_for(self, nbytes: int) -> int:
+        """A device buffer of at least nbytes for tuning outputs (grown on demand, freed at close)."""
+        from cuda.bindings import driver as drv
+        if nbytes > self._scratch_bytes:
+            if self._scratch:
+                _check(drv.cuMemFree(self._scratch))
+            self._scratch = int(_check(drv.cuMemAlloc(nbytes)))
+            self._scratch_bytes = nbytes
+        return self._scratch
+
     def linear(self, x_bf16_ptr: int, w_ptr: int, out_ptr: int, T: int, N: int, K: int, *,
                bias_ptr: int = 0, accumulate: bool = False, stream: int = 0) -> None:
-        p = self.plan(T, N, K, accumulate, bool(bias_ptr))
+        p = self.plan(T, N, K, accumulate, bool(bias_ptr), (x_bf16_ptr, w_ptr, bias_ptr, stream))
         if bias_ptr:
             self._set(p.desc, self.L.MatmulDescAttribute.BIAS_POINTER, bias_ptr, np.uint64)
         a, b, d = p.layouts
@@ -118,6 +206,10 @@ class CublasLt:
         for p in self.plans.values():
             self._destroy(p)
         self.plans.clear()
+        if self._scratch:
+            from cuda.bindings import driver as drv
+            drv.cuMemFree(self._scratch)
+            self._scratch = 0
         L.matmul_preference_destroy(self.pref)
         L.destroy(self.handle)
 
