@@ -24,4 +24,8 @@ METRALE_PDL_TRIGGER=0 ab --model llama-3-8b-shape --batch 1 32 --override "$G"
 ab --model smollm2-135m-shape --batch 1 32 --override "$G"
 METRALE_PDL_TRIGGER=0 ab --model smollm2-135m-shape --batch 1 32 --override "$G"
 ab --model llama-3.2-1b-shape --batch 1 32 --override "$G"
+stamp hybrid
+timeout 150 python3 -m pytest -q -m gpu -p no:warnings -x tests/gpu/test_hybrid_gpu.py > $OUT/hybrid_tests.txt 2>&1
+grep -E "passed|failed|Error|error|assert" $OUT/hybrid_tests.txt | tail -12
+timeout 80 python3 -m bench.hybrid_bench --model qwen3-next-1b-shape --batch 1 32 --out $OUT 2>&1 | tail -6
 stamp done
