@@ -33,10 +33,11 @@ import numpy as np
 from numba import cuda
 
 from kernels_numba.attention import NO_SPLIT_PART, TARGET_BLOCKS, _merge_partitions_kernel
-from kernels_numba.bf16 import (NEG_INF, SIMULATOR, f32_to_bf16, from_bf16_bits, group_max,
+from kernels_numba.bf16 import (NEG_INF, SIMULATOR, bf16_to_f32, f32_to_bf16, from_bf16_bits, group_max,
                                 group_sum, group_sum_vec, unpack_bf16x2)
 
-__all__ = ["MlaConfig", "mla_config", "mla_decode", "mla_scratch_shape", "store_latent",
+__all__ = ["MlaConfig", "mla_config", "mla_decode", "mla_scratch_shape", "store_latent", "head_linear",
+           "head_linear_ref", "copy_heads",
            "latent_rows_ref", "mla_naive_ref", "mla_absorbed_ref", "mla_latent_ref", "absorb_q",
            "unabsorb", "store_latent_ref"]
 
@@ -421,3 +422,82 @@ def mla_decode(q_abs, cache_layer, block_tables, token_seq, positions, scale: fl
     if parts > 1:
         _merge_partitions_kernel[(num_heads, num_tokens), min(128, max(32, dv)), stream](
             scratch, positions, np.int32(part), np.int32(parts), out)
+
+
+# ---------------------------------------------------------------- per-head products
+
+HEAD_WARPS = 1 if SIMULATOR else 4     # output columns per block (a warp each)
+HEAD_TOKENS = 8                        # token rows per block sharing each weight read
+
+
+def head_linear_ref(x, w) -> np.ndarray:
+    """float64 out[t, h] = W[h] @ x[t, h]: x [T, H, K], w [H, N, K] (bf16 bits or float)."""
+    w = np.asarray(w)
+    w = from_bf16_bits(w).astype(np.float64) if w.dtype == np.uint16 else w.astype(np.float64)
+    return np.einsum("thk,hnk->thn", np.asarray(x, np.float64), w)
+
+
+@lru_cache(maxsize=None)
+def _head_linear_kernel(TT: int, NW: int):
+    RED = 32 * NW                      # a compile-time constant for shared.array
+
+    @cuda.jit
+    def kernel(x, w, out):
+        h = cuda.blockIdx.y
+        t0 = cuda.blockIdx.z * TT
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid - warp * 32
+        n = cuda.blockIdx.x * NW + warp
+        T = x.shape[0]
+        K = x.shape[2]
+        red = cuda.shared.array(RED, np.float32)
+        acc = cuda.local.array(TT, np.float32)
+        for i in range(TT):
+            acc[i] = np.float32(0.0)
+        if n < w.shape[1]:
+            for k in range(lane, K, 32):
+                wv = bf16_to_f32(w[h, n, k])
+                for i in range(TT):
+                    if t0 + i < T:
+                        acc[i] += x[t0 + i, h, k] * wv
+        for i in range(TT):
+            v = group_sum(acc[i], 32, red)     # every thread takes part (shuffles / barriers)
+            if lane == 0 and n < w.shape[1] and t0 + i < T:
+                out[t0 + i, h, n] = v
+
+    return kernel
+
+
+def head_linear(x, w, out, stream=0) -> None:
+    """out[t, h, n] = sum_k x[t, h, k] * bf16(w[h, n, k]): one small product per head (MLA's
+    q absorption through W_UK^T and up-projection through W_UV). x float32 [T, H, K], out float32
+    [T, H, N], any strides (slices of wider buffers); w uint16 [H, N, K]. A warp per output column
+    and head, lanes over K (coalesced weight rows), HEAD_TOKENS rows per block share each weight
+    value. Memory-bound on the weights at decode; a plain loop for long prefills (no tensor cores)."""
+    t, h, k = x.shape
+    if t == 0:
+        return
+    if tuple(w.shape) != (h, out.shape[2], k) or tuple(out.shape[:2]) != (t, h):
+        raise ValueError(f"head_linear: x {x.shape}, w {w.shape}, out {out.shape} disagree")
+    grid = (-(-out.shape[2] // HEAD_WARPS), h, -(-t // HEAD_TOKENS))
+    _head_linear_kernel(HEAD_TOKENS, HEAD_WARPS)[grid, 32 * HEAD_WARPS, stream](x, w, out)
+
+
+@cuda.jit
+def _copy_heads_kernel(src, dst):
+    t = cuda.blockIdx.x
+    d_n = src.shape[2]
+    for i in range(cuda.threadIdx.x, src.shape[1] * d_n, cuda.blockDim.x):
+        h = i // d_n
+        d = i - h * d_n
+        dst[t, h, d] = src[t, h, d]
+
+
+def copy_heads(src, dst, stream=0) -> None:
+    """dst[t, h, :] = src[t, h, :] for strided [T, H, D] views (q_pe into the tail of q_abs)."""
+    if src.shape[0] == 0:
+        return
+    if tuple(src.shape) != tuple(dst.shape):
+        raise ValueError(f"copy_heads: {src.shape} != {dst.shape}")
+    _copy_heads_kernel[src.shape[0], STORE_THREADS, stream](src, dst)

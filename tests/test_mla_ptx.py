@@ -32,3 +32,11 @@ def test_mla_decode_ptx(dk, dv, heads):
 
 def test_store_latent_ptx():
     ptx_of(M._store_latent_kernel, (F32_2A, F32_2A, I32_1, U16_3))
+
+
+def test_head_linear_and_copy_heads_ptx():
+    """The per-head products (q absorption, up-projection) on strided views: warp shuffles, no
+    float64; copy_heads for q_pe into the tail of q_abs."""
+    p = ptx_of(M._head_linear_kernel(M.HEAD_TOKENS, M.HEAD_WARPS), (F32_3A, U16_3, F32_3A))
+    assert "shfl.sync.bfly.b32" in p and ".f64" not in p
+    ptx_of(M._copy_heads_kernel, (F32_3A, F32_3A))

@@ -282,6 +282,38 @@ def tiny_deepseek_hf_config(**overrides) -> dict:
     return cfg
 
 
+def tiny_cuda_deepseek_hf_config(**overrides) -> dict:
+    """tiny_deepseek_hf_config with every GEMM dimension a multiple of 64 (the CUDA backend's
+    contract): hidden 64, 2 heads of nope 32 + rope 32 (latent 32 + 32), v 32, 8 experts."""
+    cfg = tiny_deepseek_hf_config(vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=64,
+                                  num_attention_heads=2, num_key_value_heads=2, q_lora_rank=64, kv_lora_rank=32,
+                                  qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32)
+    cfg.update(overrides)
+    return cfg
+
+
+def v2_lite_hf_config(**overrides) -> dict:
+    """DeepSeek-V2-Lite's config.json (15.7B parameters, 2.4B active; MLA without q_lora, 64
+    routed experts top-6 + 2 shared, softmax greedy routing, YaRN x40): the shape for benchmarks
+    with random weights (num_hidden_layers can be cut)."""
+    cfg = {
+        "model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"],
+        "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+        "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "n_routed_experts": 64, "num_experts_per_tok": 6, "n_shared_experts": 2,
+        "n_group": 1, "topk_group": 1, "topk_method": "greedy", "scoring_func": "softmax",
+        "norm_topk_prob": False, "routed_scaling_factor": 1.0, "first_k_dense_replace": 1,
+        "moe_layer_freq": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+        "max_position_embeddings": 163840, "tie_word_embeddings": False,
+        "bos_token_id": 100000, "eos_token_id": 100001, "torch_dtype": "bfloat16",
+    }
+    cfg.update(overrides)
+    return cfg
+
+
 def random_hf_tensors(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
     """Random float32 weights under Hugging Face DeepSeek-V3 tensor names."""
     rng = np.random.default_rng(seed)

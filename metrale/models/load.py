@@ -56,6 +56,9 @@ def _load_hf(path):
 
 def make_backend(device: str, cfg, config: ModelConfig, weights):
     block_size = int(cfg.cache.block_size)
+    if device == "cuda" and config.is_mla:   # DeepSeek-V2/V3: latent cache, MLA + MoE kernels
+        from metrale.runtime.cuda_deepseek import DeepseekCudaBackend
+        return DeepseekCudaBackend(config, weights() if weights else None, cfg=cfg, random_seed=int(cfg.seed))
     if device == "cuda" and config.is_hybrid and not config.is_moe:   # Gated DeltaNet + attention (docs/hybrid.md)
         from metrale.runtime.cuda_hybrid import HybridCudaBackend
         return HybridCudaBackend(config, weights() if weights else None, cfg=cfg, random_seed=int(cfg.seed))

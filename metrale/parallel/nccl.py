@@ -32,6 +32,8 @@ def _stream_handle(stream) -> int:
         return 0
     if isinstance(stream, int):
         return stream
+    if hasattr(stream, "ptr"):          # metrale.runtime.cuda.Stream
+        return int(stream.ptr)
     h = getattr(stream, "handle", stream)
     h = getattr(h, "value", h)          # ctypes c_void_p
     return int(h or 0)
@@ -44,6 +46,7 @@ class Nccl4pyCommunicator:
         self.rank, self.world_size = int(comm.rank), int(comm.nranks)
         self._stream = stream
         self._device = device
+        self.device_buffers = device    # all_to_all_v takes and returns device arrays
 
     @classmethod
     def create(cls, rank: int, world_size: int, unique_id: bytes, **kw) -> "Nccl4pyCommunicator":
@@ -56,6 +59,10 @@ class Nccl4pyCommunicator:
     def new_unique_id() -> bytes:
         """Made on rank 0 and handed to the others out of band (a file, the launcher, a socket)."""
         return bytes(_import_nccl().get_unique_id().as_bytes)
+
+    def set_stream(self, stream) -> None:
+        """The stream the exchanges run on (the backend's: ordered after its kernels)."""
+        self._stream = stream
 
     def close(self) -> None:
         self._comm.destroy()

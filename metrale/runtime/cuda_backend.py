@@ -246,8 +246,7 @@ class CudaBackend:
         self.max_rows = max(self.max_seqs, self.graph_sizes[-1] if self.graph_sizes else 1)
         self.max_seqs = max(self.max_seqs, self.max_rows)
         self.max_blocks = -(-self.max_model_len // self.block_size)
-        for name, dim in (("hidden_size", c.hidden_size), ("intermediate_size", c.intermediate_size),
-                          ("q+k+v size", c.q_size + 2 * c.kv_size), ("vocab_size", c.vocab_size)):
+        for name, dim in self._gemm_dims():
             if dim % 64:
                 raise ValueError(f"the CUDA backend needs {name} to be a multiple of 64, got {dim}")
         self.stream = Stream()
@@ -260,7 +259,7 @@ class CudaBackend:
         free, total = free_device_memory()
         kv_bytes = kv_pool_bytes(free, total, float(cfg.cache.gpu_memory_utilization),
                                  reserved=weight_bytes + act_bytes + GRAPH_RESERVE)
-        per_block = 2 * c.num_layers * self.block_size * c.kv_size * 2
+        per_block = self._kv_block_bytes()
         num_blocks = int(cfg.cache.num_blocks or kv_bytes // per_block)
         if num_blocks < 1:
             raise RuntimeError(f"no device memory left for the KV cache: {free / 2**30:.1f} GiB free of "
@@ -400,10 +399,9 @@ class CudaBackend:
         return n + meta
 
     def _alloc_activations(self) -> None:
-        c = self.config
         self.act = {name: self.pool.alloc("activations", shape, dt) for name, (shape, dt) in self._activation_plan().items()}
         self.attn_scratch = self.act["attn_scratch"]
-        cos, sin = rope_tables(c.head_dim, self.max_model_len, c.rope_theta, (c.extra or {}).get("rope_scaling"))
+        cos, sin = self._rope_host_tables()
         self.act["cos"].copy_to_device(np.ascontiguousarray(cos, np.float32))
         self.act["sin"].copy_to_device(np.ascontiguousarray(sin, np.float32))
         self.cos, self.sin = self.act["cos"], self.act["sin"]
@@ -535,7 +533,7 @@ class CudaBackend:
         """KV tokens the pool would hold at this utilization (without allocating them)."""
         _, total = free_device_memory()
         c = self.config
-        left = utilization * total - self.pool.nbytes + self.num_blocks * 2 * c.num_layers * self.block_size * c.kv_size * 2
+        left = utilization * total - self.pool.nbytes + self.num_blocks * self._kv_block_bytes()
         return int(max(0, left - GRAPH_RESERVE) // c.kv_bytes_per_token(2))
 
     def close(self) -> None:

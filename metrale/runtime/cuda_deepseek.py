@@ -1,0 +1,400 @@
+"""DeepSeek-V2/V3 (MLA + MoE) on the CUDA backend: DeepseekCudaOps (the two ops deepseek_forward
+adds to the Llama ops) and DeepseekCudaBackend (CudaBackend with a latent cache instead of K/V).
+
+MLA per layer (absorbed form for every row, decode and prefill alike):
+  q = q_b(rmsnorm(q_a(h)))  or q(h)              [T, H, nope + rope]
+  kv = kv_a(h)                                   [T, r + rope] = c | k_pe
+  c_kv = rmsnorm(kv[:, :r]); RoPE (interleaved pairs, YaRN tables x mscale) on q's and kv's rope
+  slices in one launch; store_latent(c_kv, k_pe) into the paged bf16 latent cache
+  q_abs = [W_UK^T q_nope | q_pe] (head_linear)   [T, H, r + rope]
+  mla_decode over the latent rows (positions 0..pos of the token's segment: a prefill chunk reads
+  the earlier chunks' latents from the cache), out_lat [T, H, r]; out = W_UV out_lat (head_linear)
+kv_b is split at load into w_uk_t [H, r, nope] (W_UK transposed per head) and w_uv [H, v, r].
+
+MoE per layer: router GEMM (rows padded to a multiple of 64 at load; the logits view keeps the
+first E columns), `moe.route`, `moe.moe_experts` (permutation + grouped GEMMs + weighted
+un-permutation added into the residual), shared experts as a dense SwiGLU added into the
+residual. With expert parallelism (`ep`, metrale.parallel.ExpertParallel over an
+Nccl4pyCommunicator) the routed part exchanges token rows with the other ranks (host sync for the
+counts: eager only, CUDA graphs are turned off).
+
+CUDA graphs: every launch reads fixed buffers; mla_decode's split is fixed by the geometry's
+max_context (the graph's context bucket) and the MoE GEMM grids by the schedule capacity of T*K
+slots, so a captured decode step replays for any routing and any context up to its bucket.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from omegaconf import OmegaConf
+
+from kernels_numba import activation, argmax, gemm, mla, moe, qkv, rmsnorm
+from kernels_numba.bf16 import to_bf16_bits
+from kernels_numba.init import fill_normal_bf16
+from kernels_numba.rope import rope_inplace
+from metrale.models.config import ModelConfig
+from metrale.models.deepseek import deepseek_forward, deepseek_rope, route_config
+from metrale.models.loader import WeightStream
+from metrale.runtime.cuda_backend import CudaBackend, CudaOps, Geometry, _ptr
+
+PAD = 64        # GEMM output rows are padded to this (the router's E)
+
+
+def padded(n: int) -> int:
+    return -(-n // PAD) * PAD
+
+
+# ------------------------------------------------------------------------------- weights
+
+def prepare_weights(items, config: ModelConfig):
+    """Canonical DeepSeek weights (float host arrays) -> the CUDA layout: matrices and stacked
+    experts as bf16 bits, vectors float32, kv_b split per head into w_uk_t [H, r, nope] and
+    w_uv [H, v, r], the router zero-padded to a multiple of 64 rows."""
+    c = config
+    h, nope, v, r = c.num_heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
+    for name, a in items:
+        a = np.asarray(a, np.float32)
+        if name.endswith(".kv_b"):
+            w = a.reshape(h, nope + v, r)
+            yield name[:-len("kv_b")] + "w_uk_t", to_bf16_bits(np.ascontiguousarray(w[:, :nope].transpose(0, 2, 1)))
+            yield name[:-len("kv_b")] + "w_uv", to_bf16_bits(np.ascontiguousarray(w[:, nope:]))
+        elif name.endswith(".router"):
+            pad = np.zeros((padded(a.shape[0]), a.shape[1]), np.float32)
+            pad[:a.shape[0]] = a
+            yield name, to_bf16_bits(pad)
+        elif a.ndim >= 2:
+            yield name, to_bf16_bits(a)
+        else:
+            yield name, np.ascontiguousarray(a)
+
+
+def random_weight_shapes(config: ModelConfig, num_local_experts: int | None = None) -> dict[str, tuple]:
+    """name -> (shape, std) of a random DeepSeek model in the CUDA layout (std None: a norm
+    vector ~ 1, 'bias': the router's correction bias); the bench builds these on the device."""
+    c = config
+    d, h, nope, rope, r, v = c.hidden_size, c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank, c.v_head_dim
+    e = c.n_routed_experts if num_local_experts is None else num_local_experts
+    fm = c.moe_intermediate_size
+    out: dict[str, tuple] = {"embed": ((c.vocab_size, d), 0.5)}
+    for i in range(c.num_layers):
+        p = f"layers.{i}."
+        out[p + "attn_norm"] = ((d,), None)
+        if c.q_lora_rank:
+            out[p + "q_a"] = ((c.q_lora_rank, d), d ** -0.5)
+            out[p + "q_a_norm"] = ((c.q_lora_rank,), None)
+            out[p + "q_b"] = ((h * (nope + rope), c.q_lora_rank), c.q_lora_rank ** -0.5)
+        else:
+            out[p + "q"] = ((h * (nope + rope), d), d ** -0.5)
+        out[p + "kv_a"] = ((r + rope, d), d ** -0.5)
+        out[p + "kv_a_norm"] = ((r,), None)
+        out[p + "w_uk_t"] = ((h, r, nope), r ** -0.5)
+        out[p + "w_uv"] = ((h, v, r), r ** -0.5)
+        out[p + "o"] = ((d, h * v), (h * v) ** -0.5)
+        out[p + "mlp_norm"] = ((d,), None)
+        if c.is_moe_layer(i):
+            out[p + "router"] = ((padded(c.n_routed_experts), d), d ** -0.5)
+            if c.topk_method == "noaux_tc":
+                out[p + "router_bias"] = ((c.n_routed_experts,), "bias")
+            out[p + "experts_gate_up"] = ((e, 2 * fm, d), d ** -0.5)
+            out[p + "experts_down"] = ((e, d, fm), fm ** -0.5)
+            if c.n_shared_experts:
+                fs = fm * c.n_shared_experts
+                out[p + "shared_gate_up"] = ((2 * fs, d), d ** -0.5)
+                out[p + "shared_down"] = ((d, fs), fs ** -0.5)
+        else:
+            out[p + "gate_up"] = ((2 * c.intermediate_size, d), d ** -0.5)
+            out[p + "down"] = ((d, c.intermediate_size), c.intermediate_size ** -0.5)
+    out["final_norm"] = ((d,), None)
+    if not c.tie_word_embeddings:
+        out["lm_head"] = ((c.vocab_size, d), d ** -0.5)
+    return out
+
+
+# ------------------------------------------------------------------------------- ops
+
+class DeepseekCudaOps(CudaOps):
+    """CudaOps + mla_attention and moe_residual over the backend's fixed buffers."""
+
+    def _product(self, x, weight, out, accumulate: bool = False):
+        """out (+)= x @ bf16(weight).T into a given buffer (cuBLASLt or the Numba GEMMs)."""
+        if self.b.blas_takes(x.shape[0], weight):
+            self.b.blas_linear(x, weight, out, None, accumulate=accumulate)
+        elif accumulate:
+            gemm.linear_residual(x, weight, out, stream=self.s, skinny_max_t=self.b.skinny_max_t)
+        else:
+            gemm.linear(x, weight, out, stream=self.s, skinny_max_t=self.b.skinny_max_t)
+        return out
+
+    def mla_attention(self, h, layer, w, p):
+        c, b, s, T = self.cfg, self.b, self.s, self.g.tokens
+        H, nope, rope, r, v = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank, c.v_head_dim
+        eps = c.rms_norm_eps
+        if c.q_lora_rank:
+            qa = self._product(h, w[p + "q_a"], self._buf("ds_q_a"))
+            qan = self._buf("ds_q_a_n")
+            rmsnorm.rms_norm(qa, w[p + "q_a_norm"], eps, qan, stream=s)
+            q = self._product(qan, w[p + "q_b"], self._buf("ds_q"))
+        else:
+            q = self._product(h, w[p + "q"], self._buf("ds_q"))
+        kv = self._product(h, w[p + "kv_a"], self._buf("ds_kv"))
+        c_kv = self._buf("ds_c_kv")
+        rmsnorm.rms_norm(kv[:, :r], w[p + "kv_a_norm"], eps, c_kv, stream=s)
+        q3 = q.reshape(T, H, nope + rope)
+        kv3 = kv.reshape(T, 1, r + rope)
+        rope_inplace(q3[:, :, nope:], kv3[:, :, r:], self.positions, b.cos, b.sin, True, stream=s)
+        mla.store_latent(c_kv, kv[:, r:], self.slot_mapping, b.latent_cache[layer], stream=s)
+        q_abs = self._buf("ds_q_abs")
+        mla.head_linear(q3[:, :, :nope], w[p + "w_uk_t"], q_abs[:, :, :r], stream=s)
+        mla.copy_heads(q3[:, :, nope:], q_abs[:, :, r:], stream=s)
+        lat = self._buf("ds_lat")
+        mla.mla_decode(q_abs, b.latent_cache32[layer], self.block_tables, self.token_seq, self.positions,
+                       b.softmax_scale, lat, scratch=b.attn_scratch, max_context=self.g.max_context, stream=s)
+        out = self._buf("ds_attn")
+        mla.head_linear(lat, w[p + "w_uv"], out.reshape(T, H, v), stream=s)
+        return out
+
+    def moe_residual(self, h, layer, w, p, residual):
+        c, b, s = self.cfg, self.b, self.s
+        logits = self._product(h, w[p + "router"], self._buf("ds_router"))[:, :c.n_routed_experts]
+        ids, weights = self._buf("ds_topk_ids"), self._buf("ds_topk_w")
+        moe.route(logits, b.route_cfg, ids, weights, bias=w.get(p + "router_bias"), stream=s)
+        gu, down = w[p + "experts_gate_up"], w[p + "experts_down"]
+        if b.ep is None:
+            moe.moe_experts(h, ids, weights, gu, down, residual, b.moe_ws, accumulate=True, stream=s)
+        else:
+            b.ep_experts(h, ids, weights, gu, down, residual)
+        if p + "shared_gate_up" in w:
+            sg = self._product(h, w[p + "shared_gate_up"], self._buf("ds_shared_gu"))
+            act = self._buf("ds_shared_act")
+            activation.silu_mul(sg, act, stream=s)
+            self._product(act, w[p + "shared_down"], residual, accumulate=True)
+        return residual
+
+
+# ------------------------------------------------------------------------------- backend
+
+def activation_plan(config: ModelConfig, max_tokens: int, max_rows: int, max_model_len: int,
+                    num_local_experts: int, ep_world: int = 0) -> dict[str, tuple[tuple[int, ...], type]]:
+    """Buffers of one DeepSeek step (float32 unless said), sized for max_tokens rows: the Llama
+    ops' own (residual, h, rows, the dense MLP, logits) and the MLA/MoE ones (ds_*, moe_*; ep_*
+    with expert parallelism over ep_world ranks, 0 = none)."""
+    c, T, R = config, max_tokens, max_rows
+    d, H, nope, rope, r, v = c.hidden_size, c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank, c.v_head_dim
+    f32, i32 = np.float32, np.int32
+    plan = {"residual": ((T, d), f32), "h": ((T, d), f32), "rows": ((R, d), f32), "normed_rows": ((R, d), f32),
+            "argmax": ((R,), i32), "act": ((T, c.intermediate_size), f32),
+            "ds_q": ((T, H * (nope + rope)), f32), "ds_kv": ((T, r + rope), f32), "ds_c_kv": ((T, r), f32),
+            "ds_q_abs": ((T, H, r + rope), f32), "ds_lat": ((T, H, r), f32), "ds_attn": ((T, H * v), f32),
+            "cos": ((max_model_len, rope // 2), f32), "sin": ((max_model_len, rope // 2), f32)}
+    for n, rows in ((2 * c.intermediate_size, T), (c.vocab_size, R)):   # CudaOps.linear's out{N}
+        key = f"out{n}"
+        plan[key] = ((max(rows, plan[key][0][0]) if key in plan else rows, n), f32)
+    if c.q_lora_rank:
+        plan["ds_q_a"] = ((T, c.q_lora_rank), f32)
+        plan["ds_q_a_n"] = ((T, c.q_lora_rank), f32)
+    plan["attn_scratch"] = (mla.mla_scratch_shape(T, H, r + rope, r, max_model_len), f32)
+    if c.is_moe:
+        k, fm = c.num_experts_per_tok, c.moe_intermediate_size
+        plan["ds_router"] = ((T, padded(c.n_routed_experts)), f32)
+        plan["ds_topk_ids"] = ((T, k), i32)
+        plan["ds_topk_w"] = ((T, k), f32)
+        if c.n_shared_experts:
+            plan["ds_shared_gu"] = ((T, 2 * fm * c.n_shared_experts), f32)
+            plan["ds_shared_act"] = ((T, fm * c.n_shared_experts), f32)
+        n = max(1, ep_world) * T * k          # expert rows of one layer call (EP: all ranks' slots)
+        nb = max(1, -(-n // moe.SLOTS))
+        tiles = moe.max_tiles(n, num_local_experts)
+        e = num_local_experts
+        plan.update({"moe_counts": ((nb, e), i32), "moe_base": ((nb, e), i32), "moe_offsets": ((e + 1,), i32),
+                     "moe_tile_expert": ((tiles,), i32), "moe_tile_row": ((tiles,), i32),
+                     "moe_sorted_slot": ((n,), i32), "moe_slot_row": ((n,), i32),
+                     "moe_h": ((n, 2 * fm), f32), "moe_a": ((n, fm), f32), "moe_y": ((n, d), f32)})
+        if ep_world:
+            plan.update({"ep_send": ((T * k, d), f32), "ep_gather": ((T * k,), i32), "ep_slot_row": ((T * k,), i32),
+                         "ep_ids": ((n, 1), i32), "ep_ones": ((n, 1), f32), "ep_out": ((n, d), f32)})
+    return plan
+
+
+def blas_widest(config: ModelConfig) -> int:
+    """The widest K of the products that may go through cuBLASLt (its bf16 staging buffer)."""
+    c = config
+    ks = [c.hidden_size, c.intermediate_size, c.num_heads * c.v_head_dim, c.q_lora_rank or 0]
+    if c.is_moe:
+        ks.append(c.moe_intermediate_size * c.n_shared_experts)
+    return max(ks)
+
+
+class DeepseekCudaBackend(CudaBackend):
+    """CudaBackend for MLA (+ MoE) configs: latent cache [layers, blocks, block_size, r + rope]
+    (bf16), deepseek_forward with DeepseekCudaOps; `ep`: expert parallelism (graphs off)."""
+
+    def __init__(self, config: ModelConfig, weights: WeightStream | None, *, cfg, random_seed: int = 0, ep=None):
+        if not config.is_mla:
+            raise ValueError(f"{config.name or config.architecture}: DeepseekCudaBackend needs an MLA config")
+        self.ep = ep
+        self.num_local_experts = (ep.num_local if ep is not None else config.n_routed_experts) if config.is_moe else 0
+        self.route_cfg = route_config(config) if config.is_moe else None
+        self.inv_freq, self.rope_mscale, self.softmax_scale = deepseek_rope(config)
+        if ep is not None and bool(cfg.levers.cuda_graphs):   # the exchange syncs with the host
+            cfg = OmegaConf.merge(cfg, {"levers": {"cuda_graphs": False}})
+        super().__init__(config, weights, cfg=cfg, random_seed=random_seed)
+
+    # ---------------------------------------------------------------- hooks
+    def _gemm_dims(self) -> list[tuple[str, int]]:
+        c = self.config
+        dims = [("hidden_size", c.hidden_size), ("vocab_size", c.vocab_size),
+                ("kv_lora_rank + qk_rope_head_dim", c.latent_dim),
+                ("num_heads * (qk_nope + qk_rope)", c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim)),
+                ("num_heads * v_head_dim", c.num_heads * c.v_head_dim)]
+        if c.q_lora_rank:
+            dims.append(("q_lora_rank", c.q_lora_rank))
+        if any(not c.is_moe_layer(i) for i in range(c.num_layers)):
+            dims.append(("intermediate_size", c.intermediate_size))
+        if c.is_moe:
+            dims.append(("moe_intermediate_size", c.moe_intermediate_size))
+        return dims
+
+    def _kv_block_bytes(self) -> int:
+        return self.config.num_layers * self.block_size * self.config.latent_dim * 2
+
+    def _alloc_kv_cache(self, num_blocks: int) -> None:
+        from numba.cuda.cudadrv.driver import device_memset
+        c = self.config
+        self.latent_cache = self.pool.alloc("kv", (c.num_layers, num_blocks, self.block_size, c.latent_dim), np.uint16)
+        device_memset(self.latent_cache, 0, self.latent_cache.nbytes)   # graph padding rows read block 0
+        self.latent_cache32 = self.latent_cache.view(np.uint32)
+
+    def _rope_host_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        angles = np.arange(self.max_model_len, dtype=np.float64)[:, None] * self.inv_freq[None, :]
+        return np.cos(angles) * self.rope_mscale, np.sin(angles) * self.rope_mscale
+
+    def _weight_bytes(self) -> int:
+        c = self.config
+        n = c.num_parameters() * 2
+        moe_layers = sum(c.is_moe_layer(i) for i in range(c.num_layers))
+        if c.is_moe:   # this rank's experts only; the router padded
+            n -= moe_layers * (c.n_routed_experts - self.num_local_experts) * 3 * c.hidden_size * c.moe_intermediate_size * 2
+            n += moe_layers * (padded(c.n_routed_experts) - c.n_routed_experts) * c.hidden_size * 2
+        n += 2 * (c.hidden_size * (2 * c.num_layers + 1) + c.num_layers * (c.q_lora_rank + c.kv_lora_rank + c.n_routed_experts))
+        return n + 256 * (24 * c.num_layers + 8)
+
+    def _activation_plan(self) -> dict[str, tuple[tuple[int, ...], type]]:
+        world = self.ep.comm.world_size if self.ep is not None else 0
+        plan = activation_plan(self.config, self.max_tokens, self.max_rows, self.max_model_len,
+                               self.num_local_experts, world)
+        if self.use_blas:
+            from metrale.runtime.cuda.cublaslt import WORKSPACE_BYTES
+            plan["x_bf16"] = ((self.max_tokens, blas_widest(self.config)), np.uint16)
+            plan["blas_workspace"] = ((WORKSPACE_BYTES,), np.uint8)
+        return plan
+
+    def _alloc_activations(self) -> None:
+        super()._alloc_activations()
+        if self.config.is_moe:
+            a = self.act
+            self.moe_ws = moe.MoeWorkspace(a["moe_counts"], a["moe_base"], a["moe_offsets"], a["moe_tile_expert"],
+                                           a["moe_tile_row"], a["moe_sorted_slot"], a["moe_slot_row"],
+                                           a["moe_h"], a["moe_a"], a["moe_y"])
+            if "ep_ones" in a:
+                a["ep_ones"].copy_to_device(np.ones(a["ep_ones"].shape, np.float32))
+
+    def _load_weights(self, weights: WeightStream | None, seed: int) -> dict:
+        if weights is None:
+            return self._random_weights(seed)
+        arena = self.pool["weights"]
+        return {name: arena.upload(a) for name, a in prepare_weights(weights, self.config)}
+
+    def _random_weights(self, seed: int) -> dict:
+        arena, out = self.pool["weights"], {}
+        for name, (shape, std) in random_weight_shapes(self.config, self.num_local_experts).items():
+            rng = np.random.default_rng(seed + len(out))
+            if std is None:
+                out[name] = arena.upload((1.0 + 0.05 * rng.standard_normal(shape)).astype(np.float32))
+            elif std == "bias":
+                out[name] = arena.upload((0.05 * rng.standard_normal(shape)).astype(np.float32))
+            else:
+                a = arena.alloc(shape, np.uint16)
+                fill_normal_bf16(a.reshape(math.prod(shape)), seed + len(out), float(std))
+                out[name] = a
+        return out
+
+    def _run(self, g: Geometry) -> None:
+        logits = deepseek_forward(DeepseekCudaOps(self, g), self.weights, self.config, g.num_layers)
+        argmax.argmax_rows(logits, self.act["argmax"][:g.rows], stream=self.stream.numba)
+
+    def export_weights(self) -> WeightStream:
+        """The canonical weights as float32 host arrays (kv_b rebuilt, the router unpadded)."""
+        from kernels_numba.bf16 import from_bf16_bits
+        c = self.config
+        for name, array in self.weights.items():
+            host = array.copy_to_host()
+            host = from_bf16_bits(host) if host.dtype == np.uint16 else host
+            if name.endswith(".w_uk_t"):
+                w_uv = from_bf16_bits(self.weights[name[:-len("w_uk_t")] + "w_uv"].copy_to_host())
+                kv_b = np.concatenate([host.transpose(0, 2, 1), w_uv], axis=1)
+                yield name[:-len("w_uk_t")] + "kv_b", kv_b.reshape(c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), -1)
+            elif name.endswith(".w_uv"):
+                continue
+            elif name.endswith(".router"):
+                yield name, host[:c.n_routed_experts]
+            else:
+                yield name, host
+
+    # ---------------------------------------------------------------- expert parallelism
+    def _upload(self, device_array, host: np.ndarray) -> None:
+        device_array.copy_to_device(np.ascontiguousarray(host), stream=self.stream.numba)
+
+    def ep_experts(self, h, ids, weights, gu, down, residual) -> None:
+        """residual[t] += sum_k w[t, k] * expert(h[t]) with the experts spread over the ranks:
+        token rows go to their experts' ranks (all_to_all_v on device buffers), this rank's
+        experts run on what it received, the outputs come back and are summed in k order."""
+        ep, a, s = self.ep, self.act, self.stream.numba
+        t, k = (0, self.config.num_experts_per_tok) if ids is None else ids.shape
+        flat = self._fetch(ids, np.empty((t, k), np.int32)).reshape(-1) if t else np.zeros(0, np.int32)
+        dest = ep.owner(flat)
+        order = np.argsort(dest, kind="stable").astype(np.int32)
+        counts = np.bincount(dest, minlength=ep.comm.world_size).astype(np.int64)
+        n = t * k
+        send = a["ep_send"][:n]
+        if n:
+            slot_row = np.empty(n, np.int32)
+            slot_row[order] = np.arange(n, dtype=np.int32)
+            self._upload(a["ep_gather"][:n], order // k)
+            self._upload(a["ep_slot_row"][:n], slot_row)
+            qkv.gather_rows(h, a["ep_gather"][:n], send, stream=s)
+        self.stream.synchronize()                     # NCCL runs on this stream too, but host inputs are staged
+        on_device = bool(getattr(ep.comm, "device_buffers", False))   # else a host communicator (tests)
+        rows, recv_counts = ep.comm.all_to_all_v(send if on_device else send.copy_to_host(), counts)
+        rids, _ = ep.comm.all_to_all_v(flat[order], counts, recv_counts)
+        m = int(recv_counts.sum())
+        y = a["ep_out"][:m]                           # not moe_y: moe_experts un-permutes from there
+        if m:
+            rows = rows if hasattr(rows, "__cuda_array_interface__") else _to_device(rows)
+            self._upload(a["ep_ids"][:m], (np.asarray(rids, np.int32) - ep.expert_range[0]).reshape(m, 1))
+            moe.moe_experts(rows, a["ep_ids"][:m], a["ep_ones"][:m], gu, down, y, self.moe_ws, accumulate=False, stream=s)
+            self.stream.synchronize()
+        back, _ = ep.comm.all_to_all_v(y if on_device else y.copy_to_host(), recv_counts, counts)
+        if n:
+            back = back if hasattr(back, "__cuda_array_interface__") else _to_device(back)
+            moe.unpermute(back, a["ep_slot_row"][:n], weights, residual, accumulate=True, stream=s)
+            self.stream.synchronize()                 # `back` may be freed once this returns
+
+    def idle_step(self, num_layers: int | None = None) -> None:
+        """A rank without tokens this step: serve its experts in every MoE layer."""
+        if self.ep is None:
+            return
+        c = self.config
+        for i in range(c.num_layers if num_layers is None else num_layers):
+            if c.is_moe_layer(i):
+                p = f"layers.{i}."
+                self.ep_experts(None, None, None, self.weights[p + "experts_gate_up"], self.weights[p + "experts_down"], None)
+
+
+def _to_device(a: np.ndarray):
+    from numba import cuda
+    return cuda.to_device(np.ascontiguousarray(a))
+
+
+__all__ = ["DeepseekCudaBackend", "DeepseekCudaOps", "activation_plan", "prepare_weights",
+           "random_weight_shapes", "padded", "_ptr"]
