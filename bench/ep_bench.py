@@ -27,7 +27,7 @@ CHUNK = 5
 
 def _cfg(graphs: bool, max_seqs: int = 64, max_len: int = 512):
     from metrale.settings import compose
-    return compose([f"cache.block_size={BS}", "cache.num_blocks=512", f"scheduler.max_model_len={max_len}",
+    return compose([f"cache.block_size={BS}", "cache.num_blocks=2048", f"scheduler.max_model_len={max_len}",
                     f"scheduler.max_num_seqs={max_seqs}", "scheduler.max_num_batched_tokens=512", "device=cuda",
                     f"levers.cuda_graphs={str(graphs).lower()}"])
 
