@@ -276,8 +276,8 @@ class DeepseekCudaBackend(CudaBackend):
         if c.is_moe:   # this rank's experts only; the router padded
             n -= moe_layers * (c.n_routed_experts - self.num_local_experts) * 3 * c.hidden_size * c.moe_intermediate_size * 2
             n += moe_layers * (padded(c.n_routed_experts) - c.n_routed_experts) * c.hidden_size * 2
-        n += 2 * (c.hidden_size * (2 * c.num_layers + 1) + c.num_layers * (c.q_lora_rank + c.kv_lora_rank + c.n_routed_experts))
-        return n + 256 * (24 * c.num_layers + 8)
+        n += 2 * (c.hidden_size * (2 * c.num_layers + 1) + c.num_layers * ((c.q_lora_rank or 0) + c.kv_lora_rank + c.n_routed_experts))
+        return n + 256 * (24 * c.num_layers + 8) + (1 << 20)
 
     def _activation_plan(self) -> dict[str, tuple[tuple[int, ...], type]]:
         world = self.ep.comm.world_size if self.ep is not None else 0
