@@ -299,11 +299,18 @@ def _decode_kernel(cfg: DecodeConfig):
     return kernel
 
 
-@cuda.jit(device=True, inline=True)
-def _merge_rows(scratch, base, nparts, hq, t, out):
-    """out[t, hq] = the softmax-weighted merge of partitions base..base+nparts-1 of the scratch
-    (each row: unnormalized output, then its running max and sum)."""
+@cuda.jit
+def _merge_partitions_kernel(scratch, positions, part_size, grid_parts, out):
+    grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+    grid_trigger()
+    hq = cuda.blockIdx.x
+    t = cuda.blockIdx.y
+    ctx = positions[t] + 1
+    nparts = min((ctx + part_size - 1) // part_size, grid_parts)
+    if nparts <= 1:
+        return
     hd = out.shape[2]
+    base = t * grid_parts
     m = NEG_INF
     for p in range(nparts):
         m = max(m, scratch[base + p, hq, hd])
@@ -316,50 +323,6 @@ def _merge_rows(scratch, base, nparts, hq, t, out):
         for p in range(nparts):
             num += math.exp(scratch[base + p, hq, hd] - m) * scratch[base + p, hq, d]
         out[t, hq, d] = num * inv
-
-
-@cuda.jit
-def _merge_partitions_kernel(scratch, positions, part_size, grid_parts, out):
-    """Partitions of a fixed part_size (the last one stretches past grid_parts * part_size)."""
-    grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
-    grid_trigger()
-    hq = cuda.blockIdx.x
-    t = cuda.blockIdx.y
-    ctx = positions[t] + 1
-    nparts = min((ctx + part_size - 1) // part_size, grid_parts)
-    if nparts <= 1:
-        return
-    _merge_rows(scratch, t * grid_parts, nparts, hq, t, out)
-
-
-@cuda.jit(device=True, inline=True)
-def balanced_partitions(ctx, quantum, grid_parts):
-    """(partitions, size) that split one token's ctx keys as evenly as grid_parts partitions of
-    whole quanta allow: the grid is sized for a graph's context bucket, so a fixed size would leave
-    the work in the first few partitions (B=32, 520 keys, 3 partitions: 384 + 136 + 0 keys instead
-    of 192 + 192 + 136)."""
-    per = (ctx + grid_parts - 1) // grid_parts
-    size = max(quantum, ((per + quantum - 1) // quantum) * quantum)
-    return (ctx + size - 1) // size, size
-
-
-@cuda.jit
-def _merge_balanced_kernel(scratch, positions, quantum, grid_parts, out):
-    """The merge of kernels that split with balanced_partitions (flash_decode)."""
-    grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
-    grid_trigger()
-    hq = cuda.blockIdx.x
-    t = cuda.blockIdx.y
-    nparts, _ = balanced_partitions(positions[t] + 1, quantum, grid_parts)
-    if nparts <= 1:
-        return
-    _merge_rows(scratch, t * grid_parts, nparts, hq, t, out)
-
-
-def balanced_partitions_ref(ctx: int, quantum: int, grid_parts: int) -> tuple[int, int]:
-    per = -(-ctx // grid_parts)
-    size = max(quantum, -(-per // quantum) * quantum)
-    return -(-ctx // size), size
 
 
 def _as_u64(cache):

@@ -8,10 +8,8 @@ are finite garbage, never a fault). q float32 [T, Hq, hd] (any strides), out flo
 caches one layer of bf16 bits [num_blocks, block_size, Hk, hd] as uint16 or its uint64 view;
 hd a multiple of 64 (64, 128, 256); G = Hq / Hk in 1..8; any block_size (one block-table read per
 step when block_size is a multiple of `keys`, else one per key). Split-K partitions use
-attention's scratch layout [rows, Hq, hd + 2] (unnormalised O, max in natural-log units, sum), so
-`paged_attention_scratch_shape` still sizes the scratch; the grid's partition count is fixed (by
-max_context: a graph's context bucket) and each token splits its own context evenly over it in
-whole granules (`attention.balanced_partitions`, merged by `_merge_balanced_kernel`).
+attention's scratch layout [rows, Hq, hd + 2] (unnormalised O, max in natural-log units, sum) and
+its `_merge_partitions_kernel`, so `paged_attention_scratch_shape` still sizes the scratch.
 
 Geometry: grid (partitions, Hk, T), a block of W = 4 warps per (token, kv head, partition); warp w
 takes steps w, w + W, ... of KT = 16 keys of the partition and keeps its own online softmax; the
@@ -64,8 +62,7 @@ from numba import cuda
 from kernels_numba.ptx import grid_trigger, grid_wait
 from kernels_numba.attention import (  # noqa: F401 (reference and shared scratch layout)
     NO_SPLIT_PART,
-    _merge_balanced_kernel,
-    balanced_partitions,
+    _merge_partitions_kernel,
     cache_views,
     attention_ref,
     paged_attention_scratch_shape,
@@ -167,11 +164,11 @@ def _make_kernel(cfg: FlashDecodeConfig):
         tok = cuda.blockIdx.z
         grid_parts = cuda.gridDim.x
         ctx = positions[tok] + 1
-        nparts, psize = balanced_partitions(ctx, part_size, grid_parts)   # part_size: the quantum
+        nparts = min((ctx + part_size - 1) // part_size, grid_parts)
         if p >= nparts:
             return
-        p0 = p * psize
-        p1 = min(ctx, p0 + psize)
+        p0 = p * part_size
+        p1 = ctx if p == nparts - 1 else p0 + part_size
         seq = token_seq[tok]
         tid = cuda.threadIdx.x
         warp = tid >> 5
@@ -390,14 +387,11 @@ def flash_decode_attention(
             raise ValueError(f"flash_decode: scratch has {rows} rows, needs {num_tokens * parts}")
     if scratch is None or parts == 1:
         scratch = np.zeros((1, 1, hd + 2), np.float32) if isinstance(out, np.ndarray) else out
-    # The grid has `parts` partitions (sized for max_context); each token splits its own context
-    # evenly over them in whole granules (balanced_partitions), so `part` only picks the grid.
-    quantum = cfg.granule if parts > 1 else NO_SPLIT_PART
     _kernel(cfg)[(parts, hk, num_tokens), cfg.threads, stream](
-        q, kc, vc, block_tables, token_seq, positions, np.float32(scale * LOG2E), np.int32(quantum), out, scratch
+        q, kc, vc, block_tables, token_seq, positions, np.float32(scale * LOG2E), np.int32(part), out, scratch
     )
     if parts > 1:
-        _merge_balanced_kernel[(hq, num_tokens), min(128, max(32, hd)), stream](
-            scratch, positions, np.int32(quantum), np.int32(parts), out
+        _merge_partitions_kernel[(hq, num_tokens), min(128, max(32, hd)), stream](
+            scratch, positions, np.int32(part), np.int32(parts), out
         )
 

@@ -455,13 +455,14 @@ if SIM:
 else:
     import os
 
-    # Experiment knob (bench only): METRALE_PDL_TRIGGER=0 compiles grid_trigger() to nothing, so a
-    # successor launches when this grid's blocks exit instead of when they start. Read at compile time.
-    _EARLY_TRIGGER = os.environ.get("METRALE_PDL_TRIGGER", "1") != "0"
+    # What grid_trigger() compiles to, read when a kernel compiles (pdl.set_early_trigger; the
+    # METRALE_PDL_TRIGGER=0 environment variable starts it off): `early`, the instruction; else
+    # nothing, so a successor launches as this grid's blocks exit rather than as they start.
+    TRIGGER = {"early": os.environ.get("METRALE_PDL_TRIGGER", "1") != "0"}
 
     def _griddepcontrol(op: str):
         def gen(context, builder, sig, args):
-            if op == "launch_dependents" and not _EARLY_TRIGGER:
+            if op == "launch_dependents" and not TRIGGER["early"]:
                 return context.get_dummy_value()
             fty = ir.FunctionType(ir.VoidType(), [])
             builder.call(ir.InlineAsm(fty, f"griddepcontrol.{op};", "~{memory}", side_effect=True), [])

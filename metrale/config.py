@@ -36,6 +36,8 @@ class Levers:
     fuse_decode: bool = True             # one-row steps (CUDA): RMSNorm and silu*mul inside the next GEMV
     pdl: bool = True                     # CUDA sm_90+: programmatic dependent launch of the kernels that
                                          # opt in (the next kernel starts while the previous one drains)
+    pdl_trigger: str = "auto"            # early | exit | auto: a PDL successor launches when the kernel's
+                                         # blocks start (early) or exit; auto: early for >= 1 GiB of weights
     spec_min_confidence: float = 0.0     # cut a draft at its first token below this confidence
     spec_verify_cost: float = -1.0       # cost of one verified draft token, in plain decode steps
                                          # (-1: 0.1 on CUDA, where decode is memory-bound; 0.5 on CPU)

@@ -108,3 +108,36 @@ def test_ptx_has_the_wait_before_any_global_load():
     trigger = next(i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln)
     first_load = next(i for i, ln in enumerate(lines) if "ld.global" in ln)
     assert wait < trigger < first_load
+
+
+@pytest.mark.skipif(SIMULATOR, reason="the trigger switch lives in the real-GPU path of ptx")
+def test_pdl_trigger_lever_picks_by_model_size():
+    from kernels_numba import ptx
+    from metrale.runtime.cuda_backend import PDL_EARLY_MIN_BYTES, CudaBackend
+
+    try:
+        assert CudaBackend._pdl_trigger(None, "auto", PDL_EARLY_MIN_BYTES) is True and ptx.TRIGGER["early"]
+        assert CudaBackend._pdl_trigger(None, "auto", 270 << 20) is False and not ptx.TRIGGER["early"]
+        assert CudaBackend._pdl_trigger(None, "early", 0) is True
+        assert CudaBackend._pdl_trigger(None, "exit", 16 << 30) is False
+        with pytest.raises(ValueError, match="pdl_trigger"):
+            CudaBackend._pdl_trigger(None, "sometimes", 0)
+    finally:
+        ptx.TRIGGER["early"] = True
+
+
+@pytest.mark.skipif(SIMULATOR, reason="compile_ptx needs the real CUDA target")
+def test_exit_trigger_compiles_no_launch_dependents():
+    from numba.cuda import compile_ptx
+    from kernels_numba import ptx
+
+    def k(x):
+        ptx.grid_wait()
+        ptx.grid_trigger()
+        x[0] = 1.0
+    try:
+        ptx.TRIGGER["early"] = False
+        body, _ = compile_ptx(k, (types.float32[:],), cc=(9, 0))
+        assert "griddepcontrol.wait" in body and "griddepcontrol.launch_dependents" not in body
+    finally:
+        ptx.TRIGGER["early"] = True
