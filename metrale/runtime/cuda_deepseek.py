@@ -342,7 +342,7 @@ class DeepseekCudaBackend(CudaBackend):
                 yield name, host
 
     # ---------------------------------------------------------------- expert parallelism
-    def _upload(self, device_array, host: np.ndarray) -> None:
+    def _copy_host_rows(self, device_array, host: np.ndarray) -> None:
         device_array.copy_to_device(np.ascontiguousarray(host), stream=self.stream.numba)
 
     def ep_experts(self, h, ids, weights, gu, down, residual) -> None:
@@ -360,8 +360,8 @@ class DeepseekCudaBackend(CudaBackend):
         if n:
             slot_row = np.empty(n, np.int32)
             slot_row[order] = np.arange(n, dtype=np.int32)
-            self._upload(a["ep_gather"][:n], order // k)
-            self._upload(a["ep_slot_row"][:n], slot_row)
+            self._copy_host_rows(a["ep_gather"][:n], order // k)
+            self._copy_host_rows(a["ep_slot_row"][:n], slot_row)
             qkv.gather_rows(h, a["ep_gather"][:n], send, stream=s)
         self.stream.synchronize()                     # NCCL runs on this stream too, but host inputs are staged
         on_device = bool(getattr(ep.comm, "device_buffers", False))   # else a host communicator (tests)
@@ -371,7 +371,7 @@ class DeepseekCudaBackend(CudaBackend):
         y = a["ep_out"][:m]                           # not moe_y: moe_experts un-permutes from there
         if m:
             rows = rows if hasattr(rows, "__cuda_array_interface__") else _to_device(rows)
-            self._upload(a["ep_ids"][:m], (np.asarray(rids, np.int32) - ep.expert_range[0]).reshape(m, 1))
+            self._copy_host_rows(a["ep_ids"][:m], (np.asarray(rids, np.int32) - ep.expert_range[0]).reshape(m, 1))
             moe.moe_experts(rows, a["ep_ids"][:m], a["ep_ones"][:m], gu, down, y, self.moe_ws, accumulate=False, stream=s)
             self.stream.synchronize()
         back, _ = ep.comm.all_to_all_v(y if on_device else y.copy_to_host(), recv_counts, counts)

