@@ -16,6 +16,8 @@ class Levers:
     """Tuning and bisecting knobs. Each is a typed field; presets live in conf/lever/."""
     no_mix: bool = False                 # run prefill chunks and decode rows in separate forwards
     cuda_graphs: bool = True             # replay decode steps as CUDA graphs
+    mixed_graphs: bool = False           # CUDA: replay prefill and mixed steps too, padded to bucketed
+                                         # geometries (metrale/runtime/cuda/buckets.py; docs/runtime.md)
     # decode batch sizes captured as CUDA graphs (a batch is padded to the next size)
     graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256])
     gemv_max_rows: int = 256             # rows up to which linear layers stream the weights (GEMV /

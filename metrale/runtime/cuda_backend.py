@@ -27,6 +27,7 @@ from metrale.models.llama import llama_forward
 from metrale.models.loader import WeightStream
 from metrale.runtime.batch import ForwardBatch, Segment, build_batch
 from metrale.runtime.cuda import CudaGraph, DevicePool, Stream, cu, free_device_memory, kv_pool_bytes
+from metrale.runtime.cuda.buckets import MAX_MIXED_GRAPHS, mixed_bucket, padding, token_ladder
 
 log = logging.getLogger("metrale.cuda")
 
@@ -46,6 +47,7 @@ class Geometry:
     max_context: int
     max_query_len: int
     num_layers: int | None = None     # fewer than the model's: the self-speculative drafter
+    mixed: bool = False               # a bucketed prefill/mixed step (levers.mixed_graphs; buckets.py)
 
 
 class MetaBuffers:
@@ -70,13 +72,21 @@ class MetaBuffers:
         self.host = cuda.pinned_array(total, dtype=np.int32)
         self.device = pool.alloc("activations", total, np.int32)
         self.arange = np.arange(max_tokens + max_seqs + max_rows + 2, dtype=np.int32)
+        self._views: dict = {}      # (name, n) -> device view: a Numba slice costs tens of microseconds
 
     def view(self, name: str, n: int):
-        o = self.offsets[name]
-        return self.device[o:o + n]
+        v = self._views.get((name, n))
+        if v is None:
+            o = self.offsets[name]
+            v = self._views[(name, n)] = self.device[o:o + n]
+        return v
 
     def tables(self, seqs: int):
-        return self.device[self.table_offset:self.table_offset + seqs * self.max_blocks].reshape(seqs, self.max_blocks)
+        v = self._views.get(("tables", seqs))
+        if v is None:
+            t = self.table_offset
+            v = self._views[("tables", seqs)] = self.device[t:t + seqs * self.max_blocks].reshape(seqs, self.max_blocks)
+        return v
 
     def _put(self, name: str, values: np.ndarray, size: int, pad) -> None:
         o, n = self.offsets[name], len(values)
@@ -85,18 +95,19 @@ class MetaBuffers:
             self.host[o + n:o + size] = pad if np.isscalar(pad) else pad[:size - n]
 
     def upload(self, batch: ForwardBatch, g: Geometry, stream: Stream) -> None:
-        """Write the batch padded to geometry g (padding rows: slot -1, own segment, 1 token)."""
+        """Write the batch padded to geometry g (padding tokens: slot -1, position 0, in padding
+        segments of one token, or of up to g.max_query_len tokens in a mixed geometry; buckets.padding)."""
         T, S, R = batch.num_tokens, batch.num_seqs, len(batch.logits_indices)
-        ar = self.arange
         self._put("token_ids", batch.token_ids, g.tokens, 0)
         self._put("positions", batch.positions, g.tokens, 0)
         self._put("slot_mapping", batch.slot_mapping, g.tokens, -1)
-        self._put("token_seq", batch.token_seq, g.tokens, ar[S:])
-        # padding sequences hold one padding token each; with verify blocks (T > S) there are more
-        # padding sequences than padding tokens: the extra ones start (and end) at g.tokens, empty
-        self._put("seq_query_start", batch.seq_query_start, g.seqs + 1, np.minimum(ar[T + 1:T + 1 + g.seqs - S], g.tokens))
+        # decode padding sequences hold one padding token each; with verify blocks (T > S) there are
+        # more padding sequences than padding tokens: the extra ones start (and end) at g.tokens, empty
+        token_seq, seq_start, rows = padding(T, S, R, g.tokens, g.seqs, g.rows, g.max_query_len if g.mixed else 1)
+        self._put("token_seq", batch.token_seq, g.tokens, token_seq)
+        self._put("seq_query_start", batch.seq_query_start, g.seqs + 1, seq_start)
         self._put("context_lens", batch.context_lens, g.seqs, 1)
-        self._put("logits_indices", batch.logits_indices, g.rows, ar[T:])
+        self._put("logits_indices", batch.logits_indices, g.rows, rows)
         t, mb = self.table_offset, self.max_blocks
         grid = self.host[t:t + g.seqs * mb].reshape(g.seqs, mb)
         width = batch.block_tables.shape[1]
@@ -123,9 +134,10 @@ class CudaOps:
         self.seq_query_start = m.view("seq_query_start", g.seqs + 1)
         self.logits_indices = m.view("logits_indices", g.rows)
         self.block_tables = m.tables(g.seqs)
+        self.rows_ptr = _ptr(backend.act["rows"])
 
     def _buf(self, name: str, n: int | None = None):
-        return self.b.act[name][:n if n is not None else self.g.tokens]
+        return self.b.view(name, n if n is not None else self.g.tokens)
 
     def embed(self, weight):
         out = self._buf("residual")
@@ -133,12 +145,12 @@ class CudaOps:
         return out
 
     def rms_norm(self, x, weight):
-        out = self._buf("normed_rows" if _ptr(x) == _ptr(self.b.act["rows"]) else "h", x.shape[0])
+        out = self._buf("normed_rows" if _ptr(x) == self.rows_ptr else "h", x.shape[0])
         rmsnorm.rms_norm(x, weight, self.cfg.rms_norm_eps, out, stream=self.s)
         return out
 
     def linear(self, x, weight, bias=None):
-        out = self.b.act[f"out{weight.shape[0]}"][:x.shape[0]]
+        out = self.b.view(f"out{weight.shape[0]}", x.shape[0])
         if self.b.blas_takes(x.shape[0], weight):
             self.b.blas_linear(x, weight, out, bias, accumulate=False)
         else:
@@ -171,7 +183,7 @@ class CudaOps:
             decode = flash_decode.flash_decode_attention if self.b.flash_decode else attention.paged_attention
             decode(q, kc, vc, self.block_tables, self.token_seq, self.positions, scale, out,
                    scratch=self.b.attn_scratch, max_context=self.g.max_context, stream=self.s)
-        return out.reshape(self.g.tokens, self.cfg.q_size)
+        return self.b.view("attn", self.g.tokens, (self.g.tokens, self.cfg.q_size))
 
     def silu_mul(self, gate_up):
         out = self._buf("act")
@@ -190,13 +202,13 @@ class CudaOps:
         """linear(rms_norm(x, norm_weight), weight, bias); at one row the norm is the GEMV's
         prologue (gemm.gemv, prologue 'rmsnorm'): no norm launch, no normed buffer."""
         if self.b.blas_takes(x.shape[0], weight):      # cuBLASLt: the norm writes its bf16 input
-            out = self.b.act[f"out{weight.shape[0]}"][:x.shape[0]]
+            out = self.b.view(f"out{weight.shape[0]}", x.shape[0])
             rmsnorm.rms_norm_bf16(x, norm_weight, self.cfg.rms_norm_eps, self.b.blas_input(x.shape), stream=self.s)
             self.b.blas_linear(None, weight, out, bias, accumulate=False, rows=x.shape[0])
             return out
         if not self._fused(x.shape[0], weight):
             return self.linear(self.rms_norm(x, norm_weight), weight, bias)
-        out = self.b.act[f"out{weight.shape[0]}"][:1]
+        out = self.b.view(f"out{weight.shape[0]}", 1)
         gemm.gemv(x, weight, out, prologue="rmsnorm", norm_w=norm_weight, eps=self.cfg.rms_norm_eps,
                   bias=bias, stream=self.s)
         return out
@@ -220,6 +232,7 @@ class CudaOps:
 
 
 PDL_EARLY_MIN_BYTES = 1 << 30   # levers.pdl_trigger=auto: early triggers from this much weight
+MAX_CACHED_VIEWS = 8192         # activation views CudaBackend.view keeps (cleared past this)
 
 
 class CudaBackend:
@@ -229,6 +242,7 @@ class CudaBackend:
         self.config = c = config
         self.block_size = int(cfg.cache.block_size)
         levers = cfg.levers
+        self._views: dict = {}
         # the streaming path's own table (gemm.skinny_cfg) still sends shapes it loses on to the tiled GEMM
         self.skinny_max_t = max(gemm.FMA_MAX_T, int(levers.gemv_max_rows))
         self.prefill_min_tokens = int(levers.prefill_attention_min_tokens)
@@ -243,6 +257,10 @@ class CudaBackend:
         self.pdl = pdl.enable(bool(getattr(levers, "pdl", True)))
         self.use_graphs = bool(levers.cuda_graphs)
         self.graph_sizes = sorted(int(s) for s in levers.graph_batch_sizes)
+        # prefill and mixed steps replayed from bucketed graphs: the dense forward only (the hybrid
+        # and MLA families keep per-step state or context-sized launches in those steps)
+        self.mixed_graphs = (self.use_graphs and bool(getattr(levers, "mixed_graphs", False))
+                             and type(self)._run is CudaBackend._run)
         self.max_model_len = min(c.max_position, cfg.scheduler.max_model_len or c.max_position)
         self.max_seqs = int(cfg.scheduler.max_num_seqs)
         self.max_tokens = max(int(cfg.scheduler.max_num_batched_tokens), self.graph_sizes[-1] if self.graph_sizes else 1)
@@ -279,6 +297,9 @@ class CudaBackend:
             ws = self.act["blas_workspace"]
             self.blas = CublasLt(_ptr(ws), ws.nbytes, autotune=int(getattr(levers, "cublaslt_autotune", 0)))
         self.graphs: dict[Geometry, CudaGraph] = {}
+        self.mixed_ladder = token_ladder(self.max_tokens)
+        self._mixed_lru: dict[Geometry, None] = {}      # mixed geometries in self.graphs, oldest first
+        self.mixed_stats = {"captures": 0, "replays": 0, "evictions": 0, "eager_steps": 0}
         self._argmax_host = cuda.pinned_array(self.max_rows, dtype=np.int32)
         cuda.synchronize()
         if self.use_graphs:
@@ -360,7 +381,23 @@ class CudaBackend:
 
     def blas_input(self, shape: tuple[int, int]):
         """The bf16 staging buffer of cuBLASLt's x, as room for shape[0] * shape[1] values."""
-        return self.act["x_bf16"].reshape(-1)[:shape[0] * shape[1]]
+        n = shape[0] * shape[1]
+        v = self._views.get(("x_bf16", n))
+        if v is None:
+            v = self._views[("x_bf16", n)] = self.act["x_bf16"].reshape(-1)[:n]
+        return v
+
+    def view(self, name: str, n: int, shape: tuple[int, ...] | None = None):
+        """self.act[name][:n] (reshaped to `shape` when given), cached per (name, n, shape): a
+        Numba slice or reshape costs tens of microseconds of Python, an eager step takes hundreds."""
+        key = (name, n, shape)
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) > MAX_CACHED_VIEWS:
+                self._views.clear()
+            v = self.act[name][:n]
+            v = self._views[key] = v if shape is None else v.reshape(*shape)
+        return v
 
     def blas_linear(self, x, weight, out, bias, accumulate: bool, rows: int | None = None) -> None:
         """out (+)= x @ bf16(weight).T (+ bias) through cuBLASLt: x is rounded to bf16 first into
@@ -478,6 +515,12 @@ class CudaBackend:
             size = next(s for s in self.graph_sizes if s >= T)
             bucket = max(MIN_GRAPH_CONTEXT, 1 << (max_ctx - 1).bit_length())
             return Geometry(size, size, size, min(bucket, self.max_model_len), 1, num_layers), True
+        if self.mixed_graphs and batch.max_query_len >= self.prefill_min_tokens:
+            b = mixed_bucket(T, S, R, batch.max_query_len, ladder=self.mixed_ladder, max_seqs=self.max_seqs,
+                             max_rows=self.max_rows, prefill_min_tokens=self.prefill_min_tokens)
+            if b is not None:   # the prefill attention path reads no context length: max_context 0
+                return Geometry(b[0], b[1], b[2], 0, b[3], num_layers, mixed=True), True
+            self.mixed_stats["eager_steps"] += 1
         return Geometry(T, S, R, max_ctx, batch.max_query_len, num_layers), False
 
     def _upload(self, batch: ForwardBatch, g: Geometry) -> None:
@@ -494,9 +537,27 @@ class CudaBackend:
             self._run(g)
         elif g in self.graphs:
             self.graphs[g].replay()
+            if g.mixed:
+                self._mixed_used(g, captured=False)
         else:  # first use: the warm-up run computes this step, then the graph is captured
             self.graphs[g] = CudaGraph.capture(self.stream, lambda: self._run(g), warmup=1)
+            if g.mixed:
+                self._mixed_used(g, captured=True)
         return g
+
+    def _mixed_used(self, g: Geometry, captured: bool) -> None:
+        """LRU of the mixed graphs: past MAX_MIXED_GRAPHS the least recently used is destroyed
+        (a graph still in flight is freed when it completes)."""
+        self.mixed_stats["captures" if captured else "replays"] += 1
+        self._mixed_lru.pop(g, None)
+        self._mixed_lru[g] = None
+        while len(self._mixed_lru) > MAX_MIXED_GRAPHS:
+            old = next(iter(self._mixed_lru))
+            del self._mixed_lru[old]
+            graph = self.graphs.pop(old, None)
+            if graph is not None:
+                graph.close()
+                self.mixed_stats["evictions"] += 1
 
     def _fetch(self, array, host: np.ndarray) -> np.ndarray:
         cu("cuMemcpyDtoHAsync", host.ctypes.data, _ptr(array), host.nbytes, self.stream.handle)
@@ -554,6 +615,7 @@ class CudaBackend:
         for graph in self.graphs.values():
             graph.close()
         self.graphs.clear()
+        self._mixed_lru.clear()
         if self.blas is not None:
             self.blas.close()
             self.blas = None
@@ -564,4 +626,5 @@ class CudaBackend:
         usage = self.pool.usage()
         return {"weights_bytes": usage["weights"].used, "activation_bytes": usage["activations"].used,
                 "kv_pool_bytes": usage["kv"].used, "kv_pool_tokens": self.num_blocks * self.block_size,
-                "device_used_bytes": total - free, "device_total_bytes": total, "graphs": len(self.graphs)}
+                "device_used_bytes": total - free, "device_total_bytes": total, "graphs": len(self.graphs),
+                "mixed_graphs": len(self._mixed_lru), **{f"mixed_{k}": v for k, v in self.mixed_stats.items()}}

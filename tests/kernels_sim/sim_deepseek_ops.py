@@ -14,7 +14,7 @@ from metrale.models import deepseek as DS
 from metrale.models.deepseek import deepseek_forward
 from metrale.models.loader import deepseek_model_config
 from metrale.runtime.batch import Segment, build_batch
-from metrale.runtime.cuda_backend import Geometry
+from metrale.runtime.cuda_backend import CudaBackend, Geometry
 from metrale.runtime.cuda_deepseek import DeepseekCudaBackend, DeepseekCudaOps, activation_plan, prepare_weights
 
 BS, NB, MAX_LEN = 4, 16, 32
@@ -46,9 +46,11 @@ class SimBackend:
     """The attributes DeepseekCudaOps reads, on simulator arrays."""
     ep_experts = DeepseekCudaBackend.ep_experts
     _upload = DeepseekCudaBackend._upload
+    view = CudaBackend.view
 
     def __init__(self, config, host_weights: dict, ep=None):
         self.config, self.ep, self.block_size = config, ep, BS
+        self._views = {}
         self.num_local_experts = ep.num_local if ep is not None else config.n_routed_experts
         self.route_cfg = DS.route_config(config)
         self.inv_freq, self.rope_mscale, self.softmax_scale = DS.deepseek_rope(config)

@@ -1,0 +1,163 @@
+"""levers.mixed_graphs without a GPU: the bucket of a prefill/mixed step, the padding of its
+metadata (MetaBuffers.upload on a host buffer), and what the padded layout means to attention."""
+import numpy as np
+import pytest
+
+from metrale.runtime.batch import Segment, build_batch
+from metrale.runtime.cuda.buckets import MAX_MIXED_GRAPHS, mixed_bucket, padding, pow2_at_least, token_ladder
+
+BS = 16
+
+
+def bucket(T, S, R, q, max_tokens=2048, max_seqs=256, pmt=64):
+    return mixed_bucket(T, S, R, q, ladder=token_ladder(max_tokens), max_seqs=max_seqs, max_rows=max_seqs,
+                        prefill_min_tokens=pmt)
+
+
+def test_ladder_and_pow2():
+    assert token_ladder(2048) == [64, 128, 256, 512, 1024, 2048]
+    assert token_ladder(3000) == [64, 128, 256, 512, 1024, 2048, 3000]
+    assert token_ladder(40) == [40]
+    assert [pow2_at_least(n) for n in (0, 1, 2, 3, 64, 65)] == [1, 1, 2, 4, 64, 128]
+    assert MAX_MIXED_GRAPHS >= 16
+
+
+def test_buckets_of_typical_steps():
+    assert bucket(512, 1, 1, 512) == (512, 1, 1, 512)            # one 512-token prefill: no padding
+    assert bucket(300, 1, 1, 300) == (512, 2, 2, 512)            # one padding segment of 212 tokens
+    # 30 decode rows + a 100-token chunk: 130 tokens -> 256, 126 padding tokens in one segment of <= 128
+    assert bucket(130, 31, 31, 100) == (256, 32, 32, 128)
+    # short query lengths still bucket to >= prefill_attention_min_tokens
+    assert bucket(70, 1, 1, 70, pmt=64) == (128, 2, 2, 128)
+    assert bucket(2000, 200, 200, 64)[:2] == (2048, 256)
+    # verify blocks (logits for every row) need more rows than sequences
+    assert bucket(200, 4, 100, 96) == (256, 8, 128, 128)
+
+
+def test_steps_that_stay_eager():
+    assert bucket(2049, 1, 1, 2049) is None                      # above the top bucket
+    assert bucket(1100, 250, 250, 64) is None                    # padding segments would pass max_seqs
+    assert bucket(10, 300, 10, 64) is None
+
+
+def test_padding_with_one_token_segments_is_the_decode_padding():
+    """seg_len 1 reproduces MetaBuffers.upload's padding of decode (and verify) graphs."""
+    for T, S, size in [(3, 3, 4), (1, 1, 8), (7, 3, 8), (16, 16, 16)]:
+        ar = np.arange(size * 3 + 2, dtype=np.int32)
+        ts, sq, rows = padding(T, S, T, size, size, size, 1)
+        np.testing.assert_array_equal(ts, ar[S:][:size - T])
+        np.testing.assert_array_equal(sq, np.minimum(ar[T + 1:T + 1 + size - S], size))
+        np.testing.assert_array_equal(rows, ar[T:][:size - T])
+
+
+def test_padding_checks_room():
+    with pytest.raises(ValueError):
+        padding(10, 1, 1, 64, 2, 2, 16)       # 54 padding tokens in segments of 16 need 4 sequences
+
+
+class FakeStream:
+    handle = 0
+
+
+def host_upload(batch, g):
+    """The real MetaBuffers.upload, into a host buffer (the device copy is stubbed)."""
+    from metrale.runtime import cuda_backend as cb
+    m = cb.MetaBuffers.__new__(cb.MetaBuffers)
+    max_tokens, max_seqs, max_blocks = 4096, 256, 64
+    sizes = {"token_ids": max_tokens, "positions": max_tokens, "slot_mapping": max_tokens, "token_seq": max_tokens,
+             "seq_query_start": max_seqs + 1, "context_lens": max_seqs, "logits_indices": max_seqs}
+    m.offsets, off = {}, 0
+    for name in cb.MetaBuffers.FIELDS:
+        m.offsets[name] = off
+        off += -(-sizes[name] // 32) * 32
+    m.table_offset, m.max_blocks = off, max_blocks
+    m.host = np.full(off + max_seqs * max_blocks, 12345, np.int32)
+    m.device = None
+    orig_cu, orig_ptr = cb.cu, cb._ptr
+    cb.cu, cb._ptr = (lambda *a: None), (lambda a: 0)
+    try:
+        m.upload(batch, g, FakeStream())
+    finally:
+        cb.cu, cb._ptr = orig_cu, orig_ptr
+    get = lambda name, n: m.host[m.offsets[name]:m.offsets[name] + n].copy()   # noqa: E731
+    tables = m.host[m.table_offset:m.table_offset + g.seqs * max_blocks].reshape(g.seqs, max_blocks)
+    return {"token_ids": get("token_ids", g.tokens), "positions": get("positions", g.tokens),
+            "slot_mapping": get("slot_mapping", g.tokens), "token_seq": get("token_seq", g.tokens),
+            "seq_query_start": get("seq_query_start", g.seqs + 1), "context_lens": get("context_lens", g.seqs),
+            "logits_indices": get("logits_indices", g.rows), "tables": tables.copy()}
+
+
+def mixed_batch(rng):
+    """Decode rows, a chunk after 40 cached positions, a fresh prompt: prefill with decode."""
+    segs, start = [], 0
+    for pos, n, logits in [(20, 1, "last"), (40, 90, "last"), (0, 70, "last"), (7, 1, "last"), (3, 4, "all")]:
+        nb = -(-(pos + n) // BS)
+        segs.append(Segment(rng.integers(0, 1000, n).astype(np.int32), pos,
+                            np.arange(start + 1, start + 1 + nb, dtype=np.int32), logits))
+        start += nb
+    return build_batch(segs, BS)
+
+
+def test_upload_pads_a_mixed_step_to_its_bucket():
+    from metrale.runtime.cuda_backend import Geometry
+    batch = mixed_batch(np.random.default_rng(0))
+    T, S, R = batch.num_tokens, batch.num_seqs, len(batch.logits_indices)
+    tb, sb, rb, qb = bucket(T, S, R, batch.max_query_len)
+    assert (T, S, R, batch.max_query_len) == (166, 5, 8, 90) and (tb, sb, rb, qb) == (256, 8, 8, 128)
+    g = Geometry(tb, sb, rb, 0, qb, None, mixed=True)
+    h = host_upload(batch, g)
+    # the step itself, unchanged
+    for name in ("token_ids", "positions", "slot_mapping", "token_seq", "logits_indices"):
+        np.testing.assert_array_equal(h[name][:len(getattr(batch, name))], getattr(batch, name))
+    np.testing.assert_array_equal(h["seq_query_start"][:S + 1], batch.seq_query_start)
+    np.testing.assert_array_equal(h["tables"][:S, :batch.block_tables.shape[1]], batch.block_tables)
+    assert (h["tables"][:S, batch.block_tables.shape[1]:] == 0).all()
+    # padding tokens: id 0, position 0, written nowhere, in padding segments of <= qb tokens
+    assert (h["token_ids"][T:] == 0).all() and (h["positions"][T:] == 0).all() and (h["slot_mapping"][T:] == -1).all()
+    sq = h["seq_query_start"]
+    assert sq[0] == 0 and sq[-1] == tb and (np.diff(sq) >= 0).all()
+    assert np.diff(sq).max() <= qb, "a segment longer than the attention grid covers"
+    np.testing.assert_array_equal(h["token_seq"], np.repeat(np.arange(sb), np.diff(sq)))
+    assert (h["tables"][S:] == 0).all() and (h["context_lens"][S:] == 1).all()
+    # padding logits rows read a valid token
+    assert (h["logits_indices"] < tb).all() and (h["logits_indices"] >= 0).all()
+
+
+def test_upload_of_decode_and_eager_geometries_unchanged():
+    """Lever off: decode graphs pad one token a sequence; eager geometries add no padding."""
+    from metrale.runtime.cuda_backend import Geometry
+    rng = np.random.default_rng(1)
+    segs = [Segment(np.array([5], np.int32), p, np.array([i + 1, i + 2], np.int32)) for i, p in enumerate((3, 17, 9))]
+    batch = build_batch(segs, BS)
+    h = host_upload(batch, Geometry(8, 8, 8, 512, 1))
+    np.testing.assert_array_equal(h["token_seq"], np.arange(8))
+    np.testing.assert_array_equal(h["seq_query_start"], np.arange(9))
+    np.testing.assert_array_equal(h["logits_indices"], np.arange(8))
+    assert (h["slot_mapping"][3:] == -1).all()
+    batch = mixed_batch(rng)
+    g = Geometry(batch.num_tokens, batch.num_seqs, len(batch.logits_indices), 130, batch.max_query_len)
+    h = host_upload(batch, g)
+    np.testing.assert_array_equal(h["seq_query_start"], batch.seq_query_start)
+    np.testing.assert_array_equal(h["token_seq"], batch.token_seq)
+    np.testing.assert_array_equal(h["logits_indices"], batch.logits_indices)
+
+
+def test_padded_attention_leaves_the_step_unchanged():
+    """The NumPy attention reference on the padded layout: the step's rows are those of the
+    unpadded step, padding rows are finite (they read block 0 at position 0)."""
+    from kernels_numba.attention import attention_ref
+    from kernels_numba.bf16 import to_bf16_bits
+    from metrale.runtime.cuda_backend import Geometry
+    rng = np.random.default_rng(2)
+    batch = mixed_batch(rng)
+    tb, sb, rb, qb = bucket(batch.num_tokens, batch.num_seqs, len(batch.logits_indices), batch.max_query_len)
+    h = host_upload(batch, Geometry(tb, sb, rb, 0, qb, None, mixed=True))
+    hq, hk, hd, nb = 4, 2, 32, int(batch.block_tables.max()) + 2
+    kc = to_bf16_bits(rng.standard_normal((nb, BS, hk, hd)))
+    vc = to_bf16_bits(rng.standard_normal((nb, BS, hk, hd)))
+    q = rng.standard_normal((tb, hq, hd)).astype(np.float32)
+    T = batch.num_tokens
+    want = attention_ref(q[:T], kc, vc, batch.block_tables, batch.token_seq, batch.positions, hd ** -0.5)
+    got = attention_ref(q, kc, vc, h["tables"], h["token_seq"], h["positions"], hd ** -0.5)
+    np.testing.assert_allclose(got[:T], want, rtol=1e-12, atol=1e-12)
+    assert np.isfinite(got).all()
