@@ -133,7 +133,7 @@ def _make_fma(TT: int, W: int, U: int, has_bias: bool, accumulate: bool):
 
 # ----------------------------------------------------------------------------- T = 1 GEMV
 # with a fused input transform (prologue), R rows of w per warp, x through L1 or shared memory
-PROLOGUES = {"plain": 0, "rmsnorm": 1, "silu_mul": 2}
+PROLOGUES = {"plain": 0, "rmsnorm": 1, "silu_mul": 2, "rmsnorm_ss": 3}
 GEMV_SMEM_MAX_K = 12288     # x staged in shared memory as float32: 48 KB of static shared memory
 
 
@@ -142,7 +142,7 @@ def gemv_ref(x, w_u16, prologue: str = "plain", norm_w=None, eps: float = 1e-6, 
     """float64 oracle of `gemv`: the prologue applied to x [1, K] (or [1, 2K] for silu_mul),
     then linear_ref."""
     x = np.asarray(x, np.float64)
-    if prologue == "rmsnorm":
+    if prologue in ("rmsnorm", "rmsnorm_ss"):     # rmsnorm_ss: the same norm, its sum given
         x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * np.asarray(norm_w, np.float64)
     elif prologue == "silu_mul":
         k = x.shape[1] // 2
@@ -153,20 +153,23 @@ def gemv_ref(x, w_u16, prologue: str = "plain", norm_w=None, eps: float = 1e-6, 
     return linear_ref(x, w_u16, bias, residual)
 
 
-def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumulate: bool):
+def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumulate: bool, SQ: bool = False):
     """T = 1 GEMV, R consecutive rows of w per warp (W warps a block): a lane takes 8-wide k
     chunks lane, lane+32, ...; U chunks of each of its R rows in flight (16-byte loads) while the
     previous U are used. The 8 x values of a chunk are fetched once and used for R rows.
     P (prologue, PROLOGUES): 0 x as is; 1 rmsnorm: the block first reduces sum(x^2) (x [1, K]),
     then uses x * rsqrt(mean + eps) * norm_w; 2 silu_mul: x [1, 2K] = [gate | up], uses
-    silu(gate) * up. KS > 0: the transformed x is staged once per block in shared memory as
+    silu(gate) * up; 3 rmsnorm_ss: as 1 with sum(x^2) read from ss_in[0] (written by the kernel that
+    produced x: no reduction, no barrier). SQ: the epilogue adds the sum of squares of the values
+    it writes (after the residual add) into ss_out[0], one atomic per block, for the next
+    kernel's rmsnorm_ss. KS > 0: the transformed x is staged once per block in shared memory as
     float32 in dynamic shared memory (K floats, the launch passes 4K bytes; stored permuted,
     element e of chunk c at e * K/8 + c, so the lanes' scalar shared loads are conflict free);
     KS == 0: x is read (and transformed) per chunk through L1."""
     NT = 32 * W
     NWR = 4 * U * R
 
-    def gemv(x, w, out, bias, nw, eps):
+    def gemv(x, w, out, bias, nw, eps, ss_in, ss_out):
         grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
         grid_trigger()
         K = w.shape[1]
@@ -201,12 +204,14 @@ def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumula
             for i in range(W):
                 tot += red[i]
             scale = float32(1.0) / math.sqrt(tot / float32(K) + eps)
+        elif P == 3:
+            scale = float32(1.0) / math.sqrt(ss_in[0] / float32(K) + eps)
         if KS > 0:
             for i in range(tid, K, NT):
                 e = i // nch
                 c = i - e * nch
                 k = 8 * c + e
-                if P == 1:
+                if P == 1 or P == 3:
                     xs[i] = x[0, k] * scale * nw[0, k]
                 elif P == 2:
                     g = x[0, k]
@@ -247,7 +252,7 @@ def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumula
                     for e in range(4):
                         xv[e] = xa[e]
                         xv[4 + e] = xb[e]
-                    if P == 1:
+                    if P == 1 or P == 3:
                         na = ldg_f32x4(nw, 0, k8)
                         nb = ldg_f32x4(nw, 0, k8 + 4)
                         for e in range(4):
@@ -269,6 +274,7 @@ def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumula
                     s += bf16lo_f32(wc[o + 2]) * xv[4] + bf16hi_f32(wc[o + 2]) * xv[5]
                     s += bf16lo_f32(wc[o + 3]) * xv[6] + bf16hi_f32(wc[o + 3]) * xv[7]
                     acc[r] = s
+        sq = float32(0.0)
         for r in range(R):
             s = warp_sum_f32(acc[r])
             if lane == 0:
@@ -276,9 +282,20 @@ def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumula
                 if has_bias:
                     s += bias[n]
                 if accumulate:
-                    out[0, n] += s
-                else:
-                    out[0, n] = s
+                    s += out[0, n]
+                out[0, n] = s
+                sq += s * s
+        if SQ:
+            if P == 1:
+                cuda.syncthreads()         # red[] held the prologue's partial sums
+            if lane == 0:
+                red[warp] = sq
+            cuda.syncthreads()
+            if tid == 0:
+                tot = float32(0.0)
+                for i in range(W):
+                    tot += red[i]
+                cuda.atomic.add(ss_out, 0, tot)
 
     return gemv
 
@@ -588,7 +605,8 @@ def py_kernel(kind: str, *cfg):
 def kernel(kind: str, *cfg):
     """kind 'fma': (T, warps, unroll, has_bias, accumulate); 'skinny': (mt, nt, warps, unroll,
     has_bias, accumulate); 'tiled': (bm, bn, has_bias, accumulate); 'gemv': (warps, rows,
-    unroll, prologue, smem (0/1), has_bias, accumulate), arguments (x, w, out, bias, norm_w, eps)."""
+    unroll, prologue, smem (0/1), has_bias, accumulate, sumsq), arguments (x, w, out, bias, norm_w,
+    eps, ss_in, ss_out)."""
     key = (kind,) + cfg
     k = _KERNELS.get(key)
     if k is None:
@@ -649,6 +667,7 @@ def gemv_cfg(N: int, K: int, prologue: str = "plain"):
         return (8, 1, 2, True) if K <= 4096 else (4, 2, 2, False)
     if prologue == "rmsnorm":
         return (8, 2, 1, False) if K >= 2048 else (4, 1, 2, False)
+    # plain and rmsnorm_ss (its scale is one load: nothing to amortize over more rows)
     if N * K >= 1 << 24:
         return 8, 2, 2, False
     return (8, 1, 2, False) if K <= 1024 else (4, 1, 2, False)
@@ -656,7 +675,7 @@ def gemv_cfg(N: int, K: int, prologue: str = "plain"):
 
 def gemv_path(N: int, K: int, prologue: str = "plain", warps: int | None = None,
               rows: int | None = None, unroll: int | None = None, smem: bool | None = None):
-    """T = 1 GEMV with a fused prologue ('plain', 'rmsnorm', 'silu_mul'); keyword arguments
+    """T = 1 GEMV with a fused prologue ('plain', 'rmsnorm', 'rmsnorm_ss', 'silu_mul'); keyword arguments
     override gemv_cfg. smem=True stages x in shared memory (K <= GEMV_SMEM_MAX_K)."""
     d = gemv_cfg(N, K, prologue)
     warps = d[0] if warps is None else warps
@@ -701,11 +720,12 @@ def _launch(x, w, out, bias, stream, accumulate, fma_max_t, skinny_max_t, path=N
     if path is None:
         path = pick_path(T, N, fma_max_t, skinny_max_t, K)
     kind, cfg, grid, block = path
-    k = kernel(kind, *cfg, bias is not None, accumulate)
+    k = kernel(kind, *cfg, bias is not None, accumulate, *((False,) if kind == "gemv" else ()))
     # without a bias the kernel never reads that argument (branch pruned): pass out as filler
     if kind == "gemv":
         assert T == 1 and cfg[3] == 0, "the gemv path of linear is T = 1, no prologue"
-        k[grid, block, stream or 0](x, w, out, out if bias is None else bias, x, np.float32(0.0))
+        f = out.reshape(out.size)                       # filler for the unused ss arguments
+        k[grid, block, stream or 0](x, w, out, out if bias is None else bias, x, np.float32(0.0), f, f)
     else:
         k[grid, block, stream or 0](x, w, out, out if bias is None else bias)
 
@@ -726,13 +746,15 @@ def linear_residual(x, w, out, bias=None, stream=None, *, fma_max_t: int | None 
 
 
 def gemv(x, w, out, *, prologue: str = "plain", norm_w=None, eps: float = 1e-6, bias=None,
-         accumulate: bool = False, stream=None, path=None) -> None:
+         accumulate: bool = False, stream=None, path=None, ss_in=None, ss_out=None) -> None:
     """T = 1 product with the input transform fused into the GEMV (no launch of its own):
-      plain     out[1, N] (+)= x[1, K] @ bf16(w).T (+ bias)
-      rmsnorm   x -> x * rsqrt(mean(x^2) + eps) * norm_w   (norm_w float32 [K])
-      silu_mul  x[1, 2K] = [gate | up] -> silu(gate) * up  (the gate_up product's output)
-    accumulate adds into out (the residual stream). path: from gemv_path (default gemv_cfg).
-    Device arrays in, nothing allocated (graph-capture safe)."""
+      plain       out[1, N] (+)= x[1, K] @ bf16(w).T (+ bias)
+      rmsnorm     x -> x * rsqrt(mean(x^2) + eps) * norm_w   (norm_w float32 [K])
+      rmsnorm_ss  the same, with sum(x^2) already in ss_in[0] (float32 [1]): no reduction
+      silu_mul    x[1, 2K] = [gate | up] -> silu(gate) * up  (the gate_up product's output)
+    accumulate adds into out (the residual stream). ss_out (float32 [1], zeroed by the caller):
+    the sum of squares of the values written is added into it, for the next rmsnorm_ss.
+    path: from gemv_path (default gemv_cfg). Device arrays in, nothing allocated (graph-capture safe)."""
     if prologue not in PROLOGUES:
         raise ValueError(f"gemv: unknown prologue '{prologue}' (one of {sorted(PROLOGUES)})")
     N, K = w.shape
@@ -743,14 +765,18 @@ def gemv(x, w, out, *, prologue: str = "plain", norm_w=None, eps: float = 1e-6, 
     assert x.dtype == np.float32 and out.dtype == np.float32 and w.dtype == np.uint16, \
         "x, out float32; w uint16 (bf16 bits)"
     assert bias is None or tuple(bias.shape) == (N,), "bias must be float32 [N]"
-    if prologue == "rmsnorm":
-        assert norm_w is not None and tuple(norm_w.shape) == (K,), "rmsnorm needs norm_w float32 [K]"
+    if prologue in ("rmsnorm", "rmsnorm_ss"):
+        assert norm_w is not None and tuple(norm_w.shape) == (K,), f"{prologue} needs norm_w float32 [K]"
         nw = norm_w.reshape(1, K)
     else:
         nw = x
+    assert (prologue == "rmsnorm_ss") == (ss_in is not None), "rmsnorm_ss and ss_in go together"
     kind, cfg, grid, block = path or gemv_path(N, K, prologue)
     assert kind == "gemv" and cfg[3] == PROLOGUES[prologue], f"gemv: path {kind}{cfg} is not for {prologue}"
     assert cfg[4] == 0 or K <= GEMV_SMEM_MAX_K, "gemv: x staged in shared memory needs K <= 12288"
-    k = kernel(kind, *cfg, bias is not None, accumulate)
+    k = kernel(kind, *cfg, bias is not None, accumulate, ss_out is not None)
+    f = out.reshape(out.size)                           # filler for unused ss arguments
     k[grid, block, stream or 0, 4 * K if cfg[4] else 0](x, w, out, out if bias is None else bias,
-                                                         nw, np.float32(eps))
+                                                         nw, np.float32(eps),
+                                                         f if ss_in is None else ss_in,
+                                                         f if ss_out is None else ss_out)

@@ -30,7 +30,7 @@ def test_library_dict_overrides_match_cli():
 
 
 @pytest.mark.parametrize("override, needle", [
-    ("levers.turbo=1", "unknown lever 'levers.turbo'; valid levers: cublaslt_autotune, cublaslt_min_rows, cuda_graphs"),
+    ("levers.turbo=1", "unknown lever 'levers.turbo'; valid levers: "),
     ("levers.no_mix=maybe", "levers.no_mix"),
     ("max_tokens=lots", "max_tokens"),
     ("nonsense=1", "unknown setting 'nonsense'"),

@@ -15,9 +15,9 @@ U16_2 = types.Array(types.uint16, 2, "C")
 F32_1 = types.Array(types.float32, 1, "C")
 
 
-def _ptx(cfg, bias, acc):
-    sig = (F32_2, U16_2, F32_2, F32_1 if bias else F32_2, F32_2, types.float32)
-    ptx, _ = cuda.compile_ptx(gemm.py_kernel("gemv", *cfg, bias, acc), sig, cc=(9, 0))
+def _ptx(cfg, bias, acc, sq=False):
+    sig = (F32_2, U16_2, F32_2, F32_1 if bias else F32_2, F32_2, types.float32, F32_1, F32_1)
+    ptx, _ = cuda.compile_ptx(gemm.py_kernel("gemv", *cfg, bias, acc, sq), sig, cc=(9, 0))
     assert ".local" not in ptx, f"gemv{cfg}: register arrays spilled to local memory"
     return ptx
 
@@ -50,3 +50,16 @@ def test_pick_path_t1_is_gemv():
     kind, cfg, grid, block = gemm.pick_path(1, 4096, K=4096)
     assert kind == "gemv" and cfg[3] == 0
     assert grid * cfg[0] * cfg[1] == 4096 and block == 32 * cfg[0]
+
+
+@pytest.mark.parametrize("rows,ks,acc", [(2, 0, False), (1, 1, True)])
+def test_gemv_rmsnorm_ss_and_sumsq_ptx(rows, ks, acc):
+    """rmsnorm_ss reads the sum of squares (no block reduction, no barrier before the loop: the
+    only shuffles are the per-row warp sums); the sumsq epilogue adds one atomic per block."""
+    p = gemm.PROLOGUES["rmsnorm_ss"]
+    ptx = _ptx((8, rows, 1, p, ks), False, acc, sq=True)
+    assert ptx.count("shfl.sync.bfly") == 5 * rows
+    assert "sqrt" in ptx
+    assert ptx.count("atom.global.add.f32") + ptx.count("red.global.add.f32") == 1
+    plain = _ptx((8, rows, 1, gemm.PROLOGUES["plain"], 0), False, acc, sq=False)
+    assert "atom.global.add.f32" not in plain and "red.global.add.f32" not in plain

@@ -134,6 +134,8 @@ class CudaOps:
         self.seq_query_start = m.view("seq_query_start", g.seqs + 1)
         self.logits_indices = m.view("logits_indices", g.rows)
         self.block_tables = m.tables(g.seqs)
+        self._ss_used = 0            # norm_ss slots taken this step (carried RMSNorm sums)
+        self._resid_ss = None        # the slot holding sum(residual^2), while it is current
         self.rows_ptr = _ptr(backend.act["rows"])
 
     def _buf(self, name: str, n: int | None = None):
@@ -142,7 +144,33 @@ class CudaOps:
     def embed(self, weight):
         out = self._buf("residual")
         embedding.embedding_gather(weight, self.token_ids, out, stream=self.s)
+        self._resid_ss = None
+        if self._carry_norm():       # the step's sums start at zero (a memset node in the graph)
+            ss = self.b.act["norm_ss"]
+            cu("cuMemsetD32Async", _ptr(ss), 0, ss.shape[0], self.b.stream.handle)
         return out
+
+    def _carry_norm(self) -> bool:
+        """One token row, decode fusion on, the plain llama ops: each GEMV that adds into the
+        residual also sums the squares of the new residual (gemm.gemv ss_out, one atomic a block)
+        and the next RMSNorm becomes the consumer GEMV's rmsnorm_ss prologue: no norm launch and
+        no per-block reduction, whatever K (the in-GEMV reduction lost on K = 4096)."""
+        return (self.g.tokens == 1 and self.b.fuse_decode and self.b.carry_norm_sums and type(self) is CudaOps
+                and "norm_ss" in self.b.act)
+
+    def _take_ss(self):
+        i = self._ss_used
+        self._ss_used += 1
+        return self.b.act["norm_ss"][i:i + 1]
+
+    def _carried_ss(self, x, weight):
+        """The carried sum of squares for norm(x), when x is the residual it belongs to (or, at one
+        token row, its gathered copy) and the Numba GEMV runs the product; else None."""
+        if self._resid_ss is None or self.b.blas_takes(1, weight) or x.shape[0] != 1:
+            return None
+        if _ptr(x) in (_ptr(self.b.act["residual"]), _ptr(self.b.act["rows"])):
+            return self._resid_ss
+        return None
 
     def rms_norm(self, x, weight):
         out = self._buf("normed_rows" if _ptr(x) == self.rows_ptr else "h", x.shape[0])
@@ -158,6 +186,12 @@ class CudaOps:
         return out
 
     def linear_residual(self, x, weight, residual):
+        if self._carry_norm() and not self.b.blas_takes(1, weight) and _ptr(residual) == _ptr(self.b.act["residual"]):
+            ss = self._take_ss()
+            gemm.gemv(x, weight, residual, accumulate=True, stream=self.s, ss_out=ss)
+            self._resid_ss = ss
+            return residual
+        self._resid_ss = None
         if self.b.blas_takes(x.shape[0], weight):
             self.b.blas_linear(x, weight, residual, None, accumulate=True)
         else:
@@ -222,7 +256,11 @@ class CudaOps:
             return residual
         if not self._fused(rows, weight):
             return self.linear_residual(self.silu_mul(gate_up), weight, residual)
-        gemm.gemv(gate_up, weight, residual, prologue="silu_mul", accumulate=True, stream=self.s)
+        ss = None
+        if self._carry_norm() and _ptr(residual) == _ptr(self.b.act["residual"]):
+            ss = self._take_ss()
+        gemm.gemv(gate_up, weight, residual, prologue="silu_mul", accumulate=True, stream=self.s, ss_out=ss)
+        self._resid_ss = ss
         return residual
 
     def logits_rows(self, x):
@@ -415,6 +453,7 @@ class CudaBackend:
         """levers.fuse_decode: one-row steps run RMSNorm and silu*mul inside the GEMV that reads
         them (CudaOps.norm_linear / silu_mul_linear_residual)."""
         self.fuse_decode = bool(getattr(levers, "fuse_decode", True))
+        self.carry_norm_sums = bool(getattr(levers, "carry_norm_sums", True))
 
     # ------------------------------------------------------------------ memory plan
     def _weight_bytes(self) -> int:
@@ -440,6 +479,7 @@ class CudaBackend:
             widest = max(c.hidden_size, c.intermediate_size, c.q_size)
             plan["x_bf16"] = ((T, widest), np.uint16)
             plan["blas_workspace"] = ((WORKSPACE_BYTES,), np.uint8)
+        plan["norm_ss"] = ((2 * c.num_layers + 2,), np.float32)   # carried RMSNorm sums (CudaOps._carry_norm)
         plan["cos"] = ((self.max_model_len, c.head_dim // 2), np.float32)
         plan["sin"] = ((self.max_model_len, c.head_dim // 2), np.float32)
         return plan

@@ -20,6 +20,7 @@ class _Cfg:
 class _Backend:
     def __init__(self, fuse, T):
         self.fuse_decode = fuse
+        self.carry_norm_sums = True
         self.skinny_max_t = 256
         self.act = {"h": cuda.to_device(np.zeros((T, K), np.float32)),
                     "rows": cuda.to_device(np.zeros((T, K), np.float32)),
@@ -30,6 +31,10 @@ class _Backend:
     def blas_takes(self, rows, weight):
         return False
 
+    def view(self, name, n, shape=None):       # CudaBackend.view without the cache
+        v = self.act[name][:n]
+        return v if shape is None else v.reshape(shape)
+
 
 def _ops(fuse, T):
     from metrale.runtime.cuda_backend import CudaOps
@@ -37,6 +42,9 @@ def _ops(fuse, T):
     ops = object.__new__(CudaOps)
     ops.b, ops.s, ops.cfg = _Backend(fuse, T), 0, _Cfg()
     ops.g = type("G", (), {"tokens": T})()
+    ops._ss_used, ops._resid_ss = 0, None
+    import metrale.runtime.cuda_backend as cb
+    ops.rows_ptr = cb._ptr(ops.b.act["rows"])     # after the test's _ptr patch
     ref = object.__new__(NumpyOps)
     ref.cfg = _Cfg()
     return ops, ref
@@ -61,3 +69,41 @@ def test_fused_ops_match_numpy(fuse, T, monkeypatch):
     got = ops.silu_mul_linear_residual(cuda.to_device(gu), cuda.to_device(wd), d_res).copy_to_host()
     want = ref.silu_mul_linear_residual(gu.astype(np.float64), bf16_bits_to_f32(wd).astype(np.float64), res)
     assert np.abs(got - want).max() < 1e-2 * np.abs(want).max()
+
+
+def test_carried_norm_sums_match_numpy(monkeypatch):
+    """One row with the residual's sum of squares carried (CudaOps._carry_norm): the o_proj and
+    down GEMVs add sum(residual^2) into norm_ss slots, and the next norm_linear reads its slot
+    (gemm.gemv rmsnorm_ss) instead of launching a norm; the results equal the NumPy composition."""
+    import metrale.runtime.cuda_backend as cb
+    monkeypatch.setattr(cb, "_ptr", id)
+    rng = np.random.default_rng(11)
+    ops, ref = _ops(True, 1)
+    b = ops.b
+    residual = rng.standard_normal((1, K)).astype(np.float32)
+    b.act.update({"residual": cuda.to_device(residual.copy()), "norm_ss": cuda.to_device(np.zeros(4, np.float32)),
+                  f"out{K}": cuda.to_device(np.zeros((1, K), np.float32))})
+    assert ops._carry_norm()
+    attn = rng.standard_normal((1, K)).astype(np.float32)
+    w_o = f32_to_bf16_bits(rng.standard_normal((K, K)).astype(np.float32) / np.sqrt(K))
+    w_gu = f32_to_bf16_bits(rng.standard_normal((2 * F, K)).astype(np.float32) / np.sqrt(K))
+    w_d = f32_to_bf16_bits(rng.standard_normal((K, F)).astype(np.float32) / np.sqrt(F))
+    nw = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
+    f64 = lambda a: bf16_bits_to_f32(a).astype(np.float64)  # noqa: E731
+    res = b.act["residual"]
+    ops.linear_residual(cuda.to_device(attn), cuda.to_device(w_o), res)
+    want_res = ref.linear_residual(attn.astype(np.float64), f64(w_o), residual.astype(np.float64))
+    assert ops._resid_ss is not None
+    gu = ops.norm_linear(res, cuda.to_device(nw), cuda.to_device(w_gu))
+    want_gu = ref.norm_linear(want_res, nw, f64(w_gu))
+    got_gu = gu.copy_to_host()
+    assert np.abs(got_gu - want_gu).max() < 1e-2 * np.abs(want_gu).max()
+    ops.silu_mul_linear_residual(gu, cuda.to_device(w_d), res)
+    want_res = ref.silu_mul_linear_residual(got_gu.astype(np.float64), f64(w_d), want_res)
+    got_res = res.copy_to_host()
+    assert np.abs(got_res - want_res).max() < 1e-2 * np.abs(want_res).max()
+    ss = b.act["norm_ss"].copy_to_host()
+    assert ops._ss_used == 2 and abs(ss[1] - float((got_res.astype(np.float64) ** 2).sum())) < 1e-3 * ss[1]
+    out = ops.norm_linear(res, cuda.to_device(nw), cuda.to_device(w_o)).copy_to_host()
+    want = ref.norm_linear(got_res.astype(np.float64), nw, f64(w_o))
+    assert np.abs(out - want).max() < 1e-2 * np.abs(want).max()

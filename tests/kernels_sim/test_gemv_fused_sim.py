@@ -59,3 +59,29 @@ def test_linear_t1_goes_through_gemv():
     assert _relerr(d_out.copy_to_host(), gemm.linear_ref(x, w)) < 1e-5
     with pytest.raises(ValueError, match="prologue"):
         gemm.gemv(x, w, d_out, prologue="gelu")
+
+
+@pytest.mark.parametrize("N,K,warps,rows,smem,acc", [(64, 320, 4, 2, False, True), (128, 192, 2, 4, True, False)])
+def test_sumsq_epilogue_feeds_rmsnorm_ss(N, K, warps, rows, smem, acc):
+    """A GEMV with ss_out writes its outputs and adds their sum of squares (after the residual
+    add) into ss_out[0], across blocks; a second GEMV with the rmsnorm_ss prologue normalizes
+    those outputs from that sum alone and equals the rmsnorm prologue's oracle."""
+    rng = np.random.default_rng(N + K)
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    w = f32_to_bf16_bits(rng.standard_normal((N, K)).astype(np.float32) / np.sqrt(K))
+    r = rng.standard_normal((1, N)).astype(np.float32) if acc else None
+    d_out = cuda.to_device(r.copy() if acc else np.full((1, N), np.nan, np.float32))
+    ss = cuda.to_device(np.zeros(1, np.float32))
+    path = gemm.gemv_path(N, K, "plain", warps=warps, rows=rows, unroll=1, smem=smem)
+    gemm.gemv(cuda.to_device(x), cuda.to_device(w), d_out, accumulate=acc, path=path, ss_out=ss)
+    h = d_out.copy_to_host()
+    assert _relerr(h, gemm.gemv_ref(x, w, "plain", residual=r)) < 1e-5
+    assert abs(float(ss.copy_to_host()[0]) - float((h.astype(np.float64) ** 2).sum())) < 1e-4 * float((h ** 2).sum())
+    # the consumer: N inputs, 64 outputs, normalized by the carried sum
+    w2 = f32_to_bf16_bits(rng.standard_normal((64, N)).astype(np.float32) / np.sqrt(N))
+    nw = (1 + 0.2 * rng.standard_normal(N)).astype(np.float32)
+    d2 = cuda.to_device(np.full((1, 64), np.nan, np.float32))
+    path2 = gemm.gemv_path(64, N, "rmsnorm_ss", warps=2, rows=1, unroll=1, smem=smem)
+    gemm.gemv(d_out, cuda.to_device(w2), d2, prologue="rmsnorm_ss", norm_w=cuda.to_device(nw), eps=1e-5,
+              ss_in=ss, path=path2)
+    assert _relerr(d2.copy_to_host(), gemm.gemv_ref(h, w2, "rmsnorm", nw, 1e-5)) < 1e-5
