@@ -1,0 +1,146 @@
+"""levers.mixed_graphs on a GPU: prefill and mixed prefill+decode steps replayed from bucketed
+CUDA graphs give the eager path's tokens and logits (pytest -m gpu -s prints a 512-token timing)."""
+import time
+
+import numpy as np
+import pytest
+
+from metrale import Engine, SamplingParams
+from metrale.runtime.batch import Segment, build_batch
+
+pytestmark = pytest.mark.gpu
+
+MODEL = "smollm2-135m-shape"
+
+
+def engine(mixed: bool) -> Engine:
+    return Engine(model=MODEL, device="cuda", cache={"num_blocks": 1024},
+                  scheduler={"max_model_len": 2048, "max_num_batched_tokens": 512, "max_num_seqs": 32},
+                  levers={"mixed_graphs": mixed})
+
+
+@pytest.fixture(scope="module")
+def pair():
+    on, off = engine(True), engine(False)
+    assert on.backend.mixed_graphs and not off.backend.mixed_graphs
+    return on, off
+
+
+def rel_err(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def mixed_graph_count(backend) -> int:
+    return sum(1 for g in backend.graphs if g.mixed)
+
+
+def test_engine_mixed_workload_same_greedy_tokens(pair):
+    """Prompts of different lengths, a 512-token step budget: chunked prefills share steps with
+    decode rows; greedy tokens equal with the lever on and off (near-ties aside: the padded steps'
+    cuBLASLt products have other row counts, so at most two of eight sequences may diverge)."""
+    on, off = pair
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 49152, int(n)) for n in (700, 90, 300, 65, 1000, 130, 20, 450)]
+    p = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    a = on.generate(prompts, p, use_tqdm=False)
+    b = off.generate(prompts, p, use_tqdm=False)
+    stats = on.backend.mixed_stats
+    print(f"\nmixed graphs: {mixed_graph_count(on.backend)} kept, stats {stats}")
+    assert mixed_graph_count(on.backend) > 0 and stats["captures"] > 0, "no prefill step replayed a graph"
+    assert mixed_graph_count(off.backend) == 0
+    diverged = [i for i, (x, y) in enumerate(zip(a, b)) if list(x.token_ids) != list(y.token_ids)]
+    for i in diverged:
+        print(f"sequence {i} diverged: on {list(a[i].token_ids)} off {list(b[i].token_ids)}")
+    assert len(diverged) <= 2, diverged
+
+
+def chunked_step_logits(backend, replays: int = 2):
+    """One mixed step (decode rows + a 200-token chunk + a fresh 90-token prompt) after its
+    contexts were prefilled, run `replays` times (the first captures, later ones replay)."""
+    bs = backend.block_size
+    rng = np.random.default_rng(7)
+    ctx = [rng.integers(0, 49152, n).astype(np.int32) for n in (40, 377, 90, 9, 260)]
+    chunk_at = {1: 177, 4: 60}                          # sequences whose step is a prefill chunk
+    tables, start = [], 1
+    for ids in ctx:
+        n = -(-len(ids) // bs)
+        tables.append(np.arange(start, start + n, dtype=np.int32))
+        start += n
+    segs = []
+    for i, ids in enumerate(ctx):
+        if i == 2:                                     # a fresh prompt: no cached context
+            segs.append(Segment(ids, 0, tables[i], "last"))
+            continue
+        first = chunk_at.get(i, len(ids) - 1)
+        backend.forward(build_batch([Segment(ids[:first], 0, tables[i], "last")], bs))
+        segs.append(Segment(ids[first:], first, tables[i], "last"))
+    batch = build_batch(segs, bs)
+    out = [backend.forward(batch) for _ in range(replays)]
+    return out, batch
+
+
+def test_mixed_step_logits_close_and_replayed(pair):
+    on, off = pair
+    (a1, a2), batch = chunked_step_logits(on.backend)
+    (b1, _), _ = chunked_step_logits(off.backend)
+    g, graphed = on.backend._geometry(batch)
+    assert graphed and g.mixed and g in on.backend.graphs, g
+    assert not off.backend._geometry(batch)[1]
+    assert np.isfinite(a1).all() and np.isfinite(a2).all()
+    assert rel_err(a2, a1) < 1e-5, rel_err(a2, a1)        # the replay recomputes the captured step
+    assert rel_err(a1, b1) < 5e-3, rel_err(a1, b1)
+    assert (np.argmax(a1, -1) == np.argmax(b1, -1)).all()
+
+
+def test_forward_greedy_prefill_of_many_lengths(pair):
+    """Single prefills of lengths across buckets: argmax ids equal, logits close; then a repeat of
+    every length replays (no new capture)."""
+    on, off = pair
+    bs = on.backend.block_size
+    batches = []
+    for n in (64, 100, 255, 256, 257, 512):
+        ids = np.random.default_rng(n).integers(0, 49152, n).astype(np.int32)
+        table = np.arange(-(-n // bs), dtype=np.int32) + 1
+        batch = build_batch([Segment(ids, 0, table, "all" if n <= 100 else "last")], bs)
+        a, b = on.backend.forward(batch), off.backend.forward(batch)
+        assert on.backend._geometry(batch)[0].mixed
+        assert np.isfinite(a).all()
+        assert rel_err(a, b) < 5e-3, (n, rel_err(a, b))
+        assert (np.argmax(a, -1) == np.argmax(b, -1)).mean() > 0.95
+        batches.append(batch)
+    before = on.backend.mixed_stats["captures"]
+    for batch in batches:
+        on.backend.forward_greedy(batch)
+    assert on.backend.mixed_stats["captures"] == before
+
+
+def test_lru_bounds_the_mixed_graphs(pair, monkeypatch):
+    from metrale.runtime import cuda_backend
+    on, _ = pair
+    monkeypatch.setattr(cuda_backend, "MAX_MIXED_GRAPHS", 2)
+    bs = on.backend.block_size
+    for n in (64, 128, 256, 512, 64):
+        ids = np.random.default_rng(n).integers(0, 49152, n).astype(np.int32)
+        on.backend.forward_greedy(build_batch([Segment(ids, 0, np.arange(-(-n // bs), dtype=np.int32) + 1)], bs))
+        assert mixed_graph_count(on.backend) <= 2
+    assert on.backend.mixed_stats["evictions"] > 0
+
+
+def test_prefill_512_timing_print(pair):
+    """Print only: a 512-token prefill step, lever on vs off (no assertion on times)."""
+    res = {}
+    for name, eng in zip(("on", "off"), pair):
+        be = eng.backend
+        bs = be.block_size
+        ids = np.random.default_rng(11).integers(0, 49152, 512).astype(np.int32)
+        batch = build_batch([Segment(ids, 0, np.arange(512 // bs, dtype=np.int32) + 1)], bs)
+        for _ in range(2):
+            be.forward_greedy(batch)
+        times = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            be.forward_greedy(batch)
+            times.append(time.perf_counter() - t0)
+        res[name] = 1e3 * float(np.median(times))
+    print(f"\n{MODEL} prefill 512: mixed_graphs on {res['on']:.2f} ms, off {res['off']:.2f} ms "
+          f"({res['off'] / res['on']:.1f}x)")
