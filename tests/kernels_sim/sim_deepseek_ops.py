@@ -45,7 +45,7 @@ class SimMeta:
 class SimBackend:
     """The attributes DeepseekCudaOps reads, on simulator arrays."""
     ep_experts = DeepseekCudaBackend.ep_experts
-    _upload = DeepseekCudaBackend._upload
+    _copy_host_rows = DeepseekCudaBackend._copy_host_rows
     view = CudaBackend.view
 
     def __init__(self, config, host_weights: dict, ep=None):
