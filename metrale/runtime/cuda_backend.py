@@ -240,6 +240,12 @@ class CudaOps:
             rmsnorm.rms_norm_bf16(x, norm_weight, self.cfg.rms_norm_eps, self.b.blas_input(x.shape), stream=self.s)
             self.b.blas_linear(None, weight, out, bias, accumulate=False, rows=x.shape[0])
             return out
+        ss = self._carried_ss(x, weight)
+        if ss is not None:                              # the residual GEMV left sum(x^2) in ss
+            out = self.b.view(f"out{weight.shape[0]}", 1)
+            gemm.gemv(x, weight, out, prologue="rmsnorm_ss", norm_w=norm_weight, eps=self.cfg.rms_norm_eps,
+                      bias=bias, stream=self.s, ss_in=ss)
+            return out
         if not self._fused(x.shape[0], weight):
             return self.linear(self.rms_norm(x, norm_weight), weight, bias)
         out = self.b.view(f"out{weight.shape[0]}", 1)

@@ -90,6 +90,14 @@ def test_carried_norm_sums_match_numpy(monkeypatch):
     w_d = f32_to_bf16_bits(rng.standard_normal((K, F)).astype(np.float32) / np.sqrt(F))
     nw = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
     f64 = lambda a: bf16_bits_to_f32(a).astype(np.float64)  # noqa: E731
+    prologues = []
+    real_gemv = cb.gemm.gemv
+
+    def spy(*a, **k):
+        prologues.append(k.get("prologue", "plain"))
+        return real_gemv(*a, **k)
+    monkeypatch.setattr(cb.gemm, "gemv", spy)
+    monkeypatch.setattr(cb.rmsnorm, "rms_norm", None)     # a separate norm launch would fail here
     res = b.act["residual"]
     ops.linear_residual(cuda.to_device(attn), cuda.to_device(w_o), res)
     want_res = ref.linear_residual(attn.astype(np.float64), f64(w_o), residual.astype(np.float64))
@@ -107,3 +115,5 @@ def test_carried_norm_sums_match_numpy(monkeypatch):
     out = ops.norm_linear(res, cuda.to_device(nw), cuda.to_device(w_o)).copy_to_host()
     want = ref.norm_linear(got_res.astype(np.float64), nw, f64(w_o))
     assert np.abs(out - want).max() < 1e-2 * np.abs(want).max()
+    # o_proj (plain + sums), the norm as the consumer's prologue, down (silu_mul + sums), again
+    assert prologues == ["plain", "rmsnorm_ss", "silu_mul", "rmsnorm_ss"]
