@@ -36,9 +36,9 @@ class Levers:
     prefill_attention_kernel: str = "mma"   # mma (tensor cores, flash_prefill.py) | fma (FP32, attention.py)
     decode_attention_kernel: str = "mma"    # mma (tensor cores, flash_decode.py; H200: 2-2.9x at B>=128) | fma (attention.py)
     fuse_decode: bool = True             # one-row steps (CUDA): RMSNorm and silu*mul inside the next GEMV
-    carry_norm_sums: bool = True         # one-row steps (CUDA, with fuse_decode): residual GEMVs sum the
+    carry_norm_sums: bool = False        # one-row steps (CUDA, with fuse_decode): residual GEMVs sum the
                                          # squares for the next RMSNorm (float atomics: order-dependent
-                                         # rounding; off gives bitwise run-to-run repeatable steps)
+                                         # rounding). Off until measured on the GPU (written in session 3)
     pdl: bool = True                     # CUDA sm_90+: programmatic dependent launch of the kernels that
                                          # opt in (the next kernel starts while the previous one drains)
     pdl_trigger: str = "auto"            # early | exit | auto: a PDL successor launches when the kernel's

@@ -459,7 +459,7 @@ class CudaBackend:
         """levers.fuse_decode: one-row steps run RMSNorm and silu*mul inside the GEMV that reads
         them (CudaOps.norm_linear / silu_mul_linear_residual)."""
         self.fuse_decode = bool(getattr(levers, "fuse_decode", True))
-        self.carry_norm_sums = bool(getattr(levers, "carry_norm_sums", True))
+        self.carry_norm_sums = bool(getattr(levers, "carry_norm_sums", False))
 
     # ------------------------------------------------------------------ memory plan
     def _weight_bytes(self) -> int:
