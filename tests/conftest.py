@@ -18,3 +18,10 @@ def smollm2():
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked slow (the simulator subprocesses, minutes each) run first: under pytest-xdist
+    they then start early on some worker while the others take the short tests, instead of one of
+    them starting last and running alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)   # stable: order kept within each group
