@@ -49,7 +49,7 @@ TASKS = {
                   "Give me an idea for a birthday present.", "What makes a good friend?"],
 }
 GATE_TOLERANCE = 0.03           # issue 6: the gate keeps the worst case within 3% of plain decode
-SPEC_COUNTERS = ("proposed", "accepted", "verifies", "cut")
+SPEC_COUNTERS = ("proposed", "accepted", "verifies", "cut", "dropped")
 
 
 def prompts_for(task: str, batch: int) -> list[str]:
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
                 ok = r["lossless"]
                 print(f"[spec] {task:10s} B={b:3d} {method:6s} {r['tok_s']:8.1f} tok/s (plain {p['tok_s']:8.1f}) "
                       f"speedup {r['speedup']:.2f}x  tokens/verify {r['tokens_per_verify'] or 0:.2f}  "
-                      f"acceptance {r['acceptance_rate'] or 0:.2f}  verifies {r['verifies']}  "
+                      f"acceptance {r['acceptance_rate'] or 0:.2f}  verifies {r['verifies']}  dropped {r['dropped']}  "
                       f"same as plain {ok['identical']}/{ok['sequences']}", flush=True)
         if method != "none":
             drafter_backend = getattr(eng.speculator.drafter, "backend", None)

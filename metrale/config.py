@@ -45,7 +45,17 @@ class Levers:
                                          # blocks start (early) or exit; auto: early for >= 1 GiB of weights
     spec_min_confidence: float = 0.0     # cut a draft at its first token below this confidence
     spec_verify_cost: float = -1.0       # cost of one verified draft token, in plain decode steps
-                                         # (-1: 0.1 on CUDA, where decode is memory-bound; 0.5 on CPU)
+                                         # (-1: 0.1 on CUDA, where decode is memory-bound; the row model on
+                                         # CPU; >= 0 pins this constant for every batch, prior 0.8)
+    spec_step_fixed: float = -1.0        # CPU row model: a forward of M >= 2 rows costs spec_step_fixed +
+    spec_row_cost: float = -1.0          # spec_row_cost * M one-row decode steps (-1: 2.45 and 0.1, measured
+                                         # with NumPy/OpenBLAS; spec_step_fixed 0: the constant model)
+    spec_draft_cost: float = -1.0        # the drafter's cost per draft token in target decode steps
+                                         # (-1: its share of the target's weights; 0 for n-gram)
+    spec_prior_acceptance: float = -1.0  # a new sequence's per-token acceptance (-1: 0.8 n-gram, 0.5 draft
+                                         # model, 0.3 self/mtp/dflash)
+    spec_probe_budget: float = 0.02      # probes (verifies the cost model expects to lose) may lose at most
+                                         # this share of a request's tokens (< 0: unbudgeted)
     spec_probe_interval: int = 16        # steps a sequence stays unspeculated after a losing streak
     spec_max_batch: int = 64             # no speculation while more sequences than this decode
     spec_ema_decay: float = 0.7          # weight of history in the accepted-tokens average

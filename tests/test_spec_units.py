@@ -63,10 +63,10 @@ def test_rejection_sampling_preserves_the_target_distribution(one_hot):
 
 
 def test_gate_suspends_and_reprobes_with_backoff():
-    g = AdaptiveGate(4, verify_cost=0.3, probe_interval=5)
+    g = AdaptiveGate(4, verify_cost=0.6, probe_interval=5)
     g.begin_step(1)
-    assert g.drafts_for("a") >= 1
-    g.update("a", 4, 0)                  # nothing accepted: gain < 1 -> suspended for 5 steps
+    assert g.drafts_for("a") >= 1        # the prior (0.8 per token) expects a gain
+    g.update("a", 4, 0)                  # nothing accepted: expected gain < 1 -> suspended for 5 steps
     assert g.drafts_for("a") == 0
     for _ in range(5):
         g.begin_step(1)
@@ -82,7 +82,7 @@ def test_gate_suspends_and_reprobes_with_backoff():
 
 
 def test_gate_counts_the_drafters_own_cost():
-    cheap, dear = AdaptiveGate(4, verify_cost=0.1), AdaptiveGate(4, verify_cost=0.1, draft_cost=0.4)
+    cheap, dear = AdaptiveGate(4, verify_cost=0.1), AdaptiveGate(4, verify_cost=0.1, draft_cost=0.8)
     for g in (cheap, dear):
         g.begin_step(1)
         g.drafts_for("a")
@@ -160,12 +160,16 @@ def test_drafts_fit_the_backend_logits_rows():
     assert eng.speculator.stats()["verifies"] > 0 and max(rows) <= 6
 
 
-def test_draft_count_shrinks_where_extra_drafts_lose():
-    """ema 1 (the prior): one more draft than accepted on a cheap verify (GPU), a single draft when
-    each drafted token costs most of a step (CPU self-drafting)."""
+def test_draft_count_follows_the_expected_gain():
+    """The draft count maximizes (1 + alpha + ... + alpha^k) / (1 + c k): every draft on a cheap
+    verify (GPU) at the prior 0.8; a single draft when each drafted token costs most of a step, and
+    every draft again once the sequence's acceptance is high."""
     cheap = AdaptiveGate(4, verify_cost=0.1)
     dear = AdaptiveGate(4, verify_cost=0.5, draft_cost=0.33)
-    assert cheap.drafts_for("a") == 2 and dear.drafts_for("a") == 1
-    for g in (cheap, dear):
-        g.stats["a"].ema = 3.5                      # long acceptances: more drafts pay for both
-    assert cheap.drafts_for("a") == 4 and dear.drafts_for("a") == 4
+    mid = AdaptiveGate(4, verify_cost=0.3, prior_acceptance=0.5)
+    assert cheap.drafts_for("a") == 4 and dear.drafts_for("a") == 1 and mid.drafts_for("a") == 1
+    assert dear.best_drafts(0.8)[1] < 1 < dear.best_drafts(1.0)[1]
+    for g in (cheap, dear, mid):
+        st = g.stats["a"]
+        st.hits = st.trials = 10.0                  # long acceptances: more drafts pay for all
+    assert cheap.drafts_for("a") == 4 and dear.drafts_for("a") == 4 and mid.drafts_for("a") == 4

@@ -1,13 +1,23 @@
 """Adaptive speculation: per sequence, draft only while it pays, and re-probe after a pause.
 
-A verify block of 1 + k tokens costs about (1 + (verify_cost + draft_cost) * k) plain decode
-steps (verify_cost: an extra row of the target's forward, cheap on a memory-bound GPU, dearer on
-a CPU; draft_cost: the drafter's own work per token, e.g. its share of the target's layers) and
-yields accepted + 1 tokens. With an exponential average `ema` of accepted tokens per verify, the
-expected gain is (ema + 1) / (1 + (verify_cost + draft_cost) * k); below 1 the sequence is
-suspended for `probe_interval` steps (doubling while probes keep losing), then tries again. The draft count follows ema (one more than is usually accepted). A batch of
-more than `max_batch` decoding sequences turns speculation off for the step: verify rows then
-cost as much as real rows.
+The cost model, in plain decode steps of the current batch (per sequence):
+  a verify block with k drafts costs  1 + F + (v + d) k + D  and yields  1 + acc(alpha, k)  tokens,
+  acc(alpha, k) = alpha + alpha^2 + ... + alpha^k (drafts stop at the first rejection), where
+  - v: one verified draft row; F: a fixed cost of verifying at all. Constant per token (v =
+    verify_cost, F = 0) unless a row model is given (CPU, NumPy/OpenBLAS: a forward of M >= 2 rows
+    costs step_fixed + row_cost * M one-row steps while one row costs 1, because a 2-row GEMM costs
+    ~2.5 one-row GEMVs): at batch 1, F = step_fixed + row_cost - 1 and v = row_cost; at batch B >= 2,
+    F = 0 and v = row_cost * B / (step_fixed + row_cost * B);
+  - d, D: the drafter's own cost per draft token and per proposal (model drafters);
+  - alpha: the sequence's per-token acceptance, from pseudo-counts that start at the drafter's prior
+    (optimistic for n-gram, whose drafts come from a match; pessimistic for model drafters).
+The draft count maximizes the expected gain (1 + acc) / cost. A sequence whose best expected gain
+is under 1 drafts only as a probe, and probes are budgeted: the cost model's loss of a probe that
+accepts nothing (cost - 1 steps) may add up to at most probe_budget x the tokens the request may
+decode (elapsed + max_tokens left); a losing verify suspends the sequence for probe_interval steps
+(doubling while probes keep losing). A batch size at which no draft count could pay even with
+every draft accepted does not speculate at all (logged once). A batch of more than `max_batch`
+decoding sequences turns speculation off for the step.
 
 A guard on top, because the constant cost model is only a prior: a batch-level gate measured on the running engine: the wall time between steps (begin_step to
   begin_step, so drafting, forward and acceptance all count) is averaged per batch-size bucket for
@@ -30,14 +40,25 @@ from dataclasses import dataclass
 log = logging.getLogger("metrale.spec")
 
 
+PRIOR_WEIGHT = 2.0            # pseudo-tokens of the drafter's prior in a sequence's acceptance estimate
+
+
 @dataclass
 class SeqSpecStats:
-    ema: float
+    hits: float                # accepted draft tokens (exponentially decayed, prior included)
+    trials: float              # verified draft positions: accepted + the first rejection
     suspended_until: int = 0
     proposed: int = 0
     accepted: int = 0
     verifies: int = 0
     backoff: int = 1          # the next suspension lasts probe_interval * backoff steps
+    first_step: int = 0       # the step the gate first saw the sequence
+    probe_loss: float = 0.0   # cost-model steps spent on probes (verifies expected to lose)
+    probing: bool = False     # the current draft is a probe
+
+    @property
+    def alpha(self) -> float:
+        return self.hits / self.trials if self.trials > 0 else 0.0
 
 
 @dataclass
@@ -64,13 +85,23 @@ def _bucket(n: int) -> int:
 
 class AdaptiveGate:
     def __init__(self, num_drafts: int, *, verify_cost: float = 0.1, draft_cost: float = 0.0,
+                 draft_fixed: float = 0.0, step_fixed: float = 0.0, row_cost: float = 0.0,
+                 prior_acceptance: float = 0.8, probe_budget: float | None = None,
                  probe_interval: int = 16, max_batch: int = 64, ema_decay: float = 0.7,
                  measure: bool = True, clock=time.perf_counter):
+        """verify_cost: v per draft token (constant model); step_fixed > 0 selects the row model
+        (step_fixed, row_cost: see the module doc) instead; draft_cost / draft_fixed: the drafter's
+        cost per token / per proposal; prior_acceptance: a new sequence's per-token acceptance;
+        probe_budget: the share of a request's tokens that probes may lose (None: no budget)."""
         self.num_drafts, self.verify_cost, self.draft_cost = num_drafts, verify_cost, draft_cost
+        self.draft_fixed, self.step_fixed, self.row_cost = draft_fixed, step_fixed, row_cost
+        self.prior, self.probe_budget = min(max(prior_acceptance, 0.0), 1.0), probe_budget
         self.probe_interval, self.max_batch, self.decay = probe_interval, max_batch, ema_decay
         self.stats: dict[str, SeqSpecStats] = {}
         self.step = 0
+        self.batch = 1                            # decoding sequences of the current step
         self._warned_batch = False
+        self._warned_never: set[int] = set()
         self.measure, self.clock = measure, clock
         self.timing: dict[int, BucketTiming] = {}
         self._t: float | None = None              # when the current step began
@@ -83,6 +114,7 @@ class AdaptiveGate:
         """False when speculation does not pay for this step's batch: too large a batch (logged
         once) or a measured loss at this batch size (see the module doc)."""
         self.step += 1
+        self.batch = max(1, num_decoding)
         if self.measure:
             self._time_step(num_decoding)
         if num_decoding > self.max_batch:
@@ -138,21 +170,84 @@ class AdaptiveGate:
         return False
 
     def _stats(self, request_id: str) -> SeqSpecStats:
-        return self.stats.setdefault(request_id, SeqSpecStats(ema=1.0))
+        st = self.stats.get(request_id)
+        if st is None:
+            st = self.stats[request_id] = SeqSpecStats(hits=self.prior * PRIOR_WEIGHT, trials=PRIOR_WEIGHT,
+                                                       first_step=self.step)
+        return st
 
-    def drafts_for(self, request_id: str) -> int:
-        """One more draft than is usually accepted (room for the average to grow), fewer while the
-        cost model expects the block to lose: k drafts at ema accepted tokens gain
-        (min(ema, k) + 1) / (1 + c k), c the per-token verify + draft cost (CPU self-drafting,
-        c ~ 0.8: a probe drafts 1 token instead of 2, so a losing probe costs half as much)."""
+    # ------------------------------------------------------------------ the cost model
+    def costs(self, batch: int | None = None) -> tuple[float, float]:
+        """(F, v) at this batch size: the fixed cost of verifying and the cost per verified draft
+        row, in plain decode steps per sequence (module doc)."""
+        b = self.batch if batch is None else max(1, batch)
+        if self.step_fixed <= 0:
+            return 0.0, self.verify_cost
+        if b == 1:
+            return max(0.0, self.step_fixed + self.row_cost - 1.0), self.row_cost
+        return 0.0, self.row_cost * b / (self.step_fixed + self.row_cost * b)
+
+    def block_cost(self, k: int, batch: int | None = None, drafting: bool = True) -> float:
+        """Plain steps a verify block with k drafts costs (drafting=False: the drafter's work is
+        already done)."""
+        f, v = self.costs(batch)
+        c = 1.0 + f + v * k
+        if drafting:
+            c += self.draft_cost * k + self.draft_fixed
+        return c
+
+    @staticmethod
+    def expected_accepted(alpha: float, k: int) -> float:
+        return sum(alpha ** j for j in range(1, k + 1))
+
+    def best_drafts(self, alpha: float, batch: int | None = None) -> tuple[int, float]:
+        """(k, expected gain) of the draft count with the best expected gain at acceptance alpha."""
+        best = (1, -1.0)
+        for k in range(1, self.num_drafts + 1):
+            g = (1.0 + self.expected_accepted(alpha, k)) / self.block_cost(k, batch)
+            if g > best[1] + 1e-12:
+                best = (k, g)
+        return best
+
+    def can_pay(self, batch: int | None = None) -> bool:
+        """Whether some draft count gains at this batch size with every draft accepted."""
+        return self.best_drafts(1.0, batch)[1] >= 1.0
+
+    def worth_verifying(self, n: int, batch: int | None = None) -> bool:
+        """After drafting: whether a draft of n tokens could gain at all if verified (the drafting
+        is paid already). False for short drafts at batch 1 on the CPU row model, where the first
+        verify row costs most of a step more."""
+        return n > 0 and (1.0 + n) / self.block_cost(n, batch, drafting=False) >= 1.0
+
+    # ------------------------------------------------------------------ per sequence
+    def drafts_for(self, request_id: str, left: int | None = None) -> int:
+        """Draft tokens for this sequence this step (0: none). left: tokens the request may still
+        decode (the probe budget's horizon; None: probes are not budgeted)."""
         st = self._stats(request_id)
+        st.probing = False
         if self.step < st.suspended_until:
             return 0
-        k = max(1, min(self.num_drafts, math.ceil(st.ema) + 1))
-        c = self.verify_cost + self.draft_cost
-        while k > 1 and (min(st.ema, k) + 1) / (1 + c * k) < 1.0:
-            k -= 1
+        if not self.can_pay():
+            if self.batch not in self._warned_never:
+                self._warned_never.add(self.batch)
+                log.info("speculation off at batch %d: no draft count gains even if every draft is accepted "
+                         "(cost model: %.2f + %.2f per draft token)", self.batch, *self._cost_line())
+            return 0
+        k, gain = self.best_drafts(st.alpha)
+        if gain >= 1.0:
+            return k
+        # a probe: expected to lose; budgeted against the request's length
+        if self.probe_budget is not None and left is not None:
+            loss = self.block_cost(k) - 1.0
+            horizon = (self.step - st.first_step) + left
+            if st.probe_loss + loss > self.probe_budget * horizon:
+                return 0
+        st.probing = True
         return k
+
+    def _cost_line(self) -> tuple[float, float]:
+        f, v = self.costs()
+        return 1.0 + f + self.draft_fixed, v + self.draft_cost
 
     def update(self, request_id: str, proposed: int, accepted: int) -> None:
         if proposed == 0:
@@ -163,14 +258,15 @@ class AdaptiveGate:
         st.proposed += proposed
         st.accepted += accepted
         st.verifies += 1
-        st.ema = self.decay * st.ema + (1 - self.decay) * accepted
-        gain = (st.ema + 1) / (1 + (self.verify_cost + self.draft_cost) * proposed)
-        if gain < 1.0:
-            # suspend; each losing probe in a row doubles the pause (at most 16x), so a sequence
-            # that never gains costs a few verifies per 16 * probe_interval steps
+        st.hits = self.decay * st.hits + accepted
+        st.trials = self.decay * st.trials + accepted + (1 if accepted < proposed else 0)
+        if st.probing:
+            st.probe_loss += max(0.0, self.block_cost(proposed) - (1.0 + accepted))
+            st.probing = False
+        if self.best_drafts(st.alpha)[1] < 1.0:
+            # suspend; each losing verify in a row doubles the pause (at most 16x)
             st.suspended_until = self.step + self.probe_interval * st.backoff
             st.backoff = min(16, st.backoff * 2)
-            st.ema = 0.5                                   # the probe starts mildly doubtful
         elif accepted:
             st.backoff = 1
 

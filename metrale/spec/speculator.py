@@ -94,7 +94,7 @@ class Speculator:
                  max_rows: int | None = None):
         self.drafter, self.num_drafts, self.gate, self.min_confidence = drafter, num_drafts, gate, min_confidence
         self.max_rows = max_rows          # logits rows a forward can hold (CUDA buffers): drafts fit in it
-        self.proposed = self.accepted = self.verifies = self.cut = 0
+        self.proposed = self.accepted = self.verifies = self.cut = self.dropped = 0
         self._rows: dict[str, list] = {}                       # this step's verify rows per request
         self._pending: dict[str, tuple[Sequence, int, int]] = {}   # proposed, not yet verified
 
@@ -109,13 +109,15 @@ class Speculator:
         if not self.gate.begin_step(len(decoding)):
             return
         seqs, ks = [], []
+        budgeted = isinstance(self.gate, AdaptiveGate)      # gates of tests may be duck-typed
         spare = (self.max_rows - len(running)) if self.max_rows else 1 << 30   # rows left for drafts
         for seq in decoding:
             state = states.get(seq.request_id)
             if state is None:
                 continue
             left = (state.params.max_tokens or 1 << 30) - len(seq.output_token_ids)
-            k = min(self.gate.drafts_for(seq.request_id), left - 1, state.max_model_len - seq.num_tokens - 1, spare)
+            want = self.gate.drafts_for(seq.request_id, left=left) if budgeted else self.gate.drafts_for(seq.request_id)
+            k = min(want, left - 1, state.max_model_len - seq.num_tokens - 1, spare)
             if k > 0 and blocks.grow(seq, seq.num_tokens + k):
                 seqs.append(seq)
                 ks.append(k)
@@ -127,6 +129,9 @@ class Speculator:
             rows = lookahead(states[seq.request_id], kept.tokens)
             n = len(rows) - 1
             self.cut += len(kept.tokens) - n
+            if n and budgeted and not self.gate.worth_verifying(n):
+                self.dropped += n            # too short to gain even if accepted (CPU batch 1)
+                n = 0
             self._pending[seq.request_id] = (seq, seq.num_tokens, k)
             if n:
                 seq.draft_tokens = kept.tokens[:n]
@@ -210,7 +215,7 @@ class Speculator:
 
     def stats(self) -> dict:
         return {"proposed": self.proposed, "accepted": self.accepted, "verifies": self.verifies,
-                "cut": self.cut, "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+                "cut": self.cut, "dropped": self.dropped, "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
                 "tokens_per_verify": (self.accepted + self.verifies) / self.verifies if self.verifies else 0.0}
 
 
@@ -230,26 +235,70 @@ def make_speculator(cfg, backend, model_config, load_draft_backend) -> Speculato
         if not 1 <= layers < model_config.num_layers:
             raise ValueError(f"spec.self_layers must be in [1, {model_config.num_layers}), got {layers}")
         drafter = ModelDrafter(backend, num_layers=layers, shares_target_cache=True, name="self")
-        drafter.cost_per_token = layers / model_config.num_layers
+        drafter.cost_per_token = forward_share(model_config, layers)
     elif spec.method == "mtp":
         from metrale.spec.mtp import MtpDrafter
         drafter = MtpDrafter.from_config(spec, backend, model_config)
+        drafter.cost_per_token = forward_share(model_config, 1)      # one decoder block + the LM head
     elif spec.method == "dflash":
         from metrale.spec.dflash import DFlashDrafter
         drafter = DFlashDrafter.from_config(spec, backend, model_config)
+        drafter.cost_per_draft = DFLASH_COST_PER_DRAFT
     else:
         from metrale.spec.model_drafter import ModelDrafter
         if not spec.draft_model:
             raise ValueError("spec.method=draft needs spec.draft_model=<preset or path>")
         drafter = ModelDrafter(load_draft_backend(spec.draft_model), name="draft")
         drafter.cost_per_token = min(1.0, drafter.backend.config.num_parameters() / model_config.num_parameters())
-    verify_cost = lv.spec_verify_cost if lv.spec_verify_cost >= 0 else (0.1 if backend.name == "cuda" else 0.5)
-    gate = AdaptiveGate(spec.num_drafts, verify_cost=verify_cost, draft_cost=getattr(drafter, "cost_per_token", 0.0),
+    gate = AdaptiveGate(spec.num_drafts, **gate_costs(lv, backend, drafter, spec.method),
+                        probe_budget=lv.spec_probe_budget if lv.spec_probe_budget >= 0 else None,
                         probe_interval=lv.spec_probe_interval, max_batch=lv.spec_max_batch,
                         ema_decay=lv.spec_ema_decay, measure=_measured_gate(lv.spec_measured_gate, backend))
     log.info("speculative decoding: %s, up to %d drafts", drafter.name, spec.num_drafts)
     return Speculator(drafter, num_drafts=spec.num_drafts, gate=gate, min_confidence=lv.spec_min_confidence,
                       max_rows=getattr(backend, "max_rows", None))
+
+
+# CPU (NumPy + OpenBLAS, measured 2026-11-30 session 3, numbers in docs/spec.md): a
+# forward of M >= 2 rows costs ~2.45 + 0.1 M one-row decode steps (a 2-row GEMM ~6x a one-row GEMV
+# per weight matrix); a one-row step costs 1
+CPU_STEP_FIXED, CPU_ROW_COST = 2.45, 0.1
+CUDA_VERIFY_COST = 0.1          # decode is memory-bound: a verify row costs little
+# prior per-token acceptance: n-gram drafts come from a match (optimistic); model drafters are
+# pessimistic until a sequence's own verifies say otherwise; a pinned spec_verify_cost keeps the
+# optimistic prior of the constant model for every drafter
+PRIOR_ACCEPTANCE = {"ngram": 0.8, "self": 0.3, "mtp": 0.3, "dflash": 0.3, "draft": 0.5}
+DFLASH_COST_PER_DRAFT = 0.6     # one DFlash forward over [last, MASK x k] per proposal, measured on CPU
+
+
+def forward_share(model_config, layers: int) -> float:
+    """The cost of running `layers` decoder layers + the LM head, as a share of the target's forward
+    (weights read per row: decode is weight-bound)."""
+    head = model_config.vocab_size * model_config.hidden_size
+    total = model_config.num_parameters()
+    per_layer = max(0.0, (total - head) / model_config.num_layers)
+    return min(1.0, (layers * per_layer + head) / (model_config.num_layers * per_layer + head))
+
+
+def gate_costs(lv, backend, drafter, method: str) -> dict:
+    """AdaptiveGate's cost model from the levers (-1: auto): the CPU row model (spec_step_fixed,
+    spec_row_cost) or CUDA's constant verify cost, plus the drafter's own costs (spec_draft_cost
+    overrides its per-token cost) and its prior; or a pinned spec_verify_cost: the whole cost of a
+    draft token at every batch size (no row model, no drafter cost unless spec_draft_cost is set),
+    with the optimistic prior 0.8 (tests pin 0 to speculate on every step that can)."""
+    pinned = lv.spec_verify_cost >= 0
+    cpu = getattr(backend, "name", "") != "cuda"
+    step_fixed = lv.spec_step_fixed if lv.spec_step_fixed >= 0 else (CPU_STEP_FIXED if cpu and not pinned else 0.0)
+    row_cost = lv.spec_row_cost if lv.spec_row_cost >= 0 else CPU_ROW_COST
+    verify_cost = lv.spec_verify_cost if pinned else (CUDA_VERIFY_COST if not cpu else row_cost)
+    prior = lv.spec_prior_acceptance if lv.spec_prior_acceptance >= 0 else (
+        0.8 if pinned else PRIOR_ACCEPTANCE.get(method, 0.5))
+    # a pinned spec_verify_cost is the whole cost of a draft token (verify and drafting)
+    auto_draft = 0.0 if pinned else getattr(drafter, "cost_per_token", 0.0)
+    draft_cost = lv.spec_draft_cost if lv.spec_draft_cost >= 0 else auto_draft
+    draft_fixed = 0.0 if pinned else getattr(drafter, "cost_per_draft", 0.0)
+    return dict(verify_cost=verify_cost, step_fixed=step_fixed, row_cost=row_cost, prior_acceptance=prior,
+                draft_cost=draft_cost, draft_fixed=draft_fixed)
 
 
 def _measured_gate(choice: str, backend) -> bool:

@@ -1,0 +1,100 @@
+"""The gate's cost model (metrale/spec/gate.py): the CPU row model, drafter costs, priors, the probe
+budget and the never-pays check. Deterministic: no clock is read (measure=False)."""
+import logging
+
+import pytest
+
+from metrale.spec.gate import AdaptiveGate
+from metrale.spec.speculator import CPU_ROW_COST, CPU_STEP_FIXED, forward_share
+
+ROW = dict(step_fixed=CPU_STEP_FIXED, row_cost=CPU_ROW_COST, measure=False)
+
+
+def gate(**kw):
+    return AdaptiveGate(4, **{**ROW, **kw})
+
+
+def test_row_model_costs():
+    g = gate()
+    f, v = g.costs(1)      # 1 row -> 2 rows: a GEMM instead of a GEMV (measured ~2.6x a one-row step)
+    assert f == pytest.approx(CPU_STEP_FIXED + CPU_ROW_COST - 1) and v == pytest.approx(CPU_ROW_COST)
+    assert g.block_cost(1, 1) == pytest.approx(CPU_STEP_FIXED + 2 * CPU_ROW_COST)
+    f8, v8 = g.costs(8)    # batch 8: a verify row adds row_cost to a step of step_fixed + 8 rows
+    assert f8 == 0 and v8 == pytest.approx(0.8 / 3.25)
+    # the per-token cost grows with the batch (the fixed part is shared by more rows)
+    assert g.costs(2)[1] < g.costs(8)[1] < g.costs(32)[1] < 1
+
+
+def test_cpu_batch_one_drafts_many_or_none():
+    """At batch 1 the first verify row costs ~1.6 steps: n-gram (prior 0.8) drafts all 4 tokens to
+    amortize it; a 1-token draft can never gain there, but it can at batch 8."""
+    g = gate(prior_acceptance=0.8)
+    g.begin_step(1)
+    assert g.drafts_for("a", left=100) == 4
+    assert not g.worth_verifying(1, 1) and not g.worth_verifying(0, 8)
+    assert g.worth_verifying(2, 1) and g.worth_verifying(1, 8)
+
+
+def test_drafter_as_dear_as_the_target_never_speculates(caplog):
+    g = gate(draft_cost=1.0, prior_acceptance=1.0)
+    with caplog.at_level(logging.INFO, logger="metrale.spec"):
+        for b in (1, 8, 1, 8):
+            g.begin_step(b)
+            assert not g.can_pay() and g.drafts_for("a", left=1000) == 0
+    assert sum("speculation off at batch" in r.message for r in caplog.records) == 2   # once per batch size
+    # with a cheap drafter the same gate may pay
+    assert gate(draft_cost=0.1).can_pay(8)
+
+
+def test_pessimistic_prior_probes_only_within_the_budget():
+    """A self-drafter-like cost at batch 8 (c ~ 0.72 per token) with a pessimistic prior: a probe
+    loses ~0.7 steps, so a 32-token request (budget 0.02 x 32 = 0.64 steps) never probes, and a long
+    one probes while its losses stay within 2% of its tokens."""
+    g = gate(draft_cost=forward_share_smollm2(10), prior_acceptance=0.3, probe_budget=0.02, probe_interval=4)
+    g.begin_step(8)
+    assert g.best_drafts(0.3)[1] < 1 and g.drafts_for("short", left=32) == 0
+    probes, loss = 0, 0.0
+    for step in range(1000):
+        g.begin_step(8)
+        k = g.drafts_for("long", left=1000 - step)
+        if k:
+            probes += 1
+            loss += g.block_cost(k) - 1.0          # nothing accepted
+            g.update("long", k, 0)
+    assert 1 <= probes and loss <= 0.02 * 1000 + 1e-9
+    assert g.stats["long"].probe_loss == pytest.approx(loss)
+
+
+def test_optimistic_prior_stops_after_losses_and_resumes_on_hits():
+    g = gate(prior_acceptance=0.8, probe_budget=None, probe_interval=4)
+    g.begin_step(8)
+    assert g.drafts_for("a") == 3                 # at batch 8 a fourth draft no longer pays
+    for _ in range(3):                            # drafts keep failing: alpha falls, suspended
+        g.update("a", 3, 0)
+    assert g.stats["a"].alpha < 0.3 and g.drafts_for("a") == 0
+    for _ in range(4):
+        g.begin_step(8)
+    k = g.drafts_for("a")
+    assert k >= 1 and g.stats["a"].probing
+    for _ in range(3):
+        g.update("a", k, k)                       # the probe and what follows hit
+    assert g.stats["a"].alpha > 0.6 and g.drafts_for("a") >= 2
+
+
+def test_expected_accepted_is_geometric():
+    assert AdaptiveGate.expected_accepted(0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
+    assert AdaptiveGate.expected_accepted(1.0, 4) == 4
+
+
+def forward_share_smollm2(layers):
+    from metrale.models.config import ModelConfig
+    cfg = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                      num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, tie_word_embeddings=True)
+    return forward_share(cfg, layers)
+
+
+def test_forward_share_counts_the_lm_head():
+    """SmolLM2-135M: 10 of 30 layers + the LM head read ~47% of the weights a decode step reads (the
+    measured self-draft token cost on CPU); one layer + head (MTP) ~24%."""
+    assert forward_share_smollm2(10) == pytest.approx(0.47, abs=0.02)
+    assert forward_share_smollm2(1) == pytest.approx(0.24, abs=0.02)
