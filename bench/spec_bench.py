@@ -68,17 +68,27 @@ def gpu_name(device: str) -> str:
     return f"CPU ({os.cpu_count()} cores)"
 
 
-def measure(eng: Engine, prompts: list[str], max_tokens: int, reps: int) -> dict:
+def measure(eng: Engine, prompts: list[str], max_tokens: int, reps: int, peer: Engine | None = None,
+            peer_out: dict | None = None) -> dict:
     """Generate `prompts` greedily (EOS ignored) `reps` times; the fastest run's time, the first
-    run's tokens, and the speculator's counters over all runs."""
+    run's tokens, and the speculator's counters over all runs. With `peer` (plain decode), each
+    rep runs the peer right before, so both see the same machine load (a shared machine's bursts
+    hit both); its figures go to peer_out."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     before = eng.speculator.stats() if eng.speculator else {}
-    best, outs = float("inf"), None
+    best, outs, peer_best = float("inf"), None, float("inf")
     for _ in range(reps):
+        if peer is not None:
+            t0 = time.perf_counter()
+            po = peer.generate(prompts, params, chat=True, use_tqdm=False)
+            peer_best = min(peer_best, time.perf_counter() - t0)
         t0 = time.perf_counter()
         o = eng.generate(prompts, params, chat=True, use_tqdm=False)
         best = min(best, time.perf_counter() - t0)
         outs = outs or o
+    if peer is not None and peer_out is not None:
+        n = sum(len(x.token_ids) for x in po)
+        peer_out.update(seconds=peer_best, tok_s=n / peer_best)
     after = eng.speculator.stats() if eng.speculator else {}
     d = {k: after.get(k, 0) - before.get(k, 0) for k in SPEC_COUNTERS}
     tokens = sum(len(o.token_ids) for o in outs)
@@ -128,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--num-blocks", type=int, default=None,
                     help="KV blocks per backend (default 4096 on cuda, so a draft model's pool fits beside the target's)")
     ap.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
-                    help="time plain decode again right before each method's run (noisy machines)")
+                    help="time plain decode again right before each rep of each method's run (noisy machines)")
     ap.add_argument("--lever", action="append", default=[], help="levers.<name>=<value> for every engine")
     ap.add_argument("--out", default=None, help="raw results JSON")
     ap.add_argument("--records", default=None, help="bench records: a .json file or a directory (docs/bench)")
@@ -158,15 +168,16 @@ def main(argv: list[str] | None = None) -> dict:
         setup_s = time.perf_counter() - t0
         for task in args.tasks:
             for b in args.batch:
-                r = measure(eng, prompts_for(task, b), args.max_tokens, reps)
+                q = {}
+                peer = plain_eng if args.interleave and method != "none" else None
+                r = measure(eng, prompts_for(task, b), args.max_tokens, reps, peer, q)
                 r.update(method=method, task=task, batch=b, setup_s=setup_s)
                 if method == "none":
                     plain[task, b] = r
                     print(f"[spec] {task:10s} B={b:3d} plain  {r['tok_s']:8.1f} tok/s", flush=True)
                     continue
                 p = plain[task, b]
-                if args.interleave:       # plain measured again right before: the same machine load
-                    q = measure(plain_eng, prompts_for(task, b), args.max_tokens, reps)
+                if args.interleave:       # plain run right before each rep: the same machine load
                     r["plain_seconds_first"] = p["seconds"]
                     p = dict(p, seconds=q["seconds"], tok_s=q["tok_s"])
                 r["plain_tok_s"] = p["tok_s"]

@@ -98,3 +98,35 @@ def test_forward_share_counts_the_lm_head():
     measured self-draft token cost on CPU); one layer + head (MTP) ~24%."""
     assert forward_share_smollm2(10) == pytest.approx(0.47, abs=0.02)
     assert forward_share_smollm2(1) == pytest.approx(0.24, abs=0.02)
+
+
+def test_verify_length_follows_the_drafts_confidence():
+    """After drafting, the prefix with the best expected gain is verified, each token accepted with
+    probability min(alpha, confidence): at CPU batch 1 only long n-gram matches are worth a verify,
+    at batch 8 a short match still is, cut to its best prefix."""
+    g = gate(prior_acceptance=0.8)
+    g.begin_step(1)
+    assert g.drafts_for("a", left=100) == 4
+    assert g.verify_length("a", [1.0] * 4) == 4          # a 4-gram match
+    assert g.verify_length("a", [0.25] * 4) == 0         # a 1-gram match: not worth the first row
+    assert g.verify_length("a", [1.0]) == 0              # one token can never pay at batch 1
+    g.begin_step(8)
+    assert g.verify_length("a", [0.5] * 4) in (1, 2)
+    assert g.verify_length("a", [1.0] * 4) == 3          # the fourth row no longer pays at alpha 0.8
+
+
+def test_a_dear_drafts_rejected_by_its_confidence_counts_as_a_miss():
+    g = gate(draft_cost=0.24, prior_acceptance=0.8, probe_budget=None)
+    g.begin_step(8)
+    assert g.drafts_for("a") >= 1 and not g.stats["a"].probing
+    alpha = g.stats["a"].alpha
+    assert g.verify_length("a", [0.01, 0.01]) == 0
+    assert g.stats["a"].alpha < alpha
+    for _ in range(3):
+        g.verify_length("a", [0.01])
+    assert g.drafts_for("a") == 0                       # suspended: it stops drafting to drop
+    cheap = gate(prior_acceptance=0.8)                  # n-gram: a rejected match costs nothing
+    cheap.begin_step(8)
+    cheap.drafts_for("a")
+    cheap.verify_length("a", [0.01])
+    assert cheap.stats["a"].alpha == pytest.approx(0.8)

@@ -219,6 +219,38 @@ class AdaptiveGate:
         verify row costs most of a step more."""
         return n > 0 and (1.0 + n) / self.block_cost(n, batch, drafting=False) >= 1.0
 
+    def verify_length(self, request_id: str, confidences: list[float], batch: int | None = None) -> int:
+        """How much of a proposed draft to verify (the drafting is paid already): the prefix with the
+        best expected gain, token i accepted with probability min(alpha, confidence_i) (n-gram:
+        match length / max_n; model drafters: their softmax probability); 0 when no prefix is
+        expected to gain. A probe is verified in full when it could gain at all (it is there to
+        measure alpha)."""
+        n = len(confidences)
+        st = self.stats.get(request_id)
+        if st is None or st.probing:
+            return n if self.worth_verifying(n, batch) else 0
+        alpha, p, acc, best, best_n = st.alpha, 1.0, 0.0, 1.0 - 1e-12, 0
+        for j, c in enumerate(confidences, 1):
+            p *= min(alpha, max(0.0, float(c)))
+            acc += p
+            g = (1.0 + acc) / self.block_cost(j, batch, drafting=False)
+            if g > best:
+                best, best_n = g, j
+        if best_n == 0 and n and (self.draft_cost > 0 or self.draft_fixed > 0):
+            # a paid-for draft its own confidences reject: count it as a miss (as a verify that
+            # accepts nothing would), so a dear drafter does not keep drafting to drop
+            st.hits, st.trials = self.decay * st.hits, self.decay * st.trials + 1
+            self._suspend_if_losing(st)
+        return best_n
+
+    def _suspend_if_losing(self, st: SeqSpecStats) -> bool:
+        if self.best_drafts(st.alpha)[1] >= 1.0:
+            return False
+        # suspend; each losing verify in a row doubles the pause (at most 16x)
+        st.suspended_until = self.step + self.probe_interval * st.backoff
+        st.backoff = min(16, st.backoff * 2)
+        return True
+
     # ------------------------------------------------------------------ per sequence
     def drafts_for(self, request_id: str, left: int | None = None) -> int:
         """Draft tokens for this sequence this step (0: none). left: tokens the request may still
@@ -263,11 +295,7 @@ class AdaptiveGate:
         if st.probing:
             st.probe_loss += max(0.0, self.block_cost(proposed) - (1.0 + accepted))
             st.probing = False
-        if self.best_drafts(st.alpha)[1] < 1.0:
-            # suspend; each losing verify in a row doubles the pause (at most 16x)
-            st.suspended_until = self.step + self.probe_interval * st.backoff
-            st.backoff = min(16, st.backoff * 2)
-        elif accepted:
+        if not self._suspend_if_losing(st) and accepted:
             st.backoff = 1
 
     def release(self, request_id: str) -> None:

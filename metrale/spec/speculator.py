@@ -129,9 +129,10 @@ class Speculator:
             rows = lookahead(states[seq.request_id], kept.tokens)
             n = len(rows) - 1
             self.cut += len(kept.tokens) - n
-            if n and budgeted and not self.gate.worth_verifying(n):
-                self.dropped += n            # too short to gain even if accepted (CPU batch 1)
-                n = 0
+            if n and budgeted:                # the prefix expected to gain (confidences, CPU batch 1)
+                keep = self.gate.verify_length(seq.request_id, kept.confidences[:n])
+                self.dropped += n - keep
+                n = keep
             self._pending[seq.request_id] = (seq, seq.num_tokens, k)
             if n:
                 seq.draft_tokens = kept.tokens[:n]
