@@ -54,6 +54,9 @@ class Levers:
                                          # (-1: its share of the target's weights; 0 for n-gram)
     spec_prior_acceptance: float = -1.0  # a new sequence's per-token acceptance (-1: 0.8 n-gram, 0.5 draft
                                          # model, 0.3 self/mtp/dflash)
+    spec_min_gain: float = 1.1           # expected gain (tokens per step-equivalent) a draft needs under
+                                         # the auto cost model (a margin for its error; 1 with a pinned
+                                         # spec_verify_cost)
     spec_probe_budget: float = 0.02      # probes (verifies the cost model expects to lose) may lose at most
                                          # this share of a request's tokens (< 0: unbudgeted)
     spec_probe_interval: int = 16        # steps a sequence stays unspeculated after a losing streak

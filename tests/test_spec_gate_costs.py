@@ -130,3 +130,15 @@ def test_a_dear_drafts_rejected_by_its_confidence_counts_as_a_miss():
     cheap.drafts_for("a")
     cheap.verify_length("a", [0.01])
     assert cheap.stats["a"].alpha == pytest.approx(0.8)
+
+
+def test_min_gain_skips_near_break_even_verifies():
+    """At batch 8 a 1-token draft at acceptance 0.3 is expected to gain 1.3 / 1.25 = 1.04: verified
+    with no margin, not with min_gain 1.1 (the model's error is larger than that)."""
+    for margin, expect in ((1.0, 1), (1.1, 0)):
+        g = gate(prior_acceptance=0.8, min_gain=margin)
+        g.begin_step(8)
+        assert g.drafts_for("a") >= 1 and not g.stats["a"].probing
+        st = g.stats["a"]
+        st.hits, st.trials = 0.3, 1.0          # its evidence has fallen to 0.3 per token
+        assert g.verify_length("a", [1.0]) == expect

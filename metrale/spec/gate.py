@@ -12,7 +12,7 @@ The cost model, in plain decode steps of the current batch (per sequence):
   - alpha: the sequence's per-token acceptance, from pseudo-counts that start at the drafter's prior
     (optimistic for n-gram, whose drafts come from a match; pessimistic for model drafters).
 The draft count maximizes the expected gain (1 + acc) / cost. A sequence whose best expected gain
-is under 1 drafts only as a probe, and probes are budgeted: the cost model's loss of a probe that
+is under min_gain (>= 1: a margin for the model's error) drafts only as a probe, and probes are budgeted: the cost model's loss of a probe that
 accepts nothing (cost - 1 steps) may add up to at most probe_budget x the tokens the request may
 decode (elapsed + max_tokens left); a losing verify suspends the sequence for probe_interval steps
 (doubling while probes keep losing). A batch size at which no draft count could pay even with
@@ -86,17 +86,19 @@ def _bucket(n: int) -> int:
 class AdaptiveGate:
     def __init__(self, num_drafts: int, *, verify_cost: float = 0.1, draft_cost: float = 0.0,
                  draft_fixed: float = 0.0, step_fixed: float = 0.0, row_cost: float = 0.0,
-                 prior_acceptance: float = 0.8, probe_budget: float | None = None,
+                 prior_acceptance: float = 0.8, probe_budget: float | None = None, min_gain: float = 1.0,
                  probe_interval: int = 16, max_batch: int = 64, ema_decay: float = 0.7,
                  measure: bool = True, clock=time.perf_counter):
         """verify_cost: v per draft token (constant model); step_fixed > 0 selects the row model
         (step_fixed, row_cost: see the module doc) instead; draft_cost / draft_fixed: the drafter's
         cost per token / per proposal; prior_acceptance: a new sequence's per-token acceptance;
-        probe_budget: the share of a request's tokens that probes may lose (None: no budget)."""
+        probe_budget: the share of a request's tokens that probes may lose (None: no budget);
+        min_gain: the expected gain a draft needs (above 1: a margin for the model's error)."""
         self.num_drafts, self.verify_cost, self.draft_cost = num_drafts, verify_cost, draft_cost
         self.draft_fixed, self.step_fixed, self.row_cost = draft_fixed, step_fixed, row_cost
         self.prior, self.probe_budget = min(max(prior_acceptance, 0.0), 1.0), probe_budget
         self.probe_interval, self.max_batch, self.decay = probe_interval, max_batch, ema_decay
+        self.min_gain = max(1.0, min_gain)
         self.stats: dict[str, SeqSpecStats] = {}
         self.step = 0
         self.batch = 1                            # decoding sequences of the current step
@@ -229,7 +231,7 @@ class AdaptiveGate:
         st = self.stats.get(request_id)
         if st is None or st.probing:
             return n if self.worth_verifying(n, batch) else 0
-        alpha, p, acc, best, best_n = st.alpha, 1.0, 0.0, 1.0 - 1e-12, 0
+        alpha, p, acc, best, best_n = st.alpha, 1.0, 0.0, self.min_gain - 1e-12, 0
         for j, c in enumerate(confidences, 1):
             p *= min(alpha, max(0.0, float(c)))
             acc += p
@@ -244,7 +246,7 @@ class AdaptiveGate:
         return best_n
 
     def _suspend_if_losing(self, st: SeqSpecStats) -> bool:
-        if self.best_drafts(st.alpha)[1] >= 1.0:
+        if self.best_drafts(st.alpha)[1] >= self.min_gain:
             return False
         # suspend; each losing verify in a row doubles the pause (at most 16x)
         st.suspended_until = self.step + self.probe_interval * st.backoff
@@ -266,7 +268,7 @@ class AdaptiveGate:
                          "(cost model: %.2f + %.2f per draft token)", self.batch, *self._cost_line())
             return 0
         k, gain = self.best_drafts(st.alpha)
-        if gain >= 1.0:
+        if gain >= self.min_gain:
             return k
         # a probe: expected to lose; budgeted against the request's length
         if self.probe_budget is not None and left is not None:

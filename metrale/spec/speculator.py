@@ -253,6 +253,7 @@ def make_speculator(cfg, backend, model_config, load_draft_backend) -> Speculato
         drafter.cost_per_token = min(1.0, drafter.backend.config.num_parameters() / model_config.num_parameters())
     gate = AdaptiveGate(spec.num_drafts, **gate_costs(lv, backend, drafter, spec.method),
                         probe_budget=lv.spec_probe_budget if lv.spec_probe_budget >= 0 else None,
+                        min_gain=lv.spec_min_gain if lv.spec_verify_cost < 0 else 1.0,
                         probe_interval=lv.spec_probe_interval, max_batch=lv.spec_max_batch,
                         ema_decay=lv.spec_ema_decay, measure=_measured_gate(lv.spec_measured_gate, backend))
     log.info("speculative decoding: %s, up to %d drafts", drafter.name, spec.num_drafts)
