@@ -23,5 +23,9 @@ def rng():
 def pytest_collection_modifyitems(config, items):
     """Tests marked slow (the simulator subprocesses, minutes each) run first: under pytest-xdist
     they then start early on some worker while the others take the short tests, instead of one of
-    them starting last and running alone."""
+    them starting last and running alone. `-n auto --maxschedchunk 2` (README): load scheduling
+    hands each worker tests two at a time in this order, so the slow ones spread over the workers
+    and every worker runs its tests in the serial order (worksteal does not: a test that reads the
+    session's SmolLM2 engine after another file's use of it can then see that use, as the golden
+    and chat tests did after test_server's)."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)   # stable: order kept within each group
