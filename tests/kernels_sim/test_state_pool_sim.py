@@ -91,7 +91,8 @@ def run_step(config, weights, dev_weights, host, device, segments, rng):
            "gdn_o": cuda.to_device(np.zeros((T, config.linear_value_dim), np.float32)),
            "gdn_out": cuda.to_device(np.zeros((T, config.linear_value_dim), np.float32))}
     ops = object.__new__(HybridCudaOps)
-    ops.b = SimpleNamespace(states=device, act=act)
+    ops.b = SimpleNamespace(states=device, act=act,                 # CudaBackend.view, uncached
+                            view=lambda name, n, shape=None: act[name][:n] if shape is None else act[name][:n].reshape(shape))
     ops.g = SimpleNamespace(tokens=T, seqs=batch.num_seqs, max_query_len=batch.max_query_len)
     ops.s, ops.cfg = 0, config
     ops.seq_query_start, ops.positions = cuda.to_device(batch.seq_query_start), cuda.to_device(batch.positions)
