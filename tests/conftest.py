@@ -1,4 +1,5 @@
 import os
+from contextlib import contextmanager
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
@@ -13,6 +14,22 @@ def smollm2():
     """The real embedded model on the NumPy backend, loaded once per test session."""
     from metrale import Engine
     return Engine(model="smollm2-135m", device="cpu")
+
+
+@contextmanager
+def scratch_blocks(engine, num_tokens: int):
+    """KV blocks for a test's direct `backend.forward` on a shared engine, taken from its block
+    manager and given back after: writing blocks behind the manager's back corrupts its prefix
+    cache (a later request whose prompt hits a cached block would read the test's K/V: the golden
+    and chat tests failed that way after test_server.py had filled the cache)."""
+    from metrale import SamplingParams
+    from metrale.scheduler.sequence import Sequence
+    holder = Sequence([0], SamplingParams())
+    assert engine.blocks.grow(holder, num_tokens), "no free KV blocks for the test"
+    try:
+        yield np.array(holder.block_table, np.int32)
+    finally:
+        engine.blocks.release(holder)
 
 
 @pytest.fixture

@@ -13,6 +13,8 @@ import gguf
 import numpy as np
 import pytest
 
+from conftest import scratch_blocks
+
 from bench import gguf_export as ge
 from bench import llamacpp as lc
 from metrale.models.config import ModelConfig
@@ -142,14 +144,9 @@ def test_smollm2_bf16_export_decodes_like_q4_1(tmp_path, smollm2):
     for x, y in zip(a, b):
         np.testing.assert_array_equal(x.token_ids, y.token_ids)
     ids = np.asarray(smollm2.tokenizer.encode(prompts[0]), np.int32)
-    blocks = np.arange(4, dtype=np.int32)
-    batch = build_batch([Segment(ids, 0, blocks, "all")], smollm2.backend.block_size)
-    # this forward writes blocks 0-3 behind the shared engine's block manager, whose prefix cache
-    # may hold them (an earlier test's prompt): put their KV back, or later tests read this prompt's
-    saved = [(c, c[:, blocks].copy()) for c in (smollm2.backend.k_cache, smollm2.backend.v_cache)]
-    la, lb = smollm2.backend.forward(batch), bf16.backend.forward(batch)
-    for c, kv in saved:
-        c[:, blocks] = kv
+    with scratch_blocks(smollm2, len(ids)) as blocks:     # not behind the shared engine's prefix cache
+        batch = build_batch([Segment(ids, 0, blocks, "all")], smollm2.backend.block_size)
+        la, lb = smollm2.backend.forward(batch), bf16.backend.forward(batch)
     assert np.abs(la - lb).max() < 0.02 * np.abs(la).max()   # bf16 rounding of Q4_1/Q8_0 values (0.16 of 27)
 
 

@@ -8,6 +8,8 @@ import pytest
 from metrale import SamplingParams
 from metrale.runtime.batch import Segment, build_batch
 
+from conftest import scratch_blocks
+
 FIXTURE = Path(__file__).parent / "fixtures" / "golden_smollm2.npz"
 
 
@@ -19,8 +21,8 @@ def golden():
 
 def prompt_logits(engine, ids: np.ndarray) -> np.ndarray:
     backend = engine.backend
-    blocks = np.arange(-(-len(ids) // backend.block_size), dtype=np.int32)
-    return backend.forward(build_batch([Segment(ids, 0, blocks, logits="all")], backend.block_size))
+    with scratch_blocks(engine, len(ids)) as blocks:
+        return backend.forward(build_batch([Segment(ids, 0, blocks, logits="all")], backend.block_size))
 
 
 @pytest.mark.parametrize("p", range(4))
