@@ -57,7 +57,7 @@ class Levers:
     spec_min_gain: float = 1.1           # expected gain (tokens per step-equivalent) a draft needs under
                                          # the auto cost model (a margin for its error; 1 with a pinned
                                          # spec_verify_cost)
-    spec_probe_budget: float = 0.02      # probes (verifies the cost model expects to lose) may lose at most
+    spec_probe_budget: float = 0.01      # probes (verifies the cost model expects to lose) may lose at most
                                          # this share of a request's tokens (< 0: unbudgeted)
     spec_probe_interval: int = 16        # steps a sequence stays unspeculated after a losing streak
     spec_max_batch: int = 64             # no speculation while more sequences than this decode
