@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from metrale import Engine, SamplingParams
-from metrale.spec.drafter import Draft
+from spec_helpers import AlwaysGate, NoisyOracle
 from test_gdn import qwen3_next_cfg, write_model
 
 VOCAB = 61
@@ -50,43 +50,6 @@ def engine(model_dir, **kw) -> Engine:
                   levers=levers, **kw)
 
 
-class AlwaysGate:
-    """Speculate every step with every draft (the adaptive gate times steps: not deterministic)."""
-    def __init__(self, k):
-        self.k = k
-
-    def begin_step(self, n):
-        return True
-
-    def drafts_for(self, request_id):
-        return self.k
-
-    def update(self, request_id, proposed, accepted):
-        pass
-
-    def release(self, request_id):
-        pass
-
-
-class NoisyOracle:
-    """Proposes the plain run's continuation with some tokens corrupted: every acceptance length runs."""
-    name = "oracle"
-
-    def __init__(self, truth: dict, error_rate: float, seed: int = 0):
-        self.truth, self.error_rate, self.rng = truth, error_rate, np.random.default_rng(seed)
-
-    def propose(self, seqs, ks):
-        out = []
-        for s, k in zip(seqs, ks):
-            cont = self.truth[tuple(s.prompt_token_ids)][len(s.output_token_ids):][:k]
-            toks = [t if self.rng.random() > self.error_rate else (t + 1) % VOCAB for t in cont]
-            out.append(Draft(toks, [1.0] * len(toks)))
-        return out
-
-    def release(self, seq):
-        pass
-
-
 PROMPT_LENS = (5, 19, 33, 12, 8)
 
 
@@ -114,7 +77,7 @@ def test_greedy_speculative_equals_plain(model_dir, dense_draft_dir, plain, meth
     eng.speculator.gate = AlwaysGate(4)
     if method == "oracle":
         truth = {tuple(int(t) for t in p): [int(t) for t in o.token_ids] for p, o in zip(prompts, ref)}
-        eng.speculator.drafter = NoisyOracle(truth, 0.25)
+        eng.speculator.drafter = NoisyOracle(truth, 0.25, VOCAB)
     outs = eng.generate(prompts, greedy(20), use_tqdm=False)
     for a, b in zip(ref, outs):
         np.testing.assert_array_equal(a.token_ids, b.token_ids)
@@ -133,7 +96,7 @@ def test_seeded_sampled_speculation_equals_plain(model_dir, plain):
     eng = engine(model_dir, spec={"method": "ngram", "num_drafts": 3})
     eng.speculator.gate = AlwaysGate(3)
     truth = {tuple(int(t) for t in p): [int(t) for t in o.token_ids] for p, o in zip(prompts, ref)}
-    eng.speculator.drafter = NoisyOracle(truth, 0.3, seed=2)
+    eng.speculator.drafter = NoisyOracle(truth, 0.3, VOCAB, seed=2)
     for a, b in zip(ref, eng.generate(prompts, params, use_tqdm=False)):
         np.testing.assert_array_equal(a.token_ids, b.token_ids)
     st = eng.speculator.stats()
@@ -147,7 +110,7 @@ def test_speculation_under_preemption(model_dir, plain):
                  scheduler={"max_num_seqs": 5})
     eng.speculator.gate = AlwaysGate(3)
     truth = {tuple(int(t) for t in p): [int(t) for t in o.token_ids] for p, o in zip(prompts, ref)}
-    eng.speculator.drafter = NoisyOracle(truth, 0.3, seed=1)
+    eng.speculator.drafter = NoisyOracle(truth, 0.3, VOCAB, seed=1)
     outs = eng.generate(prompts, greedy(20), use_tqdm=False)
     assert eng.scheduler.num_preemptions > 0
     for a, b in zip(ref, outs):

@@ -15,7 +15,7 @@ import pytest
 from metrale import Engine, SamplingParams
 from metrale.runtime.batch import Segment, build_batch
 from metrale.runtime.numpy_backend import NumpyBackend
-from metrale.spec.drafter import Draft
+from spec_helpers import AlwaysGate, NoisyOracle
 
 pytestmark = pytest.mark.gpu
 
@@ -166,43 +166,6 @@ def test_chunked_prefill_equals_one_shot(model_dir, pair):
     assert_clean(chunked)
 
 
-class AlwaysGate:
-    """Speculate every step with every draft (the adaptive gate times steps: not deterministic)."""
-    def __init__(self, k):
-        self.k = k
-
-    def begin_step(self, n):
-        return True
-
-    def drafts_for(self, request_id):
-        return self.k
-
-    def update(self, request_id, proposed, accepted):
-        pass
-
-    def release(self, request_id):
-        pass
-
-
-class NoisyOracle:
-    """Proposes the plain run's continuation with some tokens corrupted: every acceptance length runs."""
-    name = "oracle"
-
-    def __init__(self, truth: dict, error_rate: float, seed: int = 0):
-        self.truth, self.error_rate, self.rng = truth, error_rate, np.random.default_rng(seed)
-
-    def propose(self, seqs, ks):
-        out = []
-        for s, k in zip(seqs, ks):
-            cont = self.truth[tuple(s.prompt_token_ids)][len(s.output_token_ids):][:k]
-            toks = [t if self.rng.random() > self.error_rate else (t + 1) % VOCAB for t in cont]
-            out.append(Draft(toks, [1.0] * len(toks)))
-        return out
-
-    def release(self, seq):
-        pass
-
-
 @pytest.mark.parametrize("method", ["ngram", "oracle"])
 def test_speculative_equals_plain_with_rollback(model_dir, pair, method):
     """Verify blocks record their GDN inputs; partial acceptance restores the checkpoint (copied on
@@ -215,7 +178,7 @@ def test_speculative_equals_plain_with_rollback(model_dir, pair, method):
     eng.speculator.gate = AlwaysGate(4)
     if method == "oracle":
         truth = {tuple(int(t) for t in p): [int(t) for t in o.token_ids] for p, o in zip(prompts, ref)}
-        eng.speculator.drafter = NoisyOracle(truth, 0.25)
+        eng.speculator.drafter = NoisyOracle(truth, 0.25, VOCAB)
     outs = eng.generate(prompts, greedy(24), use_tqdm=False)
     assert_same_up_to_ties(prompts, outs, ref, cu.backend)
     st = eng.speculator.stats()
