@@ -29,10 +29,10 @@ def blas():
     b.close()
 
 
-@pytest.mark.parametrize("T,N,K", [(64, 4096, 4096), (4096, 6144, 4096), (100, 576, 1536), (1, 192, 576)])
-@pytest.mark.parametrize("mode", ["plain", "bias", "accumulate"])
-def test_linear_matches_reference(blas, T, N, K, mode):
-    rng = np.random.default_rng(T + N + K)
+def _linear_error(blas, T, N, K, mode, seed) -> float:
+    """One blas.linear call (plain / bias / accumulate) on random operands: its relative error
+    against the float64 reference of the bf16-rounded inputs."""
+    rng = np.random.default_rng(seed)
     x = rng.standard_normal((T, K)).astype(np.float32)
     w = f32_to_bf16_bits(rng.standard_normal((N, K)).astype(np.float32) / np.float32(np.sqrt(K)))
     bias = rng.standard_normal(N).astype(np.float32) if mode == "bias" else None
@@ -48,7 +48,13 @@ def test_linear_matches_reference(blas, T, N, K, mode):
     xr = bf16_bits_to_f32(f32_to_bf16_bits(x)).astype(np.float64)
     ref = xr @ bf16_bits_to_f32(w).astype(np.float64).T + (0 if bias is None else bias) + r0
     out = dout.copy_to_host()
-    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+@pytest.mark.parametrize("T,N,K", [(64, 4096, 4096), (4096, 6144, 4096), (100, 576, 1536), (1, 192, 576)])
+@pytest.mark.parametrize("mode", ["plain", "bias", "accumulate"])
+def test_linear_matches_reference(blas, T, N, K, mode):
+    err = _linear_error(blas, T, N, K, mode, T + N + K)
     assert err < 1e-4, f"relative error {err:.2e}"
 
 
@@ -84,23 +90,7 @@ def test_autotuned_plans_leave_the_output_alone(mode):
     ws = cuda.device_array(WORKSPACE_BYTES, np.uint8)
     blas = CublasLt(_ptr(ws), WORKSPACE_BYTES, autotune=8)
     T, N, K = 32, 6144, 4096
-    rng = np.random.default_rng(7)
-    x = rng.standard_normal((T, K)).astype(np.float32)
-    w = f32_to_bf16_bits(rng.standard_normal((N, K)).astype(np.float32) / np.float32(64))
-    bias = rng.standard_normal(N).astype(np.float32) if mode == "bias" else None
-    r0 = rng.standard_normal((T, N)).astype(np.float32) if mode == "accumulate" else np.zeros((T, N), np.float32)
-    s = Stream()
-    dx, dw, dout = cuda.to_device(x), cuda.to_device(w), cuda.to_device(r0)
-    xb = cuda.device_array(T * K, np.uint16)
-    x_to_bf16(dx, xb, stream=s.numba)
-    db = cuda.to_device(bias) if bias is not None else None
-    blas.linear(_ptr(xb), _ptr(dw), _ptr(dout), T, N, K, bias_ptr=_ptr(db) if db is not None else 0,
-                accumulate=mode == "accumulate", stream=s.ptr)
-    s.synchronize()
-    ref = (bf16_bits_to_f32(f32_to_bf16_bits(x)).astype(np.float64) @ bf16_bits_to_f32(w).astype(np.float64).T
-           + (0 if bias is None else bias) + r0)
-    out = dout.copy_to_host()
-    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-4
+    assert _linear_error(blas, T, N, K, mode, 7) < 1e-4
     (key, (pick, best_us, first_us)), = blas.tuned.items()
     assert key == (T, N, K, mode == "accumulate", mode == "bias")
     assert best_us <= first_us
