@@ -73,18 +73,9 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
 
     def time_launches(launch, n_rot):
-        """median ms of one launch; launch(i) enqueues launch number i on the default stream."""
-        for i in range(WARMUP):
-            launch(i % n_rot)
-        torch.cuda.synchronize()
-        evs = [cuda.event() for _ in range(ITERS + 1)]
-        torch.cuda._sleep(SLEEP_CYCLES)
-        evs[0].record(0)
-        for i in range(ITERS):
-            launch(i % n_rot)
-            evs[i + 1].record(0)
-        evs[-1].synchronize()
-        return float(np.median([cuda.event_elapsed_time(evs[i], evs[i + 1]) for i in range(ITERS)]))
+        """median ms of one launch (bench/timing.py: spin-gated event timing)."""
+        from bench.timing import time_launches as timed
+        return timed(launch, n_rot, iters=ITERS, warmup=WARMUP)
 
     def time_torch(fn, n_rot):
         for i in range(WARMUP):

@@ -453,12 +453,10 @@ if SIM:
         return None
 
 else:
-    import os
-
-    # What grid_trigger() compiles to, read when a kernel compiles (pdl.set_early_trigger; the
-    # METRALE_PDL_TRIGGER=0 environment variable starts it off): `early`, the instruction; else
-    # nothing, so a successor launches as this grid's blocks exit rather than as they start.
-    TRIGGER = {"early": os.environ.get("METRALE_PDL_TRIGGER", "1") != "0"}
+    # What grid_trigger() compiles to, read when a kernel compiles (pdl.set_early_trigger, from
+    # levers.pdl_trigger): `early`, the instruction; else nothing, so a successor launches as this
+    # grid's blocks exit rather than as they start.
+    TRIGGER = {"early": True}
 
     def _griddepcontrol(op: str):
         def gen(context, builder, sig, args):

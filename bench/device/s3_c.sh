@@ -20,9 +20,9 @@ G="levers.graph_batch_sizes=[1,32]"
 ab() { timeout 100 python3 -m bench.profile_graph --time-only --context 512 "$@" 2>&1 | grep -E "replay|autotune|Error|error" | cut -c1-400 | tail -6; }
 ab --model llama-3-8b-shape --batch 1 32 --override "$G"
 ab --model llama-3-8b-shape --batch 1 32 --override "$G" levers.cublaslt_autotune=0
-METRALE_PDL_TRIGGER=0 ab --model llama-3-8b-shape --batch 1 32 --override "$G"
+ab --model llama-3-8b-shape --batch 1 32 --override "$G" levers.pdl_trigger=exit
 ab --model smollm2-135m-shape --batch 1 32 --override "$G"
-METRALE_PDL_TRIGGER=0 ab --model smollm2-135m-shape --batch 1 32 --override "$G"
+ab --model smollm2-135m-shape --batch 1 32 --override "$G" levers.pdl_trigger=exit
 ab --model llama-3.2-1b-shape --batch 1 32 --override "$G"
 stamp hybrid
 timeout 150 python3 -m pytest -q -m gpu -p no:warnings -x tests/gpu/test_hybrid_gpu.py > $OUT/hybrid_tests.txt 2>&1
