@@ -367,13 +367,14 @@ class CudaBackend:
                 ("q+k+v size", c.q_size + 2 * c.kv_size), ("vocab_size", c.vocab_size)]
 
     def _kv_block_bytes(self) -> int:
-        """Device bytes of one cache block over all layers (K and V here; MLA: the latent rows)."""
+        """Device bytes of one cache block over the attention layers (K and V here; MLA: the latent
+        rows); hybrid models' recurrent layers keep no KV."""
         c = self.config
-        return 2 * c.num_layers * self.block_size * c.kv_size * 2
+        return 2 * c.num_kv_layers * self.block_size * c.kv_size * 2
 
     def _alloc_kv_cache(self, num_blocks: int) -> None:
         c = self.config
-        shape = (c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        shape = (c.num_kv_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
         self.k_cache = self.pool.alloc("kv", shape, np.uint16)
         self.v_cache = self.pool.alloc("kv", shape, np.uint16)
         # Zero the pool once: graph padding rows read block 0, which must hold finite values.
@@ -426,21 +427,21 @@ class CudaBackend:
     def blas_input(self, shape: tuple[int, int]):
         """The bf16 staging buffer of cuBLASLt's x, as room for shape[0] * shape[1] values."""
         n = shape[0] * shape[1]
-        v = self._views.get(("x_bf16", n))
-        if v is None:
-            v = self._views[("x_bf16", n)] = self.act["x_bf16"].reshape(-1)[:n]
-        return v
+        return self._cached(("x_bf16", n), lambda: self.act["x_bf16"].reshape(-1)[:n])
 
     def view(self, name: str, n: int, shape: tuple[int, ...] | None = None):
         """self.act[name][:n] (reshaped to `shape` when given), cached per (name, n, shape): a
         Numba slice or reshape costs tens of microseconds of Python, an eager step takes hundreds."""
-        key = (name, n, shape)
+        return self._cached((name, n, shape), lambda: self.act[name][:n] if shape is None
+                            else self.act[name][:n].reshape(*shape))
+
+    def _cached(self, key: tuple, make):
+        """The view cached under key, made by make() on first use (cleared past MAX_CACHED_VIEWS)."""
         v = self._views.get(key)
         if v is None:
             if len(self._views) > MAX_CACHED_VIEWS:
                 self._views.clear()
-            v = self.act[name][:n]
-            v = self._views[key] = v if shape is None else v.reshape(*shape)
+            v = self._views[key] = make()
         return v
 
     def blas_linear(self, x, weight, out, bias, accumulate: bool, rows: int | None = None) -> None:
@@ -640,7 +641,7 @@ class CudaBackend:
         self._execute(batch)
         R = len(batch.logits_indices)
         ids = self._fetch(self.act["argmax"], self._argmax_host[:R]).copy()
-        return ids, self._fetch(self.act["rows"], np.empty((R, self.config.hidden_size), np.float32))
+        return ids, self.hidden_rows(R)
 
     def export_weights(self) -> WeightStream:
         """The weights as float32 host arrays (bf16 matrices widened): to build a NumPy oracle

@@ -107,20 +107,6 @@ class HybridCudaBackend(CudaBackend):
     def _gemm_dims(self) -> list[tuple[str, int]]:
         return super()._gemm_dims() + check_hybrid_shapes(self.config)
 
-    def _kv_block_bytes(self) -> int:
-        c = self.config
-        return 2 * c.num_kv_layers * self.block_size * c.kv_size * 2
-
-    def _alloc_kv_cache(self, num_blocks: int) -> None:
-        c = self.config
-        shape = (c.num_kv_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
-        self.k_cache = self.pool.alloc("kv", shape, np.uint16)
-        self.v_cache = self.pool.alloc("kv", shape, np.uint16)
-        device_memset(self.k_cache, 0, self.k_cache.nbytes)      # graph padding rows read block 0
-        device_memset(self.v_cache, 0, self.v_cache.nbytes)
-        self.k_cache64 = self.k_cache.view(np.uint64)
-        self.v_cache64 = self.v_cache.view(np.uint64)
-
     def _rotary_dim(self) -> int:
         return self.config.rotary_dim or self.config.head_dim
 

@@ -47,6 +47,7 @@ class SimBackend:
     ep_experts = DeepseekCudaBackend.ep_experts
     _copy_host_rows = DeepseekCudaBackend._copy_host_rows
     view = CudaBackend.view
+    _cached = CudaBackend._cached
 
     def __init__(self, config, host_weights: dict, ep=None):
         self.config, self.ep, self.block_size = config, ep, BS
