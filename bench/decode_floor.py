@@ -138,13 +138,16 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--quick", action="store_true", help="fewer attention variants")
+    ap.add_argument("--split", action="store_true",
+                    help="only the split heuristic (auto vs 1-4 partitions) over more batches and contexts")
+    ap.add_argument("--no-floor", action="store_true", help="skip the node-floor and barrier probes")
     args = ap.parse_args()
     from metrale.runtime.cuda.stream import Stream
     from kernels_numba import pdl
     pdl.enable(True)
     stream = Stream()
     record = {}
-    for key, fn in (("node_floor", node_floor), ("grid_barrier_us", grid_barrier)):
+    for key, fn in (() if args.no_floor else (("node_floor", node_floor), ("grid_barrier_us", grid_barrier))):
         try:
             record[key] = fn(stream)
         except Exception as e:       # one failed probe must not lose the others
@@ -155,6 +158,11 @@ def main() -> None:
                 (None, 2, 16), (None, 4, 32), (1, 4, 32), (None, 4, 8)]
     if args.quick:
         variants = variants[:3]
+    if args.split:
+        shapes = [("llama-3-8b", 32, 8, 128, b, c) for (b, c) in ((8, 512), (16, 512), (32, 2048), (32, 4096),
+                                                                   (64, 512), (4, 4096))]
+        shapes.append(("smollm2-135m", 9, 3, 64, 32, 512))
+        variants = [(None, 4, 16), (1, 4, 16), (2, 4, 16), (3, 4, 16), (4, 4, 16)]
     record["attention"] = attention_sweep(stream, shapes, args.layers, variants)
     if args.out:
         with open(args.out, "w") as f:

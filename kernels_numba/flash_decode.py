@@ -83,8 +83,12 @@ from kernels_numba.ptx import (
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 NEG = np.float32(-1.0e30)  # finite "minus infinity": no inf - inf
-# Warps the split heuristic aims for: 132 SMs x ~16 resident warps.
-TARGET_WARPS = 64 if SIM else 132 * 16
+# Warps the split heuristic aims for: one 4-warp block per SM (132 SMs). Splitting further costs
+# each extra partition its start-up, its scratch write and the merge, which at moderate contexts
+# outweighs the extra warps (H200, graph-timed, 8B heads, ctx 512: B=32 unsplit 24.4 us a layer vs
+# 39.6 us in the 3 partitions that 132 x 16 warps asked for; B=1 8 partitions 8.8 us vs 16.7
+# unsplit; bench/decode_floor.py, docs/bench/raw/s4_decode_floor.json).
+TARGET_WARPS = 64 if SIM else 132 * 4
 
 
 @dataclass(frozen=True)

@@ -170,8 +170,6 @@ def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumula
     NWR = 4 * U * R
 
     def gemv(x, w, out, bias, nw, eps, ss_in, ss_out):
-        grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
-        grid_trigger()
         K = w.shape[1]
         tid = cuda.threadIdx.x
         warp = tid >> 5
@@ -182,14 +180,17 @@ def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumula
         xs = cuda.shared.array(0, float32)
         wr = cuda.local.array(NWR, uint32)
         wc = cuda.local.array(NWR, uint32)
-        # the first weight loads go out before the prologue: its reduction / staging (x from
-        # L1/L2) runs while they are in flight
+        # the first weight loads go out before the PDL wait (no earlier kernel writes weights: under
+        # an early trigger they fly while the previous kernel drains) and before the prologue, whose
+        # reduction / staging (x from L1/L2) runs while they are in flight
         for u in range(U):
             kc = 8 * min(lane + 32 * u, nch - 1)
             for r in range(R):
                 q = ldg_u16x8(w, n0 + r, kc)
                 for e in range(4):
                     wr[(u * R + r) * 4 + e] = q[e]
+        grid_wait()      # PDL: before any read of what an earlier kernel wrote (x, out, ss_in)
+        grid_trigger()
         scale = float32(1.0)
         if P == 1:
             ss = float32(0.0)
