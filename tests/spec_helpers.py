@@ -1,6 +1,6 @@
-"""Deterministic stand-ins for speculation tests: a gate that always speculates and a drafter that
-proposes the plain run's continuation with some tokens corrupted (shared by the NumPy and GPU
-hybrid speculation tests)."""
+"""Deterministic stand-ins for speculation tests: a gate that always speculates, one that speculates
+on given steps only, and a drafter that proposes the plain run's continuation with some tokens
+corrupted (shared by the NumPy and GPU hybrid speculation tests and the DFlash lazy-context test)."""
 import numpy as np
 
 from metrale.spec.drafter import Draft
@@ -42,4 +42,24 @@ class NoisyOracle:
         return out
 
     def release(self, seq):
+        pass
+
+
+class ScheduledGate:
+    """Speculate with k drafts only on the engine steps in `steps` (counted from 1 by begin_step):
+    a deterministic stand-in for the adaptive gate's suspensions."""
+    def __init__(self, k, steps):
+        self.k, self.steps, self.step = k, set(steps), 0
+
+    def begin_step(self, n):
+        self.step += 1
+        return self.step in self.steps
+
+    def drafts_for(self, request_id):
+        return self.k
+
+    def update(self, request_id, proposed, accepted):
+        pass
+
+    def release(self, request_id):
         pass

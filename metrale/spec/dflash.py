@@ -13,15 +13,21 @@ the target's final norm and LM head (shared, not stored), gives B-1 drafts (argm
 with their softmax probabilities as confidences. B = spec.num_drafts + 1 for every sequence of a
 step; all speculating sequences run in ONE forward (attention loops over sequences, not tokens).
 
-Context bookkeeping is the target KV cache's own discipline. The projected context K/V lives in a
-paged pool of the target's shape (num_blocks x block_size, one slice per drafter layer) indexed by
-the target's block tables: `HiddenTap` (metrale/spec/mtp.py) hands the captured layer rows of every
-target forward to `DFlashModel.write_context`, which writes their K/V at the batch's slots. The
+Context bookkeeping is the target KV cache's own discipline, and it is lazy. `HiddenTap`
+(metrale/spec/mtp.py) hands the captured layer rows of every target forward to
+`DFlashModel.store_rows`, which only copies them into a paged pool of the target's shape
+(num_blocks x block_size slots, the target's block ids; n*D values a slot) and marks those slots
+stale: no drafter arithmetic while a sequence does not draft (the gate suspends most of them; on
+the CPU at batch 1 none drafts). The drafter's context K/V lives in a second pool of the same
+slots (one slice per drafter layer); `propose` first projects the stale slots of the positions its
+sequences read, all sequences in ONE batched pass (`catch_up`), then runs the block forward. The
 drafter reads positions [0, n-1) of a sequence, the ones whose target K/V is computed: exactly the
 accepted tokens. Rows written for rejected drafts sit past the sequence's length, are never read,
-and are overwritten when the target computes those positions again (commit = the length grows by
-the accepted tokens; rollback = nothing to undo). Prefix-cached blocks carry their context rows
-with them; preempted sequences recompute both.
+and are overwritten (and marked stale) when the target computes those positions again (commit =
+the length grows by the accepted tokens; rollback = nothing to undo). A slot's staleness is a
+property of the slot, not of a sequence, so prefix-cached blocks carry their rows with them and
+preempted sequences simply recompute them. `write_context` is the eager variant (projects at once
+and marks the slots projected).
 
 The drafter's own layers use the engine's decoder code (`llama_forward` with `DFlashOps`, a NumpyOps
 whose embed inserts MASK rows and whose attention reads the context pool + the block), so it runs on
@@ -122,6 +128,10 @@ class DFlashModel:
         shape = (num_layers, num_blocks, pool_block_size, config.num_kv_heads, config.head_dim)
         self.k_cache = np.zeros(shape, dtype=self.dtype)
         self.v_cache = np.zeros(shape, dtype=self.dtype)
+        # the target's layer rows per slot (store_rows) and whether the slot's K/V above is their projection
+        self.layer_rows = np.zeros((num_blocks * pool_block_size, len(self.target_layers) * D), dtype=self.dtype)
+        self.projected = np.zeros(num_blocks * pool_block_size, dtype=bool)
+        self.projected_rows = 0           # positions projected so far (catch_up and write_context)
 
     def rope_for(self, batch: ForwardBatch):
         return rope_cos_sin(self.config, batch.positions)
@@ -129,9 +139,11 @@ class DFlashModel:
     def context_kv(self, rows: list[np.ndarray], positions: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
         """(k, v) per drafter layer, [T, kv heads, head_dim] each, of the context features of T
         positions: rows[j] is the target's residual after layer target_layers[j]."""
+        return self._project(np.concatenate([np.asarray(r, dtype=self.dtype) for r in rows], axis=-1), positions)
+
+    def _project(self, cat: np.ndarray, positions: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
         c, w = self.config, self.weights
-        feat = _norm(np.concatenate([np.asarray(r, dtype=self.dtype) for r in rows], axis=-1) @ w["fc"].T,
-                     w["hidden_norm"], c.rms_norm_eps)
+        feat = _norm(cat @ w["fc"].T, w["hidden_norm"], c.rms_norm_eps)
         cos, sin = rope_cos_sin(c, positions)
         out = []
         for i in range(self.num_layers):
@@ -144,18 +156,53 @@ class DFlashModel:
             out.append((apply_rope(k, cos, sin, c.rope_interleaved), v))
         return out
 
-    def write_context(self, batch: ForwardBatch, rows: list[np.ndarray]) -> None:
-        """HiddenTap's sink: the context K/V of every token of a target forward, at its slot."""
+    def store_rows(self, batch: ForwardBatch, rows: list[np.ndarray]) -> None:
+        """HiddenTap's sink (lazy): keep the layer rows of every token of a target forward at its
+        slot, to be projected when a proposal reads them (catch_up). A copy, no arithmetic."""
         keep = batch.slot_mapping >= 0
         if not keep.any():
             return
         slots = batch.slot_mapping[keep]
-        c = self.config
+        D = self.config.hidden_size
+        for j, r in enumerate(rows):
+            self.layer_rows[slots, j * D:(j + 1) * D] = r[keep]
+        self.projected[slots] = False
+
+    def write_context(self, batch: ForwardBatch, rows: list[np.ndarray]) -> None:
+        """The eager sink: the context K/V of every token of a target forward, at its slot, now."""
+        keep = batch.slot_mapping >= 0
+        if not keep.any():
+            return
+        slots = batch.slot_mapping[keep]
         with np.errstate(over="ignore"):
-            kvs = self.context_kv([r[keep] for r in rows], batch.positions[keep])
+            self._write(slots, self.context_kv([r[keep] for r in rows], batch.positions[keep]))
+
+    def _write(self, slots: np.ndarray, kvs) -> None:
+        c = self.config
         for i, (k, v) in enumerate(kvs):
             self.k_cache[i].reshape(-1, c.num_kv_heads, c.head_dim)[slots] = k
             self.v_cache[i].reshape(-1, c.num_kv_heads, c.head_dim)[slots] = v
+        self.projected[slots] = True
+        self.projected_rows += len(slots)
+
+    def catch_up(self, tables: list, lengths: list[int]) -> int:
+        """Project the stored rows of the stale slots among positions [0, lengths[s]) of each
+        sequence (block table tables[s]), all in one pass; returns how many were projected."""
+        bs, slots, positions = self.block_size, [], []
+        for table, n in zip(tables, lengths):
+            pos = np.arange(n)
+            s = np.asarray(table, np.int64)[pos // bs] * bs + pos % bs
+            stale = ~self.projected[s]
+            if stale.any():
+                slots.append(s[stale])
+                positions.append(pos[stale])
+        if not slots:
+            return 0
+        slots, first = np.unique(np.concatenate(slots), return_index=True)   # shared prefix blocks: once
+        positions = np.concatenate(positions)[first]
+        with np.errstate(over="ignore"):
+            self._write(slots, self._project(self.layer_rows[slots], positions))
+        return len(slots)
 
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         """Logits [T, vocab] of every row of the batch's blocks (segments: [last token, MASK...] at
@@ -246,13 +293,13 @@ class DFlashDrafter:
         return cls(model, spec.num_drafts)
 
     def tap(self, backend) -> HiddenTap:
-        """The target backend whose every forward writes its tokens' context K/V."""
+        """The target backend whose every forward keeps its tokens' layer rows (projected lazily)."""
         tap = backend if isinstance(backend, HiddenTap) else HiddenTap(backend)
-        tap.layers, tap.on_layers = self.model.target_layers, self.model.write_context
+        tap.layers, tap.on_layers = self.model.target_layers, self.model.store_rows
         return tap
 
     def observe(self, scheduled, emitted, hidden) -> None:
-        """Nothing to do: the tap wrote the context of every computed position during the forward."""
+        """Nothing to do: the tap stored the layer rows of every computed position during the forward."""
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         drafts = [Draft() for _ in seqs]
@@ -260,6 +307,7 @@ class DFlashDrafter:
         if not live:
             return drafts
         n = self.length
+        self.model.catch_up([seqs[i].block_table for i in live], [seqs[i].num_tokens - 1 for i in live])
         batch = self.model.blocks([seqs[i].token_ids[-1] for i in live], [seqs[i].num_tokens - 1 for i in live],
                                   [seqs[i].block_table for i in live], n)
         logits = np.asarray(self.model.forward(batch), dtype=np.float64).reshape(len(live), n, -1)[:, 1:]

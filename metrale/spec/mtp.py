@@ -168,18 +168,17 @@ class HiddenTap:
         return hidden
 
 
-class _LayerRows:
-    """Ops that keep the residual stream after the chosen layers (each layer of llama_forward
-    ends with exactly one silu_mul_linear_residual)."""
+class _LayerRowOps(NumpyOps):
+    """NumpyOps that keep the residual stream after the chosen layers (each layer of llama_forward
+    ends with exactly one silu_mul_linear_residual). A subclass, not a wrapper: the tap runs on
+    every target forward, so the target's ops keep their plain method lookups."""
 
-    def __init__(self, ops, layers: tuple[int, ...]):
-        self.ops, self.layers, self.layer, self.rows = ops, set(layers), 0, {}
-
-    def __getattr__(self, name):
-        return getattr(self.ops, name)
+    def __init__(self, backend, batch: ForwardBatch, layers: tuple[int, ...]):
+        super().__init__(backend, batch)
+        self.layers, self.layer, self.rows = set(layers), 0, {}
 
     def silu_mul_linear_residual(self, gate_up, weight, residual):
-        out = self.ops.silu_mul_linear_residual(gate_up, weight, residual)
+        out = super().silu_mul_linear_residual(gate_up, weight, residual)
         if self.layer in self.layers:
             self.rows[self.layer] = out
         self.layer += 1
@@ -193,7 +192,7 @@ def forward_with_layer_rows(backend, batch: ForwardBatch, layers: tuple[int, ...
     from metrale.runtime.numpy_backend import NumpyBackend
     if not isinstance(backend, NumpyBackend):
         raise ValueError(f"capturing layer rows needs the NumPy backend, not {type(backend).__name__}")
-    ops = _LayerRows(NumpyOps(backend, batch), layers)
+    ops = _LayerRowOps(backend, batch, layers)
     with np.errstate(over="ignore"):
         out = llama_forward(ops, backend.weights, backend.config, None, True)
     return out, [ops.rows[i] for i in layers]
