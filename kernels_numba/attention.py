@@ -37,6 +37,7 @@ from kernels_numba.ptx import grid_trigger, grid_wait
 from kernels_numba.bf16 import (
     NEG_INF,
     SIMULATOR,
+    f32_to_bf16,
     from_bf16_bits,
     group_max,
     group_sum,
@@ -299,6 +300,26 @@ def _decode_kernel(cfg: DecodeConfig):
     return kernel
 
 
+@cuda.jit(device=True)
+def _merge_scale(scratch, base, nparts, hq, hd):
+    """(max, 1 / sum) of the nparts softmax states of head hq in scratch rows base.."""
+    m = NEG_INF
+    for p in range(nparts):
+        m = max(m, scratch[base + p, hq, hd])
+    den = np.float32(0.0)
+    for p in range(nparts):
+        den += math.exp(scratch[base + p, hq, hd] - m) * scratch[base + p, hq, hd + 1]
+    return m, np.float32(1.0) / den
+
+
+@cuda.jit(device=True)
+def _merged(scratch, base, nparts, hq, hd, d, m, inv):
+    num = np.float32(0.0)
+    for p in range(nparts):
+        num += math.exp(scratch[base + p, hq, hd] - m) * scratch[base + p, hq, d]
+    return num * inv
+
+
 @cuda.jit
 def _merge_partitions_kernel(scratch, positions, part_size, grid_parts, out):
     grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
@@ -310,19 +331,27 @@ def _merge_partitions_kernel(scratch, positions, part_size, grid_parts, out):
     if nparts <= 1:
         return
     hd = out.shape[2]
-    base = t * grid_parts
-    m = NEG_INF
-    for p in range(nparts):
-        m = max(m, scratch[base + p, hq, hd])
-    den = np.float32(0.0)
-    for p in range(nparts):
-        den += math.exp(scratch[base + p, hq, hd] - m) * scratch[base + p, hq, hd + 1]
-    inv = np.float32(1.0) / den
+    m, inv = _merge_scale(scratch, t * grid_parts, nparts, hq, hd)
     for d in range(cuda.threadIdx.x, hd, cuda.blockDim.x):
-        num = np.float32(0.0)
-        for p in range(nparts):
-            num += math.exp(scratch[base + p, hq, hd] - m) * scratch[base + p, hq, d]
-        out[t, hq, d] = num * inv
+        out[t, hq, d] = _merged(scratch, t * grid_parts, nparts, hq, hd, d, m, inv)
+
+
+@cuda.jit
+def _merge_partitions_bf16_kernel(scratch, positions, part_size, grid_parts, out):
+    """_merge_partitions_kernel writing bf16 bits into out uint16 [T, Hq * hd] (a library
+    matmul's input, no conversion launch)."""
+    grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+    grid_trigger()
+    hq = cuda.blockIdx.x
+    t = cuda.blockIdx.y
+    ctx = positions[t] + 1
+    nparts = min((ctx + part_size - 1) // part_size, grid_parts)
+    if nparts <= 1:
+        return
+    hd = scratch.shape[2] - 2
+    m, inv = _merge_scale(scratch, t * grid_parts, nparts, hq, hd)
+    for d in range(cuda.threadIdx.x, hd, cuda.blockDim.x):
+        out[t, hq * hd + d] = f32_to_bf16(_merged(scratch, t * grid_parts, nparts, hq, hd, d, m, inv))
 
 
 def _as_u64(cache):

@@ -53,7 +53,7 @@ and flash_prefill (which rounds P to bf16).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -62,12 +62,13 @@ from numba import cuda
 from kernels_numba.ptx import grid_trigger, grid_wait
 from kernels_numba.attention import (  # noqa: F401 (reference and shared scratch layout)
     NO_SPLIT_PART,
+    _merge_partitions_bf16_kernel,
     _merge_partitions_kernel,
     cache_views,
     attention_ref,
     paged_attention_scratch_shape,
 )
-from kernels_numba.bf16 import ldg_u64x2
+from kernels_numba.bf16 import f32_to_bf16, ldg_u64x2
 from kernels_numba.ptx import (
     SIM,
     bf16hi_f32,
@@ -98,6 +99,7 @@ class FlashDecodeConfig:
     block_size: int  # KV cache block size (a compile-time constant: cheap addressing)
     warps: int = 4  # warps per block, each with its own online softmax over interleaved steps
     keys: int = 16  # keys per warp step (multiple of 8): 2 * keys * hd * 2 / 32 B in flight a lane
+    out_bf16: bool = False  # out is uint16 bf16 bits [T, Hq * hd] (a cuBLASLt input), not float32 [T, Hq, hd]
 
     @property
     def threads(self) -> int:
@@ -110,7 +112,8 @@ class FlashDecodeConfig:
 
 
 def flash_decode_config(head_dim: int, group: int, block_size: int = 16, **override) -> FlashDecodeConfig:
-    cfg = FlashDecodeConfig(head_dim, group, block_size, override.get("warps", 4), override.get("keys", 16))
+    cfg = FlashDecodeConfig(head_dim, group, block_size, override.get("warps", 4), override.get("keys", 16),
+                            override.get("out_bf16", False))
     if head_dim % 64 or head_dim <= 0:
         raise ValueError(f"flash_decode: head_dim {head_dim} must be a multiple of 64")
     if not 1 <= group <= 8:
@@ -154,6 +157,14 @@ def _make_kernel(cfg: FlashDecodeConfig):
     NO2 = 2 * NO  # O accumulators per lane (rows g only: the upper half is never kept)
     NN2 = 2 * NN  # S / P values per lane per step
     SO = W * G * HD
+    if cfg.out_bf16:
+        @cuda.jit(device=True)
+        def store(out, tok, hq, d, v):
+            out[tok, hq * HD + d] = f32_to_bf16(v)
+    else:
+        @cuda.jit(device=True)
+        def store(out, tok, hq, d, v):
+            out[tok, hq, d] = v
     SW = W * G
     U32 = np.uint64(0xFFFFFFFF)
     S32 = np.uint64(32)
@@ -325,7 +336,7 @@ def _make_kernel(cfg: FlashDecodeConfig):
                 den += f * s_l[w * G + gg]
             hq = h * G + gg
             if nparts == 1:
-                out[tok, hq, d] = num / den
+                store(out, tok, hq, d, num / den)
             else:
                 row = tok * grid_parts + p
                 scratch[row, hq, d] = num
@@ -368,12 +379,18 @@ def flash_decode_attention(
     paged_attention_scratch_shape), None = no split. max_context sets the grid (keep it fixed under
     CUDA-graph capture; a longer context is still handled: the last partition stretches).
     partitions forces the split count; no_split_context (default 0): never split when max_context
-    is at most this. Allocates nothing."""
+    is at most this. out may also be uint16 with room for [T, Hq * hd]: the result as bf16 bits,
+    row-major (the staging input of a cuBLASLt product: no conversion launch). Allocates nothing."""
     num_tokens, hq, hd = q.shape
     if num_tokens == 0:
         return
     kc, vc, hk = cache_views("flash_decode", q, k_cache_layer, v_cache_layer)
     cfg = config or flash_decode_config(hd, hq // hk, kc.shape[1])
+    bf16 = out.dtype == np.uint16
+    if bf16:
+        out = out.reshape(out.size)[:num_tokens * hq * hd].reshape(num_tokens, hq * hd)
+    if cfg.out_bf16 != bf16:
+        cfg = replace(cfg, out_bf16=bf16)
     if (cfg.head_dim, cfg.group, cfg.block_size) != (hd, hq // hk, kc.shape[1]):
         raise ValueError(f"flash_decode: config {cfg} does not match q {q.shape} / cache {kc.shape}")
     if max_context is None:
@@ -390,12 +407,16 @@ def flash_decode_attention(
         if num_tokens * parts > rows:
             raise ValueError(f"flash_decode: scratch has {rows} rows, needs {num_tokens * parts}")
     if scratch is None or parts == 1:
-        scratch = np.zeros((1, 1, hd + 2), np.float32) if isinstance(out, np.ndarray) else out
+        if isinstance(out, np.ndarray):
+            scratch = np.zeros((1, 1, hd + 2), np.float32)
+        elif not bf16:
+            scratch = out              # an unused float32 [., ., .] argument
+        elif scratch is None:
+            scratch = q
     _kernel(cfg)[(parts, hk, num_tokens), cfg.threads, stream](
         q, kc, vc, block_tables, token_seq, positions, np.float32(scale * LOG2E), np.int32(part), out, scratch
     )
     if parts > 1:
-        _merge_partitions_kernel[(hq, num_tokens), min(128, max(32, hd)), stream](
-            scratch, positions, np.int32(part), np.int32(parts), out
-        )
+        merge = _merge_partitions_bf16_kernel if bf16 else _merge_partitions_kernel
+        merge[(hq, num_tokens), min(128, max(32, hd)), stream](scratch, positions, np.int32(part), np.int32(parts), out)
 

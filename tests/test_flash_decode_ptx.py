@@ -38,3 +38,16 @@ def test_flash_decode_ptx(hd, g, bs, over):
     if info is not None:
         print(f"flash_decode hd={hd} G={g} bs={bs} {over}: {info[0]} registers, {info[1]} B spills")
         assert info[1] == 0, f"{cfg} spills ({info[0]} registers)"
+
+
+def test_bf16_out_variant_and_merge_compile():
+    """out_bf16: the same kernel storing bf16 bits into uint16 [T, Hq * hd] (16-bit stores), and the
+    bf16 merge kernel; the float32 merge is unchanged."""
+    from kernels_numba import attention as A
+    cfg = FD.flash_decode_config(128, 4, 16, out_bf16=True)
+    U16_2 = types.Array(types.uint16, 2, "C")
+    sig = SIG[:8] + (U16_2, SIG[9])
+    ptx = ptx_of(type("K", (), {"py_func": FD.py_kernel(cfg)}), sig, max_static_shared=4 * 4 * 4 * 130)
+    assert "st.global.u16" in ptx and ptx.count(MMA_BF16) == 16
+    merge = ptx_of(A._merge_partitions_bf16_kernel, (SIG[9], SIG[5], types.int32, types.int32, U16_2))
+    assert "st.global.u16" in merge

@@ -9,7 +9,9 @@ their rank among the attention layers (config.kv_layer).
 The residual stream is updated by the o and down products themselves (linear_residual), and
 each RMSNorm is part of the product that reads it (norm_linear), as silu*mul is of the down
 product (silu_mul_linear_residual), so a layer is seven ops: norm+qkv, rope+store, attention,
-o(+res), norm+gate_up, silu*mul+down(+res). Backends may run the fused ops as their composition
+o(+res), norm+gate_up, silu*mul+down(+res); attention and o(+res) are one call
+(attention_linear_residual) so a backend may hand the attention output to the product in the
+product's input format. Backends may run the fused ops as their composition
 (the NumPy backend does; the CUDA backend fuses at one token row, levers.fuse_decode).
 """
 from __future__ import annotations
@@ -32,6 +34,8 @@ class Ops(Protocol):
     # fused: linear(rms_norm(x, norm_weight), weight, bias); linear_residual(silu_mul(gate_up), weight, residual)
     def norm_linear(self, x: Tensor, norm_weight: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor: ...
     def silu_mul_linear_residual(self, gate_up: Tensor, weight: Tensor, residual: Tensor) -> Tensor: ...
+    # fused: linear_residual(attention(q, layer), weight, residual)
+    def attention_linear_residual(self, q: Tensor, layer: int, weight: Tensor, residual: Tensor) -> Tensor: ...
     def logits_rows(self, x: Tensor) -> Tensor: ...
     # hybrid models only
     def sigmoid_mul(self, x: Tensor, gate: Tensor) -> Tensor: ...
@@ -56,10 +60,13 @@ def llama_forward(ops: Ops, w: dict[str, Tensor], config: ModelConfig, num_layer
             kv = config.kv_layer(i)
             q = ops.qkv_to_cache(ops.norm_linear(residual, norm, w[p + "qkv"], w.get(p + "qkv_bias")), kv,
                                  w.get(p + "q_norm"), w.get(p + "k_norm"))
-            mixed = ops.attention(q, kv)
-            if p + "attn_gate" in w:   # the residual is unchanged since the qkv product: same norm
-                mixed = ops.sigmoid_mul(mixed, ops.norm_linear(residual, norm, w[p + "attn_gate"]))
-        residual = ops.linear_residual(mixed, w[p + "o"], residual)
+            if p + "attn_gate" not in w:
+                residual = ops.attention_linear_residual(q, kv, w[p + "o"], residual)
+                mixed = None
+            else:                      # the residual is unchanged since the qkv product: same norm
+                mixed = ops.sigmoid_mul(ops.attention(q, kv), ops.norm_linear(residual, norm, w[p + "attn_gate"]))
+        if mixed is not None:
+            residual = ops.linear_residual(mixed, w[p + "o"], residual)
         gate_up = ops.norm_linear(residual, w[p + "mlp_norm"], w[p + "gate_up"])
         residual = ops.silu_mul_linear_residual(gate_up, w[p + "down"], residual)
     rows = ops.logits_rows(residual)

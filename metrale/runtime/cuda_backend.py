@@ -214,10 +214,27 @@ class CudaOps:
             prefill(q, kc, vc, self.block_tables, self.seq_query_start, self.positions, scale,
                     out, max_query_len=self.g.max_query_len, stream=self.s)
         else:
-            decode = flash_decode.flash_decode_attention if self.b.flash_decode else attention.paged_attention
-            decode(q, kc, vc, self.block_tables, self.token_seq, self.positions, scale, out,
-                   scratch=self.b.attn_scratch, max_context=self.g.max_context, stream=self.s)
+            self._decode_attention(q, layer, out)
         return self.b.view("attn", self.g.tokens, (self.g.tokens, self.cfg.q_size))
+
+    def _decode_attention(self, q, layer, out) -> None:
+        """out: float32 [T, Hq, hd], or (tensor-core kernel only) uint16 room for T x q_size bf16."""
+        decode = flash_decode.flash_decode_attention if self.b.flash_decode else attention.paged_attention
+        decode(q, self.b.k_cache64[layer], self.b.v_cache64[layer], self.block_tables, self.token_seq, self.positions,
+               1.0 / math.sqrt(self.cfg.head_dim), out, scratch=self.b.attn_scratch, max_context=self.g.max_context,
+               stream=self.s)
+
+    def attention_linear_residual(self, q, layer, weight, residual):
+        """residual += attention(q) @ weight.T. When cuBLASLt runs the product of a decode step, the
+        tensor-core decode attention (or its split-K merge) writes the bf16 staging input itself:
+        no float32 output, no conversion launch (one kernel a layer fewer)."""
+        T = self.g.tokens
+        if not (self.b.flash_decode and self.g.max_query_len < self.b.prefill_min_tokens and self.b.blas_takes(T, weight)):
+            return self.linear_residual(self.attention(q, layer), weight, residual)
+        self._decode_attention(q, layer, self.b.blas_input((T, self.cfg.q_size)))
+        self._resid_ss = None
+        self.b.blas_linear(None, weight, residual, None, accumulate=True, rows=T)
+        return residual
 
     def silu_mul(self, gate_up):
         out = self._buf("act")

@@ -74,6 +74,9 @@ class NumpyOps:
     def silu_mul_linear_residual(self, gate_up, weight, residual):
         return self.linear_residual(self.silu_mul(gate_up), weight, residual)
 
+    def attention_linear_residual(self, q, layer, weight, residual):
+        return self.linear_residual(self.attention(q, layer), weight, residual)
+
     def split_qkv(self, qkv, q_norm, k_norm):
         """q, k (per-head norms, RoPE at the batch's positions) and v of a fused QKV projection."""
         c, T = self.cfg, qkv.shape[0]

@@ -93,3 +93,23 @@ def test_flash_decode_over_a_large_bucket(contexts, partitions):
     FD.flash_decode_attention(q, kc, vc, tables, token_seq, positions, hd ** -0.5, out, scratch=scratch,
                               max_context=1024, partitions=partitions, config=cfg)
     check(out, want)
+
+
+@pytest.mark.parametrize("partitions", [1, 3])
+def test_flash_decode_bf16_out_equals_rounded_float_out(partitions):
+    """out uint16 (room for [T, Hq * hd], as cuBLASLt's staging buffer): bf16 bits of what the
+    float32 output holds, unsplit (the kernel's store) and split (the bf16 merge kernel)."""
+    from kernels_numba.ptx import f32_to_bf16_bits
+    rng = np.random.default_rng(11 + partitions)
+    hd, hq, hk, bs = 64, 6, 2, 16
+    q, kc, vc, tables, token_seq, positions = make_batch(rng, hd, hq, hk, [37, 70], bs)
+    cfg = FD.flash_decode_config(hd, hq // hk, bs, warps=2, keys=8)
+    scratch = np.zeros((8 * q.shape[0], hq, hd + 2), np.float32)
+    out = np.full_like(q, np.nan)
+    FD.flash_decode_attention(q, kc, vc, tables, token_seq, positions, 0.2, out, scratch=scratch,
+                              partitions=partitions, config=cfg)
+    staged = np.full(q.size + 7, 0xFFFF, np.uint16)            # bigger than needed, as blas_input's view
+    FD.flash_decode_attention(q, kc, vc, tables, token_seq, positions, 0.2, staged, scratch=scratch,
+                              partitions=partitions, config=cfg)
+    np.testing.assert_array_equal(staged[:q.size], f32_to_bf16_bits(out).reshape(-1))
+    assert (staged[q.size:] == 0xFFFF).all()
