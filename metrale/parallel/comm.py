@@ -1,5 +1,6 @@
 """The Communicator protocol (one collective: all_to_all_v of rows), collectives built on it
-(broadcast, gather), and FakeCommunicator: ranks as threads of one process, for CPU tests.
+(broadcast, gather), and two fakes for CPU runs: FakeCommunicator (ranks as threads of one
+process) and QueueCommunicator (ranks as processes, e.g. those of metrale.parallel.launch).
 
 all_to_all_v(send, send_counts, recv_counts=None) -> (recv, recv_counts): send holds rows
 [N, ...] grouped by destination rank in rank order, send_counts[r] rows for rank r; recv holds
@@ -9,6 +10,7 @@ when the caller knows them (the reverse of an earlier exchange), saves the count
 """
 from __future__ import annotations
 
+import queue
 import threading
 from typing import Callable, Protocol, Sequence
 
@@ -64,6 +66,28 @@ class FakeWorld:
         return [FakeCommunicator(self, r) for r in range(self.size)]
 
 
+def _split(comm, send, send_counts) -> list[np.ndarray]:
+    """send's rows cut by destination rank (checked against send_counts)."""
+    send = np.asarray(send)
+    counts = np.asarray(send_counts, np.int64)
+    if counts.shape != (comm.world_size,) or counts.sum() != send.shape[0] or (counts < 0).any():
+        raise ValueError(f"rank {comm.rank}: send_counts {counts.tolist()} do not split {send.shape[0]} rows over {comm.world_size} ranks")
+    off = _offsets(counts)
+    return [send[off[d]:off[d + 1]] for d in range(comm.world_size)]
+
+
+def _join(comm, pieces: list[np.ndarray], send: np.ndarray, recv_counts) -> tuple[np.ndarray, np.ndarray]:
+    """The received pieces (by source rank) as (rows, counts), after the protocol's checks."""
+    send = np.asarray(send)
+    for src, p in enumerate(pieces):
+        if p.dtype != send.dtype or p.shape[1:] != send.shape[1:]:
+            raise ValueError(f"rank {comm.rank}: rows {send.dtype}{send.shape[1:]} but rank {src} sent {p.dtype}{p.shape[1:]}")
+    got = np.array([p.shape[0] for p in pieces], np.int64)
+    if recv_counts is not None and not np.array_equal(got, np.asarray(recv_counts, np.int64)):
+        raise ValueError(f"rank {comm.rank}: expected {list(recv_counts)} rows, got {got.tolist()}")
+    return np.concatenate(pieces), got
+
+
 class FakeCommunicator:
     def __init__(self, world: FakeWorld, rank: int):
         self.world, self.rank, self.world_size = world, rank, world.size
@@ -76,24 +100,47 @@ class FakeCommunicator:
             raise RuntimeError(f"rank {self.rank}: another rank failed or never reached collective #{self.calls}") from None
 
     def all_to_all_v(self, send, send_counts, recv_counts=None):
-        send = np.asarray(send)
-        counts = np.asarray(send_counts, np.int64)
-        if counts.shape != (self.world_size,) or counts.sum() != send.shape[0] or (counts < 0).any():
-            raise ValueError(f"rank {self.rank}: send_counts {counts.tolist()} do not split {send.shape[0]} rows over {self.world_size} ranks")
-        off = _offsets(counts)
-        for dst in range(self.world_size):
-            self.world.box[self.rank][dst] = send[off[dst]:off[dst + 1]].copy()
+        for dst, piece in enumerate(_split(self, send, send_counts)):
+            self.world.box[self.rank][dst] = piece.copy()
         self._wait()
         pieces = [self.world.box[src][self.rank] for src in range(self.world_size)]
         self._wait()     # all have read before anyone's next call overwrites the boxes
         self.calls += 1
-        for src, p in enumerate(pieces):
-            if p.dtype != send.dtype or p.shape[1:] != send.shape[1:]:
-                raise ValueError(f"rank {self.rank}: rows {send.dtype}{send.shape[1:]} but rank {src} sent {p.dtype}{p.shape[1:]}")
-        got = np.array([p.shape[0] for p in pieces], np.int64)
-        if recv_counts is not None and not np.array_equal(got, np.asarray(recv_counts, np.int64)):
-            raise ValueError(f"rank {self.rank}: expected {list(recv_counts)} rows, got {got.tolist()}")
-        return np.concatenate(pieces), got
+        return _join(self, pieces, send, recv_counts)
+
+
+class QueueCommunicator:
+    """Ranks as processes: boxes[r] (a multiprocessing Queue made by the parent, one per rank) is
+    rank r's inbox. A collective puts each peer's piece, tagged (collective number, source), in
+    the peer's inbox and takes its own pieces, keeping early pieces of later collectives. A rank
+    that waits more than `timeout` seconds for a piece raises (a peer failed or is hung)."""
+
+    def __init__(self, rank: int, boxes: Sequence, timeout: float = 120.0):
+        self.rank, self.world_size = rank, len(boxes)
+        self.boxes, self.timeout = boxes, timeout
+        self.calls = 0
+        self._early: dict[tuple[int, int], np.ndarray] = {}
+
+    def all_to_all_v(self, send, send_counts, recv_counts=None):
+        pieces: list[np.ndarray | None] = [None] * self.world_size
+        for dst, piece in enumerate(_split(self, send, send_counts)):
+            if dst == self.rank:
+                pieces[dst] = piece.copy()
+            else:
+                self.boxes[dst].put((self.calls, self.rank, np.ascontiguousarray(piece)))
+        for src in range(self.world_size):
+            while pieces[src] is None:
+                if (self.calls, src) in self._early:
+                    pieces[src] = self._early.pop((self.calls, src))
+                    break
+                try:
+                    call, s, p = self.boxes[self.rank].get(timeout=self.timeout)
+                except queue.Empty:
+                    raise RuntimeError(f"rank {self.rank}: no rows from rank {src} within {self.timeout:.0f} s "
+                                       f"(collective #{self.calls}): it failed or is hung") from None
+                self._early[(call, s)] = p
+        self.calls += 1
+        return _join(self, pieces, send, recv_counts)
 
 
 def run_ranks(size: int, fn: Callable[[FakeCommunicator], object], timeout: float = 60.0) -> list:
