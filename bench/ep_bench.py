@@ -24,6 +24,7 @@ import multiprocessing as mp
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -233,7 +234,24 @@ def rank_main(rank: int, world: int, uid, report, side_name: str, ckpt: str, lay
             report("single_rate", batch=b, rate=_decode_rate(side, one, b, steps, ctx))
         side.free(one)
     _barrier(side.comm)                         # together into the communicator's teardown
-    side.close()
+    report("closed", **_teardown(side.close, 30.0))
+
+
+def _teardown(close, seconds: float) -> dict:
+    """close() (NCCL's destroy waits for the peers) on a thread given `seconds`: the results are
+    in, so a hung teardown is reported, not waited for (the rank then leaves with os._exit)."""
+    got: dict = {}
+
+    def body() -> None:
+        try:
+            close()
+        except Exception as e:  # noqa: BLE001 - reported
+            got["error"] = repr(e)
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    t.join(seconds)
+    return {"ok": not t.is_alive() and "error" not in got, **got, **({"hung": seconds} if t.is_alive() else {})}
 
 
 def check_tokens(tokens: dict[int, dict], world: int) -> list[str]:
@@ -275,6 +293,8 @@ class _Printer:
         elif phase in ("ep_rate", "single_rate"):
             print(f"{at} {'EP over the ranks' if phase == 'ep_rate' else 'one device'}, batch {m['batch']}: "
                   f"{m['rate']:.1f} tok/s")
+        elif phase == "closed":
+            print(f"{at} communicator closed: {'ok' if m['ok'] else m}")
         elif phase == "error":
             print(f"{at} FAILED: {m['error']}\n{m['traceback']}")
         else:

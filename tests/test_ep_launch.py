@@ -145,5 +145,14 @@ def test_ep_bench_dry_run(tmp_path):
     assert all(r["value"] > 0 and r["peer"] > 0 and r["extra"]["ep_equals_single_gpu"] for r in records)
     phases = [(m["rank"], m["phase"]) for m in json.loads(raw.read_text())]
     for r in (0, 1):
-        assert (r, "ready") in phases and (r, "tokens") in phases and (r, "done") in phases
+        assert (r, "ready") in phases and (r, "tokens") in phases and (r, "closed") in phases and (r, "done") in phases
     assert phases.count((0, "ep_rate")) == 2 and phases.count((0, "single_rate")) == 2
+
+
+def test_a_hung_teardown_is_reported_not_waited_for():
+    from bench.ep_bench import _teardown
+    t0 = time.time()
+    assert _teardown(lambda: time.sleep(60), 0.3) == {"ok": False, "hung": 0.3}
+    assert time.time() - t0 < 5
+    assert _teardown(lambda: None, 5) == {"ok": True}
+    assert _teardown(lambda: 1 / 0, 5)["error"].startswith("ZeroDivisionError")
