@@ -153,7 +153,8 @@ def gemv_ref(x, w_u16, prologue: str = "plain", norm_w=None, eps: float = 1e-6, 
     return linear_ref(x, w_u16, bias, residual)
 
 
-def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumulate: bool, SQ: bool = False):
+def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumulate: bool, SQ: bool = False,
+               GLU: bool = False):
     """T = 1 GEMV, R consecutive rows of w per warp (W warps a block): a lane takes 8-wide k
     chunks lane, lane+32, ...; U chunks of each of its R rows in flight (16-byte loads) while the
     previous U are used. The 8 x values of a chunk are fetched once and used for R rows.
@@ -165,16 +166,20 @@ def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumula
     kernel's rmsnorm_ss. KS > 0: the transformed x is staged once per block in shared memory as
     float32 in dynamic shared memory (K floats, the launch passes 4K bytes; stored permuted,
     element e of chunk c at e * K/8 + c, so the lanes' scalar shared loads are conflict free);
-    KS == 0: x is read (and transformed) per chunk through L1."""
+    KS == 0: x is read (and transformed) per chunk through L1. GLU (R = 2; no bias, accumulate, SQ):
+    w is [gate | up] (2I rows); warp j takes gate row n = block * W + j and up row I + n and writes
+    out[0, n] = silu(gate) * up: the swiglu activation as the epilogue of the gate_up product."""
     NT = 32 * W
     NWR = 4 * U * R
+    RPW = 1 if GLU else R           # outputs a warp writes
 
     def gemv(x, w, out, bias, nw, eps, ss_in, ss_out):
         K = w.shape[1]
         tid = cuda.threadIdx.x
         warp = tid >> 5
         lane = tid & 31
-        n0 = (cuda.blockIdx.x * W + warp) * R
+        n0 = (cuda.blockIdx.x * W + warp) * RPW
+        rs = (w.shape[0] >> 1) if GLU else 1   # row stride between a warp's rows
         nch = K >> 3
         red = cuda.shared.array(32, float32)
         xs = cuda.shared.array(0, float32)
@@ -186,7 +191,7 @@ def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumula
         for u in range(U):
             kc = 8 * min(lane + 32 * u, nch - 1)
             for r in range(R):
-                q = ldg_u16x8(w, n0 + r, kc)
+                q = ldg_u16x8(w, n0 + r * rs, kc)
                 for e in range(4):
                     wr[(u * R + r) * 4 + e] = q[e]
         grid_wait()      # PDL: before any read of what an earlier kernel wrote (x, out, ss_in)
@@ -238,7 +243,7 @@ def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumula
                 for u in range(U):
                     kc = 8 * min((it + 1) * step + 32 * u + lane, nch - 1)
                     for r in range(R):
-                        q = ldg_u16x8(w, n0 + r, kc)
+                        q = ldg_u16x8(w, n0 + r * rs, kc)
                         for e in range(4):
                             wr[(u * R + r) * 4 + e] = q[e]
             for u in range(U):
@@ -275,6 +280,12 @@ def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumula
                     s += bf16lo_f32(wc[o + 2]) * xv[4] + bf16hi_f32(wc[o + 2]) * xv[5]
                     s += bf16lo_f32(wc[o + 3]) * xv[6] + bf16hi_f32(wc[o + 3]) * xv[7]
                     acc[r] = s
+        if GLU:
+            g = warp_sum_f32(acc[0])
+            u = warp_sum_f32(acc[1])
+            if lane == 0:
+                out[0, n0] = g / (float32(1.0) + math.exp(-g)) * u
+            return
         sq = float32(0.0)
         for r in range(R):
             s = warp_sum_f32(acc[r])
@@ -606,7 +617,7 @@ def py_kernel(kind: str, *cfg):
 def kernel(kind: str, *cfg):
     """kind 'fma': (T, warps, unroll, has_bias, accumulate); 'skinny': (mt, nt, warps, unroll,
     has_bias, accumulate); 'tiled': (bm, bn, has_bias, accumulate); 'gemv': (warps, rows,
-    unroll, prologue, smem (0/1), has_bias, accumulate, sumsq), arguments (x, w, out, bias, norm_w,
+    unroll, prologue, smem (0/1), has_bias, accumulate, sumsq, glu), arguments (x, w, out, bias, norm_w,
     eps, ss_in, ss_out)."""
     key = (kind,) + cfg
     k = _KERNELS.get(key)
@@ -747,7 +758,7 @@ def linear_residual(x, w, out, bias=None, stream=None, *, fma_max_t: int | None 
 
 
 def gemv(x, w, out, *, prologue: str = "plain", norm_w=None, eps: float = 1e-6, bias=None,
-         accumulate: bool = False, stream=None, path=None, ss_in=None, ss_out=None) -> None:
+         accumulate: bool = False, stream=None, path=None, ss_in=None, ss_out=None, glu: bool = False) -> None:
     """T = 1 product with the input transform fused into the GEMV (no launch of its own):
       plain       out[1, N] (+)= x[1, K] @ bf16(w).T (+ bias)
       rmsnorm     x -> x * rsqrt(mean(x^2) + eps) * norm_w   (norm_w float32 [K])
@@ -755,13 +766,18 @@ def gemv(x, w, out, *, prologue: str = "plain", norm_w=None, eps: float = 1e-6, 
       silu_mul    x[1, 2K] = [gate | up] -> silu(gate) * up  (the gate_up product's output)
     accumulate adds into out (the residual stream). ss_out (float32 [1], zeroed by the caller):
     the sum of squares of the values written is added into it, for the next rmsnorm_ss.
+    glu: w is [gate | up] (2I rows) and out[1, I] = silu(x' @ gate.T) * (x' @ up.T) (x' the
+    prologue's input): the down product's activation in one launch (no bias, accumulate, ss_out).
     path: from gemv_path (default gemv_cfg). Device arrays in, nothing allocated (graph-capture safe)."""
     if prologue not in PROLOGUES:
         raise ValueError(f"gemv: unknown prologue '{prologue}' (one of {sorted(PROLOGUES)})")
     N, K = w.shape
     kx = 2 * K if prologue == "silu_mul" else K
+    n_out = N // 2 if glu else N
     assert x.ndim == 2 and tuple(x.shape) == (1, kx), f"gemv: x is {tuple(x.shape)}, expected {(1, kx)}"
-    assert tuple(out.shape) == (1, N), f"gemv: out is {tuple(out.shape)}, expected {(1, N)}"
+    assert tuple(out.shape) == (1, n_out), f"gemv: out is {tuple(out.shape)}, expected {(1, n_out)}"
+    assert not glu or (bias is None and not accumulate and ss_out is None and N % 128 == 0), \
+        "gemv glu: no bias / accumulate / ss_out, and N = 2I with I a multiple of 64"
     assert K % 64 == 0 and N % 64 == 0, f"gemm needs K and N multiples of 64, got K={K} N={N}"
     assert x.dtype == np.float32 and out.dtype == np.float32 and w.dtype == np.uint16, \
         "x, out float32; w uint16 (bf16 bits)"
@@ -772,10 +788,11 @@ def gemv(x, w, out, *, prologue: str = "plain", norm_w=None, eps: float = 1e-6, 
     else:
         nw = x
     assert (prologue == "rmsnorm_ss") == (ss_in is not None), "rmsnorm_ss and ss_in go together"
-    kind, cfg, grid, block = path or gemv_path(N, K, prologue)
+    kind, cfg, grid, block = path or gemv_path(N, K, prologue, rows=2 if glu else None)
     assert kind == "gemv" and cfg[3] == PROLOGUES[prologue], f"gemv: path {kind}{cfg} is not for {prologue}"
     assert cfg[4] == 0 or K <= GEMV_SMEM_MAX_K, "gemv: x staged in shared memory needs K <= 12288"
-    k = kernel(kind, *cfg, bias is not None, accumulate, ss_out is not None)
+    assert not glu or cfg[1] == 2, "gemv glu: two rows (gate, up) a warp"
+    k = kernel(kind, *cfg, bias is not None, accumulate, ss_out is not None, glu)
     f = out.reshape(out.size)                           # filler for unused ss arguments
     k[grid, block, stream or 0, 4 * K if cfg[4] else 0](x, w, out, out if bias is None else bias,
                                                          nw, np.float32(eps),

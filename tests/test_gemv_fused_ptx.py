@@ -15,9 +15,9 @@ U16_2 = types.Array(types.uint16, 2, "C")
 F32_1 = types.Array(types.float32, 1, "C")
 
 
-def _ptx(cfg, bias, acc, sq=False):
+def _ptx(cfg, bias, acc, sq=False, glu=False):
     sig = (F32_2, U16_2, F32_2, F32_1 if bias else F32_2, F32_2, types.float32, F32_1, F32_1)
-    ptx, _ = cuda.compile_ptx(gemm.py_kernel("gemv", *cfg, bias, acc, sq), sig, cc=(9, 0))
+    ptx, _ = cuda.compile_ptx(gemm.py_kernel("gemv", *cfg, bias, acc, sq, glu), sig, cc=(9, 0))
     assert ".local" not in ptx, f"gemv{cfg}: register arrays spilled to local memory"
     return ptx
 
@@ -63,3 +63,13 @@ def test_gemv_rmsnorm_ss_and_sumsq_ptx(rows, ks, acc):
     assert ptx.count("atom.global.add.f32") + ptx.count("red.global.add.f32") == 1
     plain = _ptx((8, rows, 1, gemm.PROLOGUES["plain"], 0), False, acc, sq=False)
     assert "atom.global.add.f32" not in plain and "red.global.add.f32" not in plain
+
+
+@pytest.mark.parametrize("prologue", ["plain", "rmsnorm_ss"])
+def test_gemv_glu_ptx(prologue):
+    """glu: the gate and up rows stream like two rows (same 16-byte loads), the epilogue has the
+    silu's exp and one store a warp, no atomics."""
+    ptx = _ptx((8, 2, 2, gemm.PROLOGUES[prologue], 0), False, False, glu=True)
+    assert ptx.count("ld.global.nc.v4.u32") == 2 * 2 * 2
+    assert "ex2.approx" in ptx and ptx.count("shfl.sync.bfly") == 10
+    assert "atom.global" not in ptx and "red.global" not in ptx

@@ -11,7 +11,8 @@ each RMSNorm is part of the product that reads it (norm_linear), as silu*mul is 
 product (silu_mul_linear_residual), so a layer is seven ops: norm+qkv, rope+store, attention,
 o(+res), norm+gate_up, silu*mul+down(+res); attention and o(+res) are one call
 (attention_linear_residual) so a backend may hand the attention output to the product in the
-product's input format. Backends may run the fused ops as their composition
+product's input format, and the MLP block is one call (mlp_residual) so a backend may put
+silu*mul in either product. Backends may run the fused ops as their composition
 (the NumPy backend does; the CUDA backend fuses at one token row, levers.fuse_decode).
 """
 from __future__ import annotations
@@ -36,6 +37,8 @@ class Ops(Protocol):
     def silu_mul_linear_residual(self, gate_up: Tensor, weight: Tensor, residual: Tensor) -> Tensor: ...
     # fused: linear_residual(attention(q, layer), weight, residual)
     def attention_linear_residual(self, q: Tensor, layer: int, weight: Tensor, residual: Tensor) -> Tensor: ...
+    # fused: silu_mul_linear_residual(norm_linear(residual, norm_weight, gate_up), down, residual)
+    def mlp_residual(self, residual: Tensor, norm_weight: Tensor, gate_up: Tensor, down: Tensor) -> Tensor: ...
     def logits_rows(self, x: Tensor) -> Tensor: ...
     # hybrid models only
     def sigmoid_mul(self, x: Tensor, gate: Tensor) -> Tensor: ...
@@ -67,8 +70,7 @@ def llama_forward(ops: Ops, w: dict[str, Tensor], config: ModelConfig, num_layer
                 mixed = ops.sigmoid_mul(ops.attention(q, kv), ops.norm_linear(residual, norm, w[p + "attn_gate"]))
         if mixed is not None:
             residual = ops.linear_residual(mixed, w[p + "o"], residual)
-        gate_up = ops.norm_linear(residual, w[p + "mlp_norm"], w[p + "gate_up"])
-        residual = ops.silu_mul_linear_residual(gate_up, w[p + "down"], residual)
+        residual = ops.mlp_residual(residual, w[p + "mlp_norm"], w[p + "gate_up"], w[p + "down"])
     rows = ops.logits_rows(residual)
     logits = ops.norm_linear(rows, w["final_norm"], w.get("lm_head", w["embed"]))
     return (logits, rows) if return_hidden else logits

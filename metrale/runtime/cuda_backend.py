@@ -286,6 +286,26 @@ class CudaOps:
         self._resid_ss = ss
         return residual
 
+    def mlp_residual(self, residual, norm_weight, gate_up, down):
+        """residual += silu_mul(norm(residual) @ gate_up.T) @ down.T. At one row, when down's input
+        is too wide for the silu*mul prologue (K > FUSE_MAX_K: every block would redo it), silu*mul
+        is the gate_up GEMV's epilogue instead (gemm.gemv glu: a warp takes a gate row and its up
+        row): one launch fewer. Else the norm_linear / silu_mul_linear_residual pair."""
+        one_row = (residual.shape[0] == 1 and self.b.fuse_decode and not self.b.blas_takes(1, gate_up)
+                   and not self.b.blas_takes(1, down))
+        if not one_row or self._fused(1, down):
+            return self.silu_mul_linear_residual(self.norm_linear(residual, norm_weight, gate_up), down, residual)
+        act, eps = self.b.view("act", 1), self.cfg.rms_norm_eps
+        ss = self._carried_ss(residual, gate_up)
+        if ss is not None:                                  # the residual GEMV left sum(x^2) in ss
+            gemm.gemv(residual, gate_up, act, prologue="rmsnorm_ss", norm_w=norm_weight, eps=eps, ss_in=ss,
+                      stream=self.s, glu=True)
+        elif self._fused(1, gate_up):
+            gemm.gemv(residual, gate_up, act, prologue="rmsnorm", norm_w=norm_weight, eps=eps, stream=self.s, glu=True)
+        else:
+            gemm.gemv(self.rms_norm(residual, norm_weight), gate_up, act, stream=self.s, glu=True)
+        return self.linear_residual(act, down, residual)
+
     def logits_rows(self, x):
         out = self._buf("rows", self.g.rows)
         qkv.gather_rows(x, self.logits_indices, out, stream=self.s)

@@ -74,6 +74,9 @@ class NumpyOps:
     def silu_mul_linear_residual(self, gate_up, weight, residual):
         return self.linear_residual(self.silu_mul(gate_up), weight, residual)
 
+    def mlp_residual(self, residual, norm_weight, gate_up, down):
+        return self.silu_mul_linear_residual(self.norm_linear(residual, norm_weight, gate_up), down, residual)
+
     def attention_linear_residual(self, q, layer, weight, residual):
         return self.linear_residual(self.attention(q, layer), weight, residual)
 

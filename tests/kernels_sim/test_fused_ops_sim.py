@@ -117,3 +117,41 @@ def test_carried_norm_sums_match_numpy(monkeypatch):
     assert np.abs(out - want).max() < 1e-2 * np.abs(want).max()
     # o_proj (plain + sums), the norm as the consumer's prologue, down (silu_mul + sums), again
     assert prologues == ["plain", "rmsnorm_ss", "silu_mul", "rmsnorm_ss"]
+
+
+@pytest.mark.parametrize("carry", [True, False])
+def test_mlp_residual_glu_epilogue_matches_numpy(carry, monkeypatch):
+    """One row whose down input is too wide for the silu*mul prologue (FUSE_MAX_K lowered below F
+    here): CudaOps.mlp_residual runs silu*mul as the gate_up GEMV's epilogue (glu) and down as a
+    plain GEMV, with the norm carried (rmsnorm_ss) or launched; the residual equals NumPy's."""
+    import metrale.runtime.cuda_backend as cb
+    monkeypatch.setattr(cb, "_ptr", id)
+    monkeypatch.setattr(cb, "FUSE_MAX_K", 64)
+    rng = np.random.default_rng(12 + carry)
+    ops, ref = _ops(True, 1)
+    b = ops.b
+    b.carry_norm_sums = carry
+    residual = rng.standard_normal((1, K)).astype(np.float32)
+    b.act.update({"residual": cuda.to_device(residual.copy()), "norm_ss": cuda.to_device(np.zeros(4, np.float32)),
+                  f"out{K}": cuda.to_device(np.zeros((1, K), np.float32))})
+    w_o = f32_to_bf16_bits(rng.standard_normal((K, K)).astype(np.float32) / np.sqrt(K))
+    w_gu = f32_to_bf16_bits(rng.standard_normal((2 * F, K)).astype(np.float32) / np.sqrt(K))
+    w_d = f32_to_bf16_bits(rng.standard_normal((K, F)).astype(np.float32) / np.sqrt(F))
+    nw = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
+    f64 = lambda a: bf16_bits_to_f32(a).astype(np.float64)  # noqa: E731
+    calls = []
+    real_gemv = cb.gemm.gemv
+
+    def spy(*a, **k):
+        calls.append((k.get("prologue", "plain"), k.get("glu", False)))
+        return real_gemv(*a, **k)
+    monkeypatch.setattr(cb.gemm, "gemv", spy)
+    res = b.act["residual"]
+    attn = rng.standard_normal((1, K)).astype(np.float32)
+    ops.linear_residual(cuda.to_device(attn), cuda.to_device(w_o), res)      # leaves the carried sum
+    want = ref.linear_residual(attn.astype(np.float64), f64(w_o), residual.astype(np.float64))
+    ops.mlp_residual(res, cuda.to_device(nw), cuda.to_device(w_gu), cuda.to_device(w_d))
+    want = ref.mlp_residual(want, nw, f64(w_gu), f64(w_d))
+    got = res.copy_to_host()
+    assert np.abs(got - want).max() < 1e-2 * np.abs(want).max()
+    assert [c for c in calls if c[1]] == [("rmsnorm_ss" if carry else "plain", True)], calls

@@ -85,3 +85,31 @@ def test_sumsq_epilogue_feeds_rmsnorm_ss(N, K, warps, rows, smem, acc):
     gemm.gemv(d_out, cuda.to_device(w2), d2, prologue="rmsnorm_ss", norm_w=cuda.to_device(nw), eps=1e-5,
               ss_in=ss, path=path2)
     assert _relerr(d2.copy_to_host(), gemm.gemv_ref(h, w2, "rmsnorm", nw, 1e-5)) < 1e-5
+
+
+@pytest.mark.parametrize("prologue,I,K,warps,unroll,smem", [
+    ("plain", 64, 320, 4, 2, False),
+    ("rmsnorm", 128, 192, 2, 1, True),
+    ("rmsnorm_ss", 64, 576, 4, 1, False),
+])
+def test_gemv_glu_epilogue(prologue, I, K, warps, unroll, smem):
+    """glu=True: w = [gate | up] (2I rows), out[1, I] = silu(gate) * up of the prologue's input,
+    against the float64 oracle (the plain product, then silu * mul)."""
+    rng = np.random.default_rng(I + K)
+    x = (rng.standard_normal((1, K)) * 2).astype(np.float32)
+    w = f32_to_bf16_bits(rng.standard_normal((2 * I, K)).astype(np.float32) / np.sqrt(K))
+    nw = (1 + 0.2 * rng.standard_normal(K)).astype(np.float32) if prologue != "plain" else None
+    ss = np.array([np.sum(x.astype(np.float64) ** 2)], np.float32) if prologue == "rmsnorm_ss" else None
+    d_out = cuda.to_device(np.full((1, I), np.nan, np.float32))
+    path = gemm.gemv_path(2 * I, K, prologue, warps=warps, rows=2, unroll=unroll, smem=smem)
+    gemm.gemv(cuda.to_device(x), cuda.to_device(w), d_out, prologue=prologue,
+              norm_w=None if nw is None else cuda.to_device(nw), eps=1e-5, path=path, glu=True,
+              ss_in=None if ss is None else cuda.to_device(ss))
+    gu = gemm.gemv_ref(x, w, "rmsnorm" if nw is not None else "plain", nw, 1e-5).astype(np.float64)
+    g, u = gu[:, :I], gu[:, I:]
+    ref = g / (1 + np.exp(-g)) * u
+    assert _relerr(d_out.copy_to_host(), ref) < 1e-5
+    with pytest.raises(AssertionError, match="glu"):
+        gemm.gemv(cuda.to_device(x), cuda.to_device(w), d_out, prologue=prologue, path=path, glu=True,
+                  norm_w=None if nw is None else cuda.to_device(nw), accumulate=True,
+                  ss_in=None if ss is None else cuda.to_device(ss))
