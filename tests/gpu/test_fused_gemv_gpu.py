@@ -98,3 +98,30 @@ def test_fused_decode_equals_unfused_and_shrinks_the_graph(smol_pair):
     # carried norm sums (on by default) add one memset node that zeroes the step's sums
     memset = int(on.backend.carry_norm_sums)
     assert n_off - n_on == 3 * L + 1 - memset, (n_on, n_off)
+
+
+def test_glu_epilogue_one_row_equals_unfused_on_the_1b_shape():
+    """Llama-3.2-1B shape (down input 8192 wide: silu*mul runs as the gate_up GEMV's epilogue at
+    one row, with the carried norm sums): greedy tokens and one-row logits equal fuse_decode off;
+    the batch-1 graph has one kernel a layer fewer than the silu*mul launch would need."""
+    from metrale import Engine, SamplingParams
+    from metrale.runtime.batch import Segment, build_batch
+    on = Engine(model="llama-3.2-1b-shape", device="cuda", cache={"num_blocks": 128})
+    off = Engine(model="llama-3.2-1b-shape", device="cuda", cache={"num_blocks": 128},
+                 levers={"fuse_decode": False})
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, on.model_config.vocab_size, 24)
+    p = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    np.testing.assert_array_equal(on.generate([prompt], p, use_tqdm=False)[0].token_ids,
+                                  off.generate([prompt], p, use_tqdm=False)[0].token_ids)
+    one = build_batch([Segment(np.asarray([7], np.int32), 0, np.asarray([1], np.int32), "all")],
+                      on.backend.block_size)
+    la, lb = on.backend.forward(one), off.backend.forward(one)
+    assert np.linalg.norm(la - lb) / np.linalg.norm(lb) < 1e-3
+    n_on = on.backend.graphs[[g for g in on.backend.graphs if g.tokens == 1][0]].num_nodes
+    n_off = off.backend.graphs[[g for g in off.backend.graphs if g.tokens == 1][0]].num_nodes
+    print(f"1B batch-1 graph nodes: fused {n_on}, unfused {n_off}")
+    # per layer: two norms and the silu*mul launch gone (norms carried, silu*mul in the gate_up
+    # epilogue), the final norm too; the carried sums' memset added
+    L = on.model_config.num_layers
+    assert n_off - n_on == 3 * L + 1 - int(on.backend.carry_norm_sums), (n_on, n_off)
