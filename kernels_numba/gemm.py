@@ -33,6 +33,7 @@ import math
 import numpy as np
 from numba import cuda, float32, uint32
 
+from kernels_numba.bf16 import f32_to_bf16
 from kernels_numba.ptx import grid_trigger, grid_wait
 from kernels_numba.ptx import (SIM, bf16_bits_to_f32, bf16hi_f32, bf16lo_f32, f32_to_bf16_bits,
                                ldg_f32x4, ldg_u16x8, lds_u32x4, mma_bf16_16816, pack_bf16x2,
@@ -154,7 +155,7 @@ def gemv_ref(x, w_u16, prologue: str = "plain", norm_w=None, eps: float = 1e-6, 
 
 
 def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumulate: bool, SQ: bool = False,
-               GLU: bool = False):
+               GLU: bool = False, ROPE: int = 0):
     """T = 1 GEMV, R consecutive rows of w per warp (W warps a block): a lane takes 8-wide k
     chunks lane, lane+32, ...; U chunks of each of its R rows in flight (16-byte loads) while the
     previous U are used. The 8 x values of a chunk are fetched once and used for R rows.
@@ -168,18 +169,38 @@ def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumula
     element e of chunk c at e * K/8 + c, so the lanes' scalar shared loads are conflict free);
     KS == 0: x is read (and transformed) per chunk through L1. GLU (R = 2; no bias, accumulate, SQ):
     w is [gate | up] (2I rows); warp j takes gate row n = block * W + j and up row I + n and writes
-    out[0, n] = silu(gate) * up: the swiglu activation as the epilogue of the gate_up product."""
+    out[0, n] = silu(gate) * up: the swiglu activation as the epilogue of the gate_up product.
+    ROPE (R = 2; no accumulate, SQ; 1 half-split pairs, 2 interleaved): w is the fused QKV
+    projection [(Hq + 2Hk) hd, K]; warp j takes one rotation pair (a, b) of one head (as
+    qkv.qkv_rope_store: (i, i + rot/2), or (2i, 2i + 1) interleaved and for partial RoPE's
+    pass-through dims) and writes, at the step's position pos[0] and slot slots[0]: q rotated into
+    out [1, Hq hd], k rotated and v as they are into the bf16 caches [blocks, block_size, Hk, hd]
+    (slot -1: no store). The attention input in the projection's launch: no qkv buffer, no
+    rope/store kernel."""
     NT = 32 * W
     NWR = 4 * U * R
     RPW = 1 if GLU else R           # outputs a warp writes
 
-    def gemv(x, w, out, bias, nw, eps, ss_in, ss_out):
+    def gemv(x, w, out, bias, nw, eps, ss_in, ss_out, pos, cos, sin, slots, k_cache, v_cache):
         K = w.shape[1]
         tid = cuda.threadIdx.x
         warp = tid >> 5
         lane = tid & 31
         n0 = (cuda.blockIdx.x * W + warp) * RPW
         rs = (w.shape[0] >> 1) if GLU else 1   # row stride between a warp's rows
+        hd = half = rh = hh = ip = pa = 0
+        if ROPE:
+            hd = k_cache.shape[3]
+            half = hd >> 1
+            rh = cos.shape[1]
+            j = cuda.blockIdx.x * W + warp
+            hh = j // half
+            ip = j - hh * half
+            pa = 2 * ip
+            if ROPE == 1 and ip < rh:
+                pa = ip
+            n0 = hh * hd + pa
+            rs = rh if (ROPE == 1 and ip < rh) else 1
         nch = K >> 3
         red = cuda.shared.array(32, float32)
         xs = cuda.shared.array(0, float32)
@@ -285,6 +306,39 @@ def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumula
             u = warp_sum_f32(acc[1])
             if lane == 0:
                 out[0, n0] = g / (float32(1.0) + math.exp(-g)) * u
+            return
+        if ROPE:
+            x0 = warp_sum_f32(acc[0])
+            x1 = warp_sum_f32(acc[1])
+            if lane == 0:
+                if has_bias:
+                    x0 += bias[n0]
+                    x1 += bias[n0 + rs]
+                hq = out.shape[1] // hd
+                hk = k_cache.shape[2]
+                if hh < hq + hk and ip < rh:
+                    p = pos[0]
+                    c = cos[p, ip]
+                    sn = sin[p, ip]
+                    r0 = x0 * c - x1 * sn
+                    x1 = x0 * sn + x1 * c
+                    x0 = r0
+                pb = pa + rs
+                if hh < hq:
+                    out[0, hh * hd + pa] = x0
+                    out[0, hh * hd + pb] = x1
+                else:
+                    slot = slots[0]
+                    if slot >= 0:
+                        bs = k_cache.shape[1]
+                        blk = slot // bs
+                        off = slot - blk * bs
+                        if hh < hq + hk:
+                            k_cache[blk, off, hh - hq, pa] = f32_to_bf16(x0)
+                            k_cache[blk, off, hh - hq, pb] = f32_to_bf16(x1)
+                        else:
+                            v_cache[blk, off, hh - hq - hk, pa] = f32_to_bf16(x0)
+                            v_cache[blk, off, hh - hq - hk, pb] = f32_to_bf16(x1)
             return
         sq = float32(0.0)
         for r in range(R):
@@ -617,8 +671,8 @@ def py_kernel(kind: str, *cfg):
 def kernel(kind: str, *cfg):
     """kind 'fma': (T, warps, unroll, has_bias, accumulate); 'skinny': (mt, nt, warps, unroll,
     has_bias, accumulate); 'tiled': (bm, bn, has_bias, accumulate); 'gemv': (warps, rows,
-    unroll, prologue, smem (0/1), has_bias, accumulate, sumsq, glu), arguments (x, w, out, bias, norm_w,
-    eps, ss_in, ss_out)."""
+    unroll, prologue, smem (0/1), has_bias, accumulate, sumsq, glu, rope), arguments (x, w, out, bias, norm_w,
+    eps, ss_in, ss_out, positions, cos, sin, slot_mapping, k_cache, v_cache)."""
     key = (kind,) + cfg
     k = _KERNELS.get(key)
     if k is None:
@@ -732,12 +786,13 @@ def _launch(x, w, out, bias, stream, accumulate, fma_max_t, skinny_max_t, path=N
     if path is None:
         path = pick_path(T, N, fma_max_t, skinny_max_t, K)
     kind, cfg, grid, block = path
-    k = kernel(kind, *cfg, bias is not None, accumulate, *((False,) if kind == "gemv" else ()))
+    k = kernel(kind, *cfg, bias is not None, accumulate, *((False, False, 0) if kind == "gemv" else ()))
     # without a bias the kernel never reads that argument (branch pruned): pass out as filler
     if kind == "gemv":
         assert T == 1 and cfg[3] == 0, "the gemv path of linear is T = 1, no prologue"
         f = out.reshape(out.size)                       # filler for the unused ss arguments
-        k[grid, block, stream or 0](x, w, out, out if bias is None else bias, x, np.float32(0.0), f, f)
+        k[grid, block, stream or 0](x, w, out, out if bias is None else bias, x, np.float32(0.0), f, f,
+                                    *_rope_filler())
     else:
         k[grid, block, stream or 0](x, w, out, out if bias is None else bias)
 
@@ -757,8 +812,23 @@ def linear_residual(x, w, out, bias=None, stream=None, *, fma_max_t: int | None 
     _launch(x, w, out, bias, stream, True, fma_max_t, skinny_max_t, path)
 
 
+_ROPE_FILLER: list = []
+
+
+def _rope_filler() -> tuple:
+    """Typed stand-ins for the rope arguments of a gemv launch without the rope epilogue (device
+    arrays made once, at the first eager launch: never inside a graph capture)."""
+    if not _ROPE_FILLER:
+        i32 = cuda.to_device(np.zeros(1, np.int32))
+        f32 = cuda.to_device(np.zeros((1, 1), np.float32))
+        u16 = cuda.to_device(np.zeros((1, 1, 1, 2), np.uint16))
+        _ROPE_FILLER.extend([i32, f32, f32, i32, u16, u16])
+    return tuple(_ROPE_FILLER)
+
+
 def gemv(x, w, out, *, prologue: str = "plain", norm_w=None, eps: float = 1e-6, bias=None,
-         accumulate: bool = False, stream=None, path=None, ss_in=None, ss_out=None, glu: bool = False) -> None:
+         accumulate: bool = False, stream=None, path=None, ss_in=None, ss_out=None, glu: bool = False,
+         rope: tuple | None = None, interleaved: bool = False) -> None:
     """T = 1 product with the input transform fused into the GEMV (no launch of its own):
       plain       out[1, N] (+)= x[1, K] @ bf16(w).T (+ bias)
       rmsnorm     x -> x * rsqrt(mean(x^2) + eps) * norm_w   (norm_w float32 [K])
@@ -768,16 +838,23 @@ def gemv(x, w, out, *, prologue: str = "plain", norm_w=None, eps: float = 1e-6, 
     the sum of squares of the values written is added into it, for the next rmsnorm_ss.
     glu: w is [gate | up] (2I rows) and out[1, I] = silu(x' @ gate.T) * (x' @ up.T) (x' the
     prologue's input): the down product's activation in one launch (no bias, accumulate, ss_out).
+    rope = (positions, cos, sin, slot_mapping, k_cache, v_cache): w is the fused QKV projection and
+    the epilogue does qkv.qkv_rope_store's work for the one token (no q/k norm): q rotated into
+    out [1, Hq hd], k rotated and v into the caches (interleaved: the rotation pairs' layout).
     path: from gemv_path (default gemv_cfg). Device arrays in, nothing allocated (graph-capture safe)."""
     if prologue not in PROLOGUES:
         raise ValueError(f"gemv: unknown prologue '{prologue}' (one of {sorted(PROLOGUES)})")
     N, K = w.shape
     kx = 2 * K if prologue == "silu_mul" else K
-    n_out = N // 2 if glu else N
+    n_out = N // 2 if glu else (out.shape[1] if rope is not None else N)
     assert x.ndim == 2 and tuple(x.shape) == (1, kx), f"gemv: x is {tuple(x.shape)}, expected {(1, kx)}"
     assert tuple(out.shape) == (1, n_out), f"gemv: out is {tuple(out.shape)}, expected {(1, n_out)}"
     assert not glu or (bias is None and not accumulate and ss_out is None and N % 128 == 0), \
         "gemv glu: no bias / accumulate / ss_out, and N = 2I with I a multiple of 64"
+    if rope is not None:
+        hk, hd = rope[4].shape[2], rope[4].shape[3]
+        assert not glu and not accumulate and ss_out is None and N == n_out + 2 * hk * hd, \
+            f"gemv rope: w [{N}, K] is not q ({n_out}) + k + v ({hk} x {hd} each); no accumulate / ss_out"
     assert K % 64 == 0 and N % 64 == 0, f"gemm needs K and N multiples of 64, got K={K} N={N}"
     assert x.dtype == np.float32 and out.dtype == np.float32 and w.dtype == np.uint16, \
         "x, out float32; w uint16 (bf16 bits)"
@@ -788,13 +865,15 @@ def gemv(x, w, out, *, prologue: str = "plain", norm_w=None, eps: float = 1e-6, 
     else:
         nw = x
     assert (prologue == "rmsnorm_ss") == (ss_in is not None), "rmsnorm_ss and ss_in go together"
-    kind, cfg, grid, block = path or gemv_path(N, K, prologue, rows=2 if glu else None)
+    kind, cfg, grid, block = path or gemv_path(N, K, prologue, rows=2 if glu or rope is not None else None)
     assert kind == "gemv" and cfg[3] == PROLOGUES[prologue], f"gemv: path {kind}{cfg} is not for {prologue}"
     assert cfg[4] == 0 or K <= GEMV_SMEM_MAX_K, "gemv: x staged in shared memory needs K <= 12288"
-    assert not glu or cfg[1] == 2, "gemv glu: two rows (gate, up) a warp"
-    k = kernel(kind, *cfg, bias is not None, accumulate, ss_out is not None, glu)
+    assert not (glu or rope is not None) or cfg[1] == 2, "gemv glu / rope: two rows (gate and up, a rotation pair) a warp"
+    k = kernel(kind, *cfg, bias is not None, accumulate, ss_out is not None, glu,
+               0 if rope is None else (2 if interleaved else 1))
     f = out.reshape(out.size)                           # filler for unused ss arguments
     k[grid, block, stream or 0, 4 * K if cfg[4] else 0](x, w, out, out if bias is None else bias,
                                                          nw, np.float32(eps),
                                                          f if ss_in is None else ss_in,
-                                                         f if ss_out is None else ss_out)
+                                                         f if ss_out is None else ss_out,
+                                                         *(_rope_filler() if rope is None else rope))

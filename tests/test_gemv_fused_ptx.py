@@ -7,6 +7,7 @@ from numba import cuda, types
 
 from kernels_numba import gemm
 from kernels_numba.ptx import SIM
+from ptx_util import no_gpu_needed  # noqa: F401  (device functions compile for a stand-in sm_90)
 
 pytestmark = pytest.mark.skipif(SIM, reason="compile_ptx needs the real CUDA target")
 
@@ -15,9 +16,14 @@ U16_2 = types.Array(types.uint16, 2, "C")
 F32_1 = types.Array(types.float32, 1, "C")
 
 
-def _ptx(cfg, bias, acc, sq=False, glu=False):
-    sig = (F32_2, U16_2, F32_2, F32_1 if bias else F32_2, F32_2, types.float32, F32_1, F32_1)
-    ptx, _ = cuda.compile_ptx(gemm.py_kernel("gemv", *cfg, bias, acc, sq, glu), sig, cc=(9, 0))
+I32_1 = types.Array(types.int32, 1, "C")
+U16_4 = types.Array(types.uint16, 4, "C")
+ROPE_SIG = (I32_1, F32_2, F32_2, I32_1, U16_4, U16_4)     # positions, cos, sin, slots, k/v caches
+
+
+def _ptx(cfg, bias, acc, sq=False, glu=False, rope=0):
+    sig = (F32_2, U16_2, F32_2, F32_1 if bias else F32_2, F32_2, types.float32, F32_1, F32_1) + ROPE_SIG
+    ptx, _ = cuda.compile_ptx(gemm.py_kernel("gemv", *cfg, bias, acc, sq, glu, rope), sig, cc=(9, 0))
     assert ".local" not in ptx, f"gemv{cfg}: register arrays spilled to local memory"
     return ptx
 
@@ -72,4 +78,14 @@ def test_gemv_glu_ptx(prologue):
     ptx = _ptx((8, 2, 2, gemm.PROLOGUES[prologue], 0), False, False, glu=True)
     assert ptx.count("ld.global.nc.v4.u32") == 2 * 2 * 2
     assert "ex2.approx" in ptx and ptx.count("shfl.sync.bfly") == 10
+    assert "atom.global" not in ptx and "red.global" not in ptx
+
+
+@pytest.mark.parametrize("rope,bias", [(1, False), (2, True)])
+def test_gemv_rope_ptx(rope, bias):
+    """rope: a rotation pair a warp (two rows streamed like any two), the epilogue reads cos/sin
+    and stores q (float32) or k / v (16-bit) once a warp; no atomics."""
+    ptx = _ptx((8, 2, 2, gemm.PROLOGUES["rmsnorm_ss"], 0), bias, False, rope=rope)
+    assert ptx.count("ld.global.nc.v4.u32") == 2 * 2 * 2
+    assert "st.global.u16" in ptx and "st.global.f32" in ptx
     assert "atom.global" not in ptx and "red.global" not in ptx

@@ -8,7 +8,7 @@ segment in its state slot) instead of paged attention; attention layers index th
 their rank among the attention layers (config.kv_layer).
 The residual stream is updated by the o and down products themselves (linear_residual), and
 each RMSNorm is part of the product that reads it (norm_linear), as silu*mul is of the down
-product (silu_mul_linear_residual), so a layer is seven ops: norm+qkv, rope+store, attention,
+product (silu_mul_linear_residual), so a layer is seven ops: norm+qkv, rope+store (one call: norm_qkv_to_cache), attention,
 o(+res), norm+gate_up, silu*mul+down(+res); attention and o(+res) are one call
 (attention_linear_residual) so a backend may hand the attention output to the product in the
 product's input format, and the MLP block is one call (mlp_residual) so a backend may put
@@ -30,6 +30,9 @@ class Ops(Protocol):
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor: ...
     def linear_residual(self, x: Tensor, weight: Tensor, residual: Tensor) -> Tensor: ...
     def qkv_to_cache(self, qkv: Tensor, layer: int, q_norm: Tensor | None, k_norm: Tensor | None) -> Tensor: ...
+    # fused: qkv_to_cache(norm_linear(x, norm_weight, weight, bias), layer, q_norm, k_norm)
+    def norm_qkv_to_cache(self, x: Tensor, norm_weight: Tensor, weight: Tensor, bias: Tensor | None, layer: int,
+                          q_norm: Tensor | None, k_norm: Tensor | None) -> Tensor: ...
     def attention(self, q: Tensor, layer: int) -> Tensor: ...
     def silu_mul(self, gate_up: Tensor) -> Tensor: ...
     # fused: linear(rms_norm(x, norm_weight), weight, bias); linear_residual(silu_mul(gate_up), weight, residual)
@@ -61,8 +64,8 @@ def llama_forward(ops: Ops, w: dict[str, Tensor], config: ModelConfig, num_layer
                                         w[p + "lin_conv"], w[p + "lin_a_log"], w[p + "lin_dt_bias"], w[p + "lin_norm"])
         else:
             kv = config.kv_layer(i)
-            q = ops.qkv_to_cache(ops.norm_linear(residual, norm, w[p + "qkv"], w.get(p + "qkv_bias")), kv,
-                                 w.get(p + "q_norm"), w.get(p + "k_norm"))
+            q = ops.norm_qkv_to_cache(residual, norm, w[p + "qkv"], w.get(p + "qkv_bias"), kv,
+                                      w.get(p + "q_norm"), w.get(p + "k_norm"))
             if p + "attn_gate" not in w:
                 residual = ops.attention_linear_residual(q, kv, w[p + "o"], residual)
                 mixed = None

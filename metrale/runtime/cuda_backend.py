@@ -205,6 +205,24 @@ class CudaOps:
                            q_norm=q_norm, k_norm=k_norm, eps=self.cfg.rms_norm_eps, stream=self.s)
         return q
 
+    def norm_qkv_to_cache(self, x, norm_weight, weight, bias, layer, q_norm, k_norm):
+        """qkv_to_cache(norm_linear(x, ...), ...). At one row without q/k norms, RoPE and the K/V
+        store are the QKV GEMV's epilogue (gemm.gemv rope: a warp streams one rotation pair's two
+        rows): no qkv buffer, one launch a layer fewer."""
+        if not (x.shape[0] == 1 and self.b.fuse_decode and q_norm is None and not self.b.blas_takes(1, weight)):
+            return self.qkv_to_cache(self.norm_linear(x, norm_weight, weight, bias), layer, q_norm, k_norm)
+        q2, eps = self.b.view("q", 1, (1, self.cfg.q_size)), self.cfg.rms_norm_eps
+        rope = (self.positions, self.b.cos, self.b.sin, self.slot_mapping, self.b.k_cache[layer], self.b.v_cache[layer])
+        kw = dict(bias=bias, stream=self.s, rope=rope, interleaved=self.cfg.rope_interleaved)
+        ss = self._carried_ss(x, weight)
+        if ss is not None:                                  # the residual GEMV left sum(x^2) in ss
+            gemm.gemv(x, weight, q2, prologue="rmsnorm_ss", norm_w=norm_weight, eps=eps, ss_in=ss, **kw)
+        elif self._fused(1, weight):
+            gemm.gemv(x, weight, q2, prologue="rmsnorm", norm_w=norm_weight, eps=eps, **kw)
+        else:
+            gemm.gemv(self.rms_norm(x, norm_weight), weight, q2, **kw)
+        return self._buf("q")
+
     def attention(self, q, layer):
         out = self._buf("attn")
         scale = 1.0 / math.sqrt(self.cfg.head_dim)

@@ -74,6 +74,9 @@ class NumpyOps:
     def silu_mul_linear_residual(self, gate_up, weight, residual):
         return self.linear_residual(self.silu_mul(gate_up), weight, residual)
 
+    def norm_qkv_to_cache(self, x, norm_weight, weight, bias, layer, q_norm, k_norm):
+        return self.qkv_to_cache(self.norm_linear(x, norm_weight, weight, bias), layer, q_norm, k_norm)
+
     def mlp_residual(self, residual, norm_weight, gate_up, down):
         return self.silu_mul_linear_residual(self.norm_linear(residual, norm_weight, gate_up), down, residual)
 

@@ -113,3 +113,40 @@ def test_gemv_glu_epilogue(prologue, I, K, warps, unroll, smem):
         gemm.gemv(cuda.to_device(x), cuda.to_device(w), d_out, prologue=prologue, path=path, glu=True,
                   norm_w=None if nw is None else cuda.to_device(nw), accumulate=True,
                   ss_in=None if ss is None else cuda.to_device(ss))
+
+
+@pytest.mark.parametrize("interleaved,rot,bias,slot", [(False, 32, False, 5), (True, 32, True, 9),
+                                                        (False, 16, False, -1)])
+def test_gemv_rope_epilogue_equals_linear_then_rope_store(interleaved, rot, bias, slot):
+    """rope: the fused QKV GEMV writes rotated q and stores rotated k and v into the caches at the
+    step's slot, as gemm.linear followed by qkv.qkv_rope_store (full and partial RoPE, both pair
+    layouts, a bias, and slot -1: nothing stored)."""
+    from kernels_numba import qkv as Q
+    from kernels_numba.ptx import bf16_bits_to_f32
+    rng = np.random.default_rng(rot + slot + interleaved)
+    hq, hk, hd, K, bs, pos = 2, 1, 32, 128, 4, 7
+    N = (hq + 2 * hk) * hd
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    w = f32_to_bf16_bits(rng.standard_normal((N, K)).astype(np.float32) / np.sqrt(K))
+    b = rng.standard_normal(N).astype(np.float32) if bias else None
+    ang = rng.uniform(0, 6, (16, rot // 2))
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    kc0 = rng.integers(0, 1 << 15, (4, bs, hk, hd), dtype=np.uint16)
+    vc0 = rng.integers(0, 1 << 15, (4, bs, hk, hd), dtype=np.uint16)
+    d_q, d_k, d_v = cuda.to_device(np.full((1, hq * hd), np.nan, np.float32)), cuda.to_device(kc0), cuda.to_device(vc0)
+    rope = (cuda.to_device(np.array([pos], np.int32)), cuda.to_device(cos), cuda.to_device(sin),
+            cuda.to_device(np.array([slot], np.int32)), d_k, d_v)
+    path = gemm.gemv_path(N, K, "plain", warps=2, rows=2, unroll=1)
+    gemm.gemv(cuda.to_device(x), cuda.to_device(w), d_q, bias=None if b is None else cuda.to_device(b), path=path,
+              rope=rope, interleaved=interleaved)
+    proj = gemm.linear_ref(x, w, b)
+    kc, vc = kc0.copy(), vc0.copy()
+    want_q = Q.qkv_rope_store_ref(proj, np.array([pos]), cos, sin, np.array([slot]), hq, hk, hd, kc, vc,
+                                  interleaved=interleaved)
+    assert _relerr(d_q.copy_to_host().reshape(1, hq, hd), want_q) < 1e-5
+    for got, want in ((d_k.copy_to_host(), kc), (d_v.copy_to_host(), vc)):
+        if slot < 0:
+            np.testing.assert_array_equal(got, want)               # untouched
+        else:
+            g, t = bf16_bits_to_f32(got), bf16_bits_to_f32(want)
+            np.testing.assert_allclose(g, t, rtol=1e-2, atol=1e-3)  # one bf16 rounding apart at most
