@@ -155,3 +155,46 @@ def test_mlp_residual_glu_epilogue_matches_numpy(carry, monkeypatch):
     got = res.copy_to_host()
     assert np.abs(got - want).max() < 1e-2 * np.abs(want).max()
     assert [c for c in calls if c[1]] == [("rmsnorm_ss" if carry else "plain", True)], calls
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_norm_qkv_to_cache_rope_epilogue_equals_the_launches(fuse, monkeypatch):
+    """CudaOps.norm_qkv_to_cache at one row: fused, the QKV GEMV rotates q into the q buffer and
+    stores rotated k and v at the slot (gemm.gemv rope); unfused, norm + linear + qkv_rope_store.
+    Same q and caches (to a bf16 rounding)."""
+    import metrale.runtime.cuda_backend as cb
+    from kernels_numba.ptx import bf16_bits_to_f32
+    monkeypatch.setattr(cb, "_ptr", id)
+    hq, hk, hd, bs = 2, 1, 32, 4
+    rng = np.random.default_rng(21)
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    nw = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
+    w = f32_to_bf16_bits(rng.standard_normal(((hq + 2 * hk) * hd, K)).astype(np.float32) / np.sqrt(K))
+    ang = rng.uniform(0, 6, (16, hd // 2))
+    results = []
+    real = cb.qkv.qkv_rope_store
+    for fused in (fuse, False):
+        ops, _ = _ops(fused, 1)
+        b = ops.b
+        b.carry_norm_sums = False
+        b.cos, b.sin = cuda.to_device(np.cos(ang).astype(np.float32)), cuda.to_device(np.sin(ang).astype(np.float32))
+        b.k_cache = [cuda.to_device(np.zeros((3, bs, hk, hd), np.uint16))]
+        b.v_cache = [cuda.to_device(np.zeros((3, bs, hk, hd), np.uint16))]
+        b.act.update({"q": cuda.to_device(np.zeros((1, hq, hd), np.float32)),
+                      f"out{w.shape[0]}": cuda.to_device(np.zeros((1, w.shape[0]), np.float32))})
+        ops.cfg.rope_interleaved, ops.cfg.q_size = False, hq * hd
+        ops.positions, ops.slot_mapping = cuda.to_device(np.array([9], np.int32)), cuda.to_device(np.array([6], np.int32))
+        launched = []
+        monkeypatch.setattr(cb.qkv, "qkv_rope_store", lambda *a, **k: launched.append(1) or real(*a, **k))
+        q = ops.norm_qkv_to_cache(cuda.to_device(x), cuda.to_device(nw), cuda.to_device(w), None, 0, None, None)
+        assert bool(launched) == (not fused)
+        results.append((q.copy_to_host(), bf16_bits_to_f32(b.k_cache[0].copy_to_host()),
+                        bf16_bits_to_f32(b.v_cache[0].copy_to_host())))
+    (q1, k1, v1), (q0, k0, v0) = results
+    assert _rel(q1, q0) < 1e-5 and np.abs(k1[1, 2]).max() > 0
+    np.testing.assert_allclose(k1, k0, rtol=1e-2, atol=1e-3)
+    np.testing.assert_allclose(v1, v0, rtol=1e-2, atol=1e-3)
+
+
+def _rel(a, b):
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
