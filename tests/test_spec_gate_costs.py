@@ -1,11 +1,12 @@
 """The gate's cost model (metrale/spec/gate.py): the CPU row model, drafter costs, priors, the probe
-budget and the never-pays check. Deterministic: no clock is read (measure=False)."""
+budget, the never-pays check and the caution (decisions on a lower bound of the acceptance).
+Deterministic: no clock is read (measure=False)."""
 import logging
 
 import pytest
 
 from metrale.spec.gate import AdaptiveGate
-from metrale.spec.speculator import CPU_ROW_COST, CPU_STEP_FIXED, forward_share
+from metrale.spec.speculator import CPU_ROW_COST, CPU_STEP_FIXED, GATE_CAUTION, forward_share
 
 ROW = dict(step_fixed=CPU_STEP_FIXED, row_cost=CPU_ROW_COST, measure=False)
 
@@ -26,13 +27,54 @@ def test_row_model_costs():
 
 
 def test_cpu_batch_one_drafts_many_or_none():
-    """At batch 1 the first verify row costs ~1.6 steps: n-gram (prior 0.8) drafts all 4 tokens to
-    amortize it; a 1-token draft can never gain there, but it can at batch 8."""
+    """At batch 1 the first verify row costs ~1.6 steps: n-gram at acceptance 0.8 drafts all 4 tokens
+    to amortize it; a 1-token draft can never gain there, but it can at batch 8."""
     g = gate(prior_acceptance=0.8)
     g.begin_step(1)
     assert g.drafts_for("a", left=100) == 4
     assert not g.worth_verifying(1, 1) and not g.worth_verifying(0, 8)
     assert g.worth_verifying(2, 1) and g.worth_verifying(1, 8)
+
+
+def test_the_prior_alone_is_a_probe_at_cpu_batch_one():
+    """Session 3's one losing verify (repetitive task, B=1): n-gram's prior 0.8 gave a 4-token draft
+    an expected gain of 1.14 >= min_gain 1.1 (knife-edge: 0.78 gives 1.096), so a draft resting on no
+    evidence of its own was not budgeted, and when the copy diverged at the task's edit (1 of 4
+    accepted) it lost ~1 step of a 32-token request. The gate now acts on alpha one standard
+    deviation below the mean: the prior alone (2 pseudo-tokens) acts as 0.57, so at batch 1 that
+    draft is a probe (worst loss 1.95 steps, over a 32-token request's budget of 0.32) while at
+    batch 8 (a verify row costs 0.25 of a step) it still drafts; a sequence's own hits narrow the
+    bound and batch 1 drafts all 4."""
+    g = gate(prior_acceptance=0.8, min_gain=1.1, caution=GATE_CAUTION, probe_budget=0.01)
+    g.begin_step(1)
+    st = g._stats("a")
+    assert st.alpha_low(GATE_CAUTION) == pytest.approx(0.8 - (0.16 / 3) ** 0.5)
+    assert g.best_drafts(0.8)[1] == pytest.approx(1.14, abs=0.005) and g.best_drafts(0.78)[1] < 1.1
+    assert g.drafts_for("a", left=32) == 0                     # a probe over its budget
+    assert g.drafts_for("long", left=1000) == 4 and g.stats["long"].probing     # a long request may probe
+    g.begin_step(8)
+    assert g.drafts_for("b", left=32) == 2 and not g.stats["b"].probing
+    g.begin_step(1)
+    g.update("long", 4, 4)                                     # its own evidence: the copy holds
+    assert g.stats["long"].alpha_low(GATE_CAUTION) > 0.8
+    assert g.drafts_for("long", left=900) == 4 and not g.stats["long"].probing
+
+
+def test_caution_narrows_with_evidence_and_suspends_on_the_mean():
+    g = gate(prior_acceptance=0.8, min_gain=1.1, caution=GATE_CAUTION, probe_budget=None, probe_interval=4)
+    g.begin_step(8)
+    st = g._stats("a")
+    gaps = []
+    for _ in range(4):
+        gaps.append(st.alpha - st.alpha_low(GATE_CAUTION))
+        g.update("a", 3, 3)
+    assert all(a > b for a, b in zip(gaps, gaps[1:])) and gaps[-1] < 0.1
+    # mean gains, its lower bound does not: a probe, not a suspension
+    st.hits, st.trials = 1.5, 3.0
+    assert g.best_drafts(st.alpha)[1] >= 1.1 > g.best_drafts(st.alpha_low(GATE_CAUTION))[1]
+    assert g.drafts_for("a") >= 1 and st.probing
+    g.update("a", 1, 0)
+    assert g.best_drafts(st.alpha)[1] < 1.1 and g.drafts_for("a") == 0        # the mean loses: suspended
 
 
 def test_drafter_as_dear_as_the_target_never_speculates(caplog):

@@ -10,14 +10,18 @@ The cost model, in plain decode steps of the current batch (per sequence):
     F = 0 and v = row_cost * B / (step_fixed + row_cost * B);
   - d, D: the drafter's own cost per draft token and per proposal (model drafters);
   - alpha: the sequence's per-token acceptance, from pseudo-counts that start at the drafter's prior
-    (optimistic for n-gram, whose drafts come from a match; pessimistic for model drafters).
-The draft count maximizes the expected gain (1 + acc) / cost. A sequence whose best expected gain
-is under min_gain (>= 1: a margin for the model's error) drafts only as a probe, and probes are budgeted: the cost model's loss of a probe that
+    (optimistic for n-gram, whose drafts come from a match; pessimistic for model drafters). The
+    counts are a Beta posterior: hits of trials, standard deviation sqrt(alpha (1 - alpha) / (trials + 1)).
+The gate exploits on a lower confidence bound and explores through budgeted probes: the draft
+count maximizes the expected gain (1 + acc) / cost at alpha_low = alpha - caution x that standard
+deviation (the prior alone, 2 pseudo-tokens, is far from certain: n-gram's 0.8 acts as 0.57; a
+sequence's own verifies narrow it). A sequence whose best gain at alpha_low is under min_gain
+(>= 1: a margin for the cost model's error) drafts only as a probe, and probes are budgeted: the cost model's loss of a probe that
 accepts nothing (cost - 1 steps) may add up to at most probe_budget x the tokens the request may
-decode (elapsed + max_tokens left); a losing verify suspends the sequence for probe_interval steps
-(doubling while probes keep losing). A batch size at which no draft count could pay even with
-every draft accepted does not speculate at all (logged once). A batch of more than `max_batch`
-decoding sequences turns speculation off for the step.
+decode (elapsed + max_tokens left); a verify after which even the mean alpha loses suspends the
+sequence for probe_interval steps (doubling while probes keep losing). A batch size at which no
+draft count could pay even with every draft accepted does not speculate at all (logged once). A
+batch of more than `max_batch` decoding sequences turns speculation off for the step.
 
 A guard on top, because the constant cost model is only a prior: a batch-level gate measured on the running engine: the wall time between steps (begin_step to
   begin_step, so drafting, forward and acceptance all count) is averaged per batch-size bucket for
@@ -60,6 +64,11 @@ class SeqSpecStats:
     def alpha(self) -> float:
         return self.hits / self.trials if self.trials > 0 else 0.0
 
+    def alpha_low(self, caution: float) -> float:
+        """alpha less `caution` standard deviations of its Beta(hits, trials - hits) posterior."""
+        a = self.alpha
+        return max(0.0, a - caution * math.sqrt(a * (1.0 - a) / (self.trials + 1.0))) if caution > 0 else a
+
 
 @dataclass
 class BucketTiming:
@@ -87,18 +96,20 @@ class AdaptiveGate:
     def __init__(self, num_drafts: int, *, verify_cost: float = 0.1, draft_cost: float = 0.0,
                  draft_fixed: float = 0.0, step_fixed: float = 0.0, row_cost: float = 0.0,
                  prior_acceptance: float = 0.8, probe_budget: float | None = None, min_gain: float = 1.0,
-                 probe_interval: int = 16, max_batch: int = 64, ema_decay: float = 0.7,
+                 caution: float = 0.0, probe_interval: int = 16, max_batch: int = 64, ema_decay: float = 0.7,
                  measure: bool = True, clock=time.perf_counter):
         """verify_cost: v per draft token (constant model); step_fixed > 0 selects the row model
         (step_fixed, row_cost: see the module doc) instead; draft_cost / draft_fixed: the drafter's
         cost per token / per proposal; prior_acceptance: a new sequence's per-token acceptance;
         probe_budget: the share of a request's tokens that probes may lose (None: no budget);
-        min_gain: the expected gain a draft needs (above 1: a margin for the model's error)."""
+        min_gain: the expected gain a draft needs (above 1: a margin for the model's error);
+        caution: standard deviations of the acceptance estimate below its mean that drafting decisions
+        act on (0: the mean)."""
         self.num_drafts, self.verify_cost, self.draft_cost = num_drafts, verify_cost, draft_cost
         self.draft_fixed, self.step_fixed, self.row_cost = draft_fixed, step_fixed, row_cost
         self.prior, self.probe_budget = min(max(prior_acceptance, 0.0), 1.0), probe_budget
         self.probe_interval, self.max_batch, self.decay = probe_interval, max_batch, ema_decay
-        self.min_gain = max(1.0, min_gain)
+        self.min_gain, self.caution = max(1.0, min_gain), max(0.0, caution)
         self.stats: dict[str, SeqSpecStats] = {}
         self.step = 0
         self.batch = 1                            # decoding sequences of the current step
@@ -223,7 +234,7 @@ class AdaptiveGate:
 
     def verify_length(self, request_id: str, confidences: list[float], batch: int | None = None) -> int:
         """How much of a proposed draft to verify (the drafting is paid already): the prefix with the
-        best expected gain, token i accepted with probability min(alpha, confidence_i) (n-gram:
+        best expected gain, token i accepted with probability min(alpha_low, confidence_i) (n-gram:
         match length / max_n; model drafters: their softmax probability); 0 when no prefix is
         expected to gain. A probe is verified in full when it could gain at all (it is there to
         measure alpha)."""
@@ -231,7 +242,7 @@ class AdaptiveGate:
         st = self.stats.get(request_id)
         if st is None or st.probing:
             return n if self.worth_verifying(n, batch) else 0
-        alpha, p, acc, best, best_n = st.alpha, 1.0, 0.0, self.min_gain - 1e-12, 0
+        alpha, p, acc, best, best_n = st.alpha_low(self.caution), 1.0, 0.0, self.min_gain - 1e-12, 0
         for j, c in enumerate(confidences, 1):
             p *= min(alpha, max(0.0, float(c)))
             acc += p
@@ -246,6 +257,8 @@ class AdaptiveGate:
         return best_n
 
     def _suspend_if_losing(self, st: SeqSpecStats) -> bool:
+        """Suspend when even the mean acceptance loses (between that and a gain at alpha_low, drafts
+        are budgeted probes)."""
         if self.best_drafts(st.alpha)[1] >= self.min_gain:
             return False
         # suspend; each losing verify in a row doubles the pause (at most 16x)
@@ -267,10 +280,10 @@ class AdaptiveGate:
                 log.info("speculation off at batch %d: no draft count gains even if every draft is accepted "
                          "(cost model: %.2f + %.2f per draft token)", self.batch, *self._cost_line())
             return 0
-        k, gain = self.best_drafts(st.alpha)
+        k, gain = self.best_drafts(st.alpha_low(self.caution))
         if gain >= self.min_gain:
             return k
-        # a probe: expected to lose; budgeted against the request's length
+        # a probe: not expected to gain at alpha_low; budgeted against the request's length
         if self.probe_budget is not None and left is not None:
             loss = self.block_cost(k) - 1.0
             horizon = (self.step - st.first_step) + left

@@ -254,6 +254,7 @@ def make_speculator(cfg, backend, model_config, load_draft_backend) -> Speculato
     gate = AdaptiveGate(spec.num_drafts, **gate_costs(lv, backend, drafter, spec.method),
                         probe_budget=lv.spec_probe_budget if lv.spec_probe_budget >= 0 else None,
                         min_gain=lv.spec_min_gain if lv.spec_verify_cost < 0 else 1.0,
+                        caution=GATE_CAUTION if lv.spec_verify_cost < 0 else 0.0,
                         probe_interval=lv.spec_probe_interval, max_batch=lv.spec_max_batch,
                         ema_decay=lv.spec_ema_decay, measure=_measured_gate(lv.spec_measured_gate, backend))
     log.info("speculative decoding: %s, up to %d drafts", drafter.name, spec.num_drafts)
@@ -270,6 +271,9 @@ CUDA_VERIFY_COST = 0.1          # decode is memory-bound: a verify row costs lit
 # pessimistic until a sequence's own verifies say otherwise; a pinned spec_verify_cost keeps the
 # optimistic prior of the constant model for every drafter
 PRIOR_ACCEPTANCE = {"ngram": 0.8, "self": 0.3, "mtp": 0.3, "dflash": 0.3, "draft": 0.5}
+# the gate drafts when the gain pays at one standard deviation below a sequence's acceptance
+# estimate (its Beta posterior); a pinned spec_verify_cost (tests) acts on the mean
+GATE_CAUTION = 1.0
 DFLASH_COST_PER_DRAFT = 0.6     # one DFlash forward over [last, MASK x k] per proposal, measured on CPU
 
 
