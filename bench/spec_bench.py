@@ -11,7 +11,10 @@ speedup = plain time / method time (generated tokens are the same count, max_tok
 
 One model load: the plain engine's (config, tokenizer, backend) are shared by the engines of the
 other methods (`Engine(parts=...)`), so kernels compile and graphs are captured once; only
-method=draft loads a second backend (its draft model). The only draft model with SmolLM2's
+method=draft loads a second backend (its draft model). Prefix caching is off (`--lever
+prefix_caching=true` turns it on): the engines share the backend's KV pool but not a block
+manager, so a prefix-cache hit in one engine could read blocks another engine overwrote. Every
+run therefore includes its prompts' prefill, on both sides. The only draft model with SmolLM2's
 vocabulary in the tree is SmolLM2-135M itself (the `*-shape` presets are random weights), so
 `draft` drafts with a copy of the target: every draft is accepted, but each draft token costs a
 whole target forward, and the gate should switch it off.
@@ -28,6 +31,8 @@ import json
 import os
 import sys
 import time
+
+import numpy as np
 
 from metrale import Engine, SamplingParams
 
@@ -73,22 +78,28 @@ def measure(eng: Engine, prompts: list[str], max_tokens: int, reps: int, peer: E
     """Generate `prompts` greedily (EOS ignored) `reps` times; the fastest run's time, the first
     run's tokens, and the speculator's counters over all runs. With `peer` (plain decode), each
     rep runs the peer right before, so both see the same machine load (a shared machine's bursts
-    hit both); its figures go to peer_out."""
+    hit both); its figures go to peer_out, with the median over reps of the paired ratio
+    peer time / time (`paired_speedup`: robust to a burst that hits one rep)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     before = eng.speculator.stats() if eng.speculator else {}
-    best, outs, peer_best = float("inf"), None, float("inf")
+    best, outs, peer_best, ratios = float("inf"), None, float("inf"), []
     for _ in range(reps):
         if peer is not None:
             t0 = time.perf_counter()
             po = peer.generate(prompts, params, chat=True, use_tqdm=False)
-            peer_best = min(peer_best, time.perf_counter() - t0)
+            peer_t = time.perf_counter() - t0
+            peer_best = min(peer_best, peer_t)
         t0 = time.perf_counter()
         o = eng.generate(prompts, params, chat=True, use_tqdm=False)
-        best = min(best, time.perf_counter() - t0)
+        t = time.perf_counter() - t0
+        best = min(best, t)
+        if peer is not None:
+            ratios.append(peer_t / t)
         outs = outs or o
     if peer is not None and peer_out is not None:
         n = sum(len(x.token_ids) for x in po)
-        peer_out.update(seconds=peer_best, tok_s=n / peer_best)
+        peer_out.update(seconds=peer_best, tok_s=n / peer_best, paired_speedup=float(np.median(ratios)),
+                        paired_ratios=ratios)
     after = eng.speculator.stats() if eng.speculator else {}
     d = {k: after.get(k, 0) - before.get(k, 0) for k in SPEC_COUNTERS}
     tokens = sum(len(o.token_ids) for o in outs)
@@ -148,8 +159,12 @@ def main(argv: list[str] | None = None) -> dict:
     reps = args.reps or (2 if args.device == "cuda" else 1)
     t_start = time.perf_counter()
     levers = dict(kv.split("=", 1) for kv in args.lever)
+    # the engines share one backend, so one KV pool, but each has its own block manager: one engine's
+    # prefix cache would hand out blocks that another engine has overwritten since (seen on CPU in
+    # session 4: spec outputs diverging from the first token, 6/8 at repetitive B=8). Off unless asked.
+    levers.setdefault("prefix_caching", "false")
     cache = {"num_blocks": args.num_blocks or (4096 if args.device == "cuda" else None)}
-    settings = dict(model=args.model, device=args.device, cache=cache, **({"levers": levers} if levers else {}))
+    settings = dict(model=args.model, device=args.device, cache=cache, levers=levers)
     t0 = time.perf_counter()
     plain_eng = Engine(**settings)
     parts = (plain_eng.model_config, plain_eng.tokenizer, plain_eng.backend)
@@ -170,7 +185,9 @@ def main(argv: list[str] | None = None) -> dict:
             for b in args.batch:
                 q = {}
                 peer = plain_eng if args.interleave and method != "none" else None
-                r = measure(eng, prompts_for(task, b), args.max_tokens, reps, peer, q)
+                # interleaved, plain is timed beside each method: its own pass only gives the reference tokens
+                r = measure(eng, prompts_for(task, b), args.max_tokens, 1 if method == "none" and args.interleave else reps,
+                            peer, q)
                 r.update(method=method, task=task, batch=b, setup_s=setup_s)
                 if method == "none":
                     plain[task, b] = r
@@ -180,6 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if args.interleave:       # plain run right before each rep: the same machine load
                     r["plain_seconds_first"] = p["seconds"]
                     p = dict(p, seconds=q["seconds"], tok_s=q["tok_s"])
+                    r["paired_speedup"], r["paired_ratios"] = q["paired_speedup"], q["paired_ratios"]
                 r["plain_tok_s"] = p["tok_s"]
                 r["plain_seconds"] = p["seconds"]
                 r["speedup"] = p["seconds"] / r["seconds"]
@@ -187,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
                 results.append(r)
                 ok = r["lossless"]
                 print(f"[spec] {task:10s} B={b:3d} {method:6s} {r['tok_s']:8.1f} tok/s (plain {p['tok_s']:8.1f}) "
-                      f"speedup {r['speedup']:.2f}x  tokens/verify {r['tokens_per_verify'] or 0:.2f}  "
+                      f"speedup {r['speedup']:.2f}x (paired median {r.get('paired_speedup', r['speedup']):.2f}x)  tokens/verify {r['tokens_per_verify'] or 0:.2f}  "
                       f"acceptance {r['acceptance_rate'] or 0:.2f}  verifies {r['verifies']}  dropped {r['dropped']}  "
                       f"same as plain {ok['identical']}/{ok['sequences']}", flush=True)
         if method != "none":
@@ -229,7 +247,8 @@ def main(argv: list[str] | None = None) -> dict:
         for r in results:
             name = f"{r['method']} {r['task']} B={r['batch']}"
             extra = {k: r[k] for k in ("seconds", "tokens", "proposed", "accepted", "verifies", "cut",
-                                       "acceptance_rate", "speedup", "lossless")}
+                                       "acceptance_rate", "speedup", "lossless") if k in r}
+            extra["paired_speedup"] = r.get("paired_speedup")
             extra.update(device=args.device, max_tokens=args.max_tokens, model=args.model)
             recs.append(make_record("spec", f"speedup {name}", r["tok_s"], "tok/s", None, r["plain_tok_s"],
                                     "plain decode", out["gpu"], command, extra))

@@ -56,11 +56,12 @@ for path in sys.argv[1:]:
     d = json.load(open(path))
     rows = sorted(d["results"], key=lambda r: (r["task"], r["batch"], r["method"]))
     print(f"max_tokens {d['max_tokens']}, reps {d['reps']}, {d['gpu']}, {d['wall_s']:.0f} s")
-    print(f"{'task':10s} {'B':>3s} {'method':6s} {'plain':>8s} {'spec':>8s} {'speedup':>7s} {'tok/vf':>6s} {'verifies':>8s} same")
+    print(f"{'task':10s} {'B':>3s} {'method':6s} {'plain':>8s} {'spec':>8s} {'speedup':>7s} {'paired':>7s} {'tok/vf':>6s} {'verifies':>8s} same")
     for r in rows:
         ok = r["lossless"]
         print(f"{r['task']:10s} {r['batch']:3d} {r['method']:6s} {r['plain_tok_s']:8.0f} {r['tok_s']:8.0f} "
-              f"{r['speedup']:6.2f}x {r['tokens_per_verify'] or 0:6.2f} {r['verifies']:8d} {ok['identical']}/{ok['sequences']}")
+              f"{r['speedup']:6.2f}x {r.get('paired_speedup', r['speedup']):6.2f}x {r['tokens_per_verify'] or 0:6.2f} "
+              f"{r['verifies']:8d} {ok['identical']}/{ok['sequences']}")
     w = min(rows, key=lambda r: r["speedup"])
     print(f"worst cell: {w['method']} {w['task']} B={w['batch']} {w['speedup']:.3f}x; every cell within 3%: "
           f"{all(r['speedup'] >= 0.97 for r in rows)}; gate (open chat, largest B): {d['gate_worst_case']}")
