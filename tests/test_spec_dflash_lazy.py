@@ -125,3 +125,21 @@ def test_prefix_cached_blocks_keep_their_rows(exact_plain):
         np.testing.assert_array_equal(a.token_ids, b.token_ids)
     assert drafter.checked > first
     eng.blocks.check_no_leaks([])
+
+
+def test_layer_rows_are_the_residual_after_each_tapped_layer(exact_plain):
+    """The tap's capture (a NumpyOps subclass hooking the op that ends a layer) against the target
+    itself run for layer+1 layers: whatever op llama_forward ends a layer with, the rows must be
+    that layer's output residual for every token."""
+    from metrale.runtime.numpy_backend import NumpyBackend
+    plain_engine, _ = exact_plain
+    shared = plain_engine.backend                 # its own KV pool: the plain engine's prefix cache stays true
+    be = NumpyBackend(shared.config, shared.weights.items(), num_blocks=8, block_size=shared.block_size, dtype="float64")
+    ids = plain_engine.encode_prompt(PROMPTS[1], chat=False)
+    batch = build_batch([Segment(np.asarray(ids, np.int32), 0, np.arange(4, dtype=np.int32), "all")], be.block_size)
+    layers = (1, 14, 27)
+    (logits, _), rows = forward_with_layer_rows(be, batch, layers)
+    np.testing.assert_allclose(logits, be.forward(batch), rtol=1e-12, atol=1e-12)
+    for layer, r in zip(layers, rows):
+        _, hidden = be.forward(batch, num_layers=layer + 1, return_hidden=True)
+        np.testing.assert_allclose(r, hidden, rtol=1e-12, atol=1e-12)

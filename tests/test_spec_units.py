@@ -26,6 +26,29 @@ def test_ngram_without_a_match_proposes_nothing():
     assert draft.tokens == []
 
 
+def sliding_window_ngram(toks, k, max_n, min_n):
+    """The drafter's definition written out: for n = max_n down to min_n, the latest earlier
+    occurrence of the n-token suffix (ending before the last token) proposes what followed it."""
+    L = len(toks)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        hits = [i for i in range(L - n) if toks[i:i + n] == toks[L - n:]]
+        if hits:
+            follow = toks[hits[-1] + n:hits[-1] + n + k]
+            return follow, [n / max_n] * len(follow)
+    return [], []
+
+
+@pytest.mark.parametrize("max_n,min_n", [(4, 1), (3, 2), (1, 1), (6, 3)])
+def test_ngram_matches_the_sliding_window_definition(max_n, min_n):
+    r = np.random.default_rng(max_n * 10 + min_n)
+    d = NgramDrafter(max_n, min_n)
+    for trial in range(400):
+        toks = r.integers(0, int(r.integers(2, 6)), size=int(r.integers(1, 40))).tolist()
+        k = int(r.integers(1, 6))
+        [draft] = d.propose([seq(toks)], [k])
+        assert (draft.tokens, draft.confidences) == sliding_window_ngram(toks, k, max_n, min_n), toks
+
+
 def test_draft_cut_at_low_confidence():
     d = Draft([1, 2, 3, 4], [0.9, 0.8, 0.2, 0.9])
     assert d.cut(4, 0.5).tokens == [1, 2]

@@ -56,18 +56,29 @@ class NgramDrafter:
         return [self._one(np.asarray(s.token_ids, dtype=np.int64), k) for s, k in zip(seqs, ks)]
 
     def _one(self, toks: np.ndarray, k: int) -> Draft:
+        """Candidates are the earlier positions j holding the last token; each one's match length
+        grows backwards while toks[j - d] == toks[L - 1 - d] (d < max_n): one pass over the
+        candidates per d instead of a sliding-window comparison per n (this runs per drafting
+        sequence and step)."""
         L = len(toks)
-        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            suffix = toks[L - n:]
-            windows = np.lib.stride_tricks.sliding_window_view(toks[:L - 1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n             # the token after the latest earlier match
-                follow = toks[start:start + k].tolist()
-                if follow:
-                    conf = n / self.max_n            # longer matches are more trustworthy
-                    return Draft([int(t) for t in follow], [conf] * len(follow))
-        return Draft()
+        j = np.flatnonzero(toks[:L - 1] == toks[L - 1])      # a match ends at j, before the last token
+        if not j.size:
+            return Draft()
+        n = np.ones(j.size, dtype=np.int64)
+        alive = np.ones(j.size, dtype=bool)
+        for d in range(1, self.max_n):
+            alive &= j >= d
+            if not alive.any():
+                break
+            alive &= toks[np.maximum(j - d, 0)] == toks[L - 1 - d]
+            n += alive
+        best = int(n.max())
+        if best < self.min_n:
+            return Draft()
+        start = int(j[np.flatnonzero(n == best)[-1]]) + 1     # the token after the latest longest match
+        follow = toks[start:start + k].tolist()
+        conf = best / self.max_n                             # longer matches are more trustworthy
+        return Draft([int(t) for t in follow], [conf] * len(follow))
 
     def release(self, seq: Sequence) -> None:
         pass
