@@ -184,3 +184,23 @@ def test_min_gain_skips_near_break_even_verifies():
         st = g.stats["a"]
         st.hits, st.trials = 0.3, 1.0          # its evidence has fallen to 0.3 per token
         assert g.verify_length("a", [1.0]) == expect
+
+
+def test_a_probe_in_the_uncertain_zone_respects_the_drafts_confidence():
+    """Between the mean gaining and alpha_low gaining, a draft is a probe of the mean: its prefix is
+    chosen at the mean alpha, so a 1-gram n-gram match (confidence 0.25) is not verified to test it
+    (it was, before: the open-chat B=8 run verified three such probes); while even the mean loses, a
+    probe is verified in full to measure alpha."""
+    g = gate(prior_acceptance=0.8, min_gain=1.1, caution=GATE_CAUTION, probe_budget=None)
+    g.begin_step(8)
+    st = g._stats("a")
+    st.hits, st.trials = 1.12, 2.4                       # after one missed 1-token draft: mean 0.47
+    assert g.best_drafts(st.alpha)[1] >= 1.1 > g.best_drafts(st.alpha_low(GATE_CAUTION))[1]
+    k = g.drafts_for("a")
+    assert k >= 1 and st.probing
+    assert g.verify_length("a", [0.25] * k) == 0
+    assert g.verify_length("a", [1.0] * k) >= 1
+    st.hits, st.trials = 0.3, 2.0                        # the mean loses: measure it
+    st.suspended_until = 0
+    assert g.drafts_for("a") >= 1 and st.probing
+    assert g.verify_length("a", [0.25]) == 1

@@ -236,13 +236,16 @@ class AdaptiveGate:
         """How much of a proposed draft to verify (the drafting is paid already): the prefix with the
         best expected gain, token i accepted with probability min(alpha_low, confidence_i) (n-gram:
         match length / max_n; model drafters: their softmax probability); 0 when no prefix is
-        expected to gain. A probe is verified in full when it could gain at all (it is there to
-        measure alpha)."""
+        expected to gain. A probe while even the mean alpha loses is verified in full when it could
+        gain at all (it is there to measure alpha); a probe in the uncertain zone (the mean gains,
+        alpha_low does not) is there to test the mean: its prefix is chosen at the mean alpha, so a
+        draft its own confidences reject (a 1-gram match) is not verified to test it."""
         n = len(confidences)
         st = self.stats.get(request_id)
-        if st is None or st.probing:
+        if st is None or (st.probing and self.best_drafts(st.alpha, batch)[1] < self.min_gain):
             return n if self.worth_verifying(n, batch) else 0
-        alpha, p, acc, best, best_n = st.alpha_low(self.caution), 1.0, 0.0, self.min_gain - 1e-12, 0
+        alpha = st.alpha if st.probing else st.alpha_low(self.caution)
+        p, acc, best, best_n = 1.0, 0.0, self.min_gain - 1e-12, 0
         for j, c in enumerate(confidences, 1):
             p *= min(alpha, max(0.0, float(c)))
             acc += p
