@@ -115,6 +115,7 @@ class AdaptiveGate:
         self.batch = 1                            # decoding sequences of the current step
         self._warned_batch = False
         self._warned_never: set[int] = set()
+        self._pays: dict[int, bool] = {}           # can_pay per batch size (the costs are constants)
         self.measure, self.clock = measure, clock
         self.timing: dict[int, BucketTiming] = {}
         self._t: float | None = None              # when the current step began
@@ -125,11 +126,15 @@ class AdaptiveGate:
 
     def begin_step(self, num_decoding: int) -> bool:
         """False when speculation does not pay for this step's batch: too large a batch (logged
-        once) or a measured loss at this batch size (see the module doc)."""
+        once), a batch size at which no draft count can gain even with every draft accepted (logged
+        once per size; checked once per step, so a drafter that can never pay costs no per-sequence
+        work), or a measured loss at this batch size (see the module doc)."""
         self.step += 1
         self.batch = max(1, num_decoding)
         if self.measure:
             self._time_step(num_decoding)
+        if num_decoding and not self._batch_pays():
+            return False
         if num_decoding > self.max_batch:
             if not self._warned_batch:
                 log.info("speculation off while more than %d sequences decode (levers.spec_max_batch)",
@@ -224,7 +229,21 @@ class AdaptiveGate:
 
     def can_pay(self, batch: int | None = None) -> bool:
         """Whether some draft count gains at this batch size with every draft accepted."""
-        return self.best_drafts(1.0, batch)[1] >= 1.0
+        b = self.batch if batch is None else max(1, batch)
+        pays = self._pays.get(b)
+        if pays is None:
+            pays = self._pays[b] = self.best_drafts(1.0, b)[1] >= 1.0
+        return pays
+
+    def _batch_pays(self) -> bool:
+        """can_pay at the current batch, logging (once per batch size) when it cannot."""
+        if self.can_pay():
+            return True
+        if self.batch not in self._warned_never:
+            self._warned_never.add(self.batch)
+            log.info("speculation off at batch %d: no draft count gains even if every draft is accepted "
+                     "(cost model: %.2f + %.2f per draft token)", self.batch, *self._cost_line())
+        return False
 
     def worth_verifying(self, n: int, batch: int | None = None) -> bool:
         """After drafting: whether a draft of n tokens could gain at all if verified (the drafting
@@ -239,12 +258,25 @@ class AdaptiveGate:
         expected to gain. A probe while even the mean alpha loses is verified in full when it could
         gain at all (it is there to measure alpha); a probe in the uncertain zone (the mean gains,
         alpha_low does not) is there to test the mean: its prefix is chosen at the mean alpha, so a
-        draft its own confidences reject (a 1-gram match) is not verified to test it."""
-        n = len(confidences)
+        draft its own confidences reject (a 1-gram match) is not verified to test it. drafts_for
+        applies this same rule (`_verified_prefix`) to a draft of full confidence before it lets a
+        sequence draft, so only the draft's own confidences can make a paid-for draft go unverified."""
         st = self.stats.get(request_id)
-        if st is None or (st.probing and self.best_drafts(st.alpha, batch)[1] < self.min_gain):
+        n = self._verified_prefix(st, confidences, batch, st is not None and st.probing)
+        if n == 0 and confidences and st is not None and (self.draft_cost > 0 or self.draft_fixed > 0):
+            # a paid-for draft its own confidences reject: count it as a miss (as a verify that
+            # accepts nothing would), so a dear drafter does not keep drafting to drop
+            st.hits, st.trials = self.decay * st.hits, self.decay * st.trials + 1
+            self._suspend_if_losing(st)
+        return n
+
+    def _verified_prefix(self, st: SeqSpecStats | None, confidences: list[float], batch: int | None,
+                         probing: bool) -> int:
+        """The rule of verify_length, without side effects (drafts_for asks it before drafting)."""
+        n = len(confidences)
+        if st is None or (probing and self.best_drafts(st.alpha, batch)[1] < self.min_gain):
             return n if self.worth_verifying(n, batch) else 0
-        alpha = st.alpha if st.probing else st.alpha_low(self.caution)
+        alpha = st.alpha if probing else st.alpha_low(self.caution)
         p, acc, best, best_n = 1.0, 0.0, self.min_gain - 1e-12, 0
         for j, c in enumerate(confidences, 1):
             p *= min(alpha, max(0.0, float(c)))
@@ -252,11 +284,6 @@ class AdaptiveGate:
             g = (1.0 + acc) / self.block_cost(j, batch, drafting=False)
             if g > best:
                 best, best_n = g, j
-        if best_n == 0 and n and (self.draft_cost > 0 or self.draft_fixed > 0):
-            # a paid-for draft its own confidences reject: count it as a miss (as a verify that
-            # accepts nothing would), so a dear drafter does not keep drafting to drop
-            st.hits, st.trials = self.decay * st.hits, self.decay * st.trials + 1
-            self._suspend_if_losing(st)
         return best_n
 
     def _suspend_if_losing(self, st: SeqSpecStats) -> bool:
@@ -272,19 +299,20 @@ class AdaptiveGate:
     # ------------------------------------------------------------------ per sequence
     def drafts_for(self, request_id: str, left: int | None = None) -> int:
         """Draft tokens for this sequence this step (0: none). left: tokens the request may still
-        decode (the probe budget's horizon; None: probes are not budgeted)."""
+        decode (the probe budget's horizon; None: probes are not budgeted). A count is given only
+        when verify_length's rule would verify a draft of that length at full confidence (the same
+        test, `_verified_prefix`): a drafter is never asked for a draft the gate would drop whatever
+        it says, so it pays no catch-up or drafting for nothing."""
         st = self._stats(request_id)
         st.probing = False
-        if self.step < st.suspended_until:
-            return 0
-        if not self.can_pay():
-            if self.batch not in self._warned_never:
-                self._warned_never.add(self.batch)
-                log.info("speculation off at batch %d: no draft count gains even if every draft is accepted "
-                         "(cost model: %.2f + %.2f per draft token)", self.batch, *self._cost_line())
+        if self.step < st.suspended_until or not self._batch_pays():
             return 0
         k, gain = self.best_drafts(st.alpha_low(self.caution))
-        if gain >= self.min_gain:
+        probing = gain < self.min_gain
+        k = self._verified_prefix(st, [1.0] * k, None, probing)
+        if k == 0:
+            return 0
+        if not probing:
             return k
         # a probe: not expected to gain at alpha_low; budgeted against the request's length
         if self.probe_budget is not None and left is not None:

@@ -211,8 +211,16 @@ class Speculator:
 
     @property
     def needs_hidden(self) -> bool:
-        """The drafter reads the target's hidden rows (MTP heads)."""
-        return getattr(self.drafter, "needs_hidden", False)
+        """The drafter reads the target's hidden rows (MTP heads), and the gate may let it draft at
+        some batch size: a drafter the cost model keeps off everywhere costs no tap either."""
+        cached = self.__dict__.get("_needs_hidden")
+        if cached is not None and cached[0] is self.drafter:
+            return cached[1]
+        need = getattr(self.drafter, "needs_hidden", False)
+        if need and isinstance(self.gate, AdaptiveGate):
+            need = any(self.gate.can_pay(b) for b in range(1, self.gate.max_batch + 1))
+        self._needs_hidden = (self.drafter, need)
+        return need
 
     def stats(self) -> dict:
         return {"proposed": self.proposed, "accepted": self.accepted, "verifies": self.verifies,
@@ -275,6 +283,17 @@ PRIOR_ACCEPTANCE = {"ngram": 0.8, "self": 0.3, "mtp": 0.3, "dflash": 0.3, "draft
 # estimate (its Beta posterior); a pinned spec_verify_cost (tests) acts on the mean
 GATE_CAUTION = 1.0
 DFLASH_COST_PER_DRAFT = 0.6     # one DFlash forward over [last, MASK x k] per proposal, measured on CPU
+# CUDA: what a model drafter's draft token costs on top of its weight share, in plain decode steps.
+# Its drafts are made on the host: `self` copies [R, V] logits to the host and softmaxes them in
+# NumPy each round, the MTP head is a NumPy block + LM head. Measured on the H200 (session 4,
+# docs/bench/raw/s4_spec/spec_64.txt: one 1-token probe per sequence in 64-token requests):
+# a probe step cost ~2 (self) / ~4 (mtp) extra plain steps at batch 1 and ~11 / ~21 at batch 32,
+# far above the weight shares 0.47 / 0.24 the gate used (which let each sequence probe once,
+# 0.75-0.86x). The batch-1 figures are used (the lowest): either way a draft token costs more
+# than a decode step, so neither can gain on CUDA until its drafting moves to the device
+# (spec_draft_cost overrides). A draft model (`draft`) runs its own device forwards: its weight
+# share (1.0 for SmolLM2 drafting for itself) already keeps it off.
+CUDA_HOST_DRAFT_COST = {"self": 2.0, "mtp": 4.0}
 
 
 def forward_share(model_config, layers: int) -> float:
@@ -291,7 +310,8 @@ def gate_costs(lv, backend, drafter, method: str) -> dict:
     spec_row_cost) or CUDA's constant verify cost, plus the drafter's own costs (spec_draft_cost
     overrides its per-token cost) and its prior; or a pinned spec_verify_cost: the whole cost of a
     draft token at every batch size (no row model, no drafter cost unless spec_draft_cost is set),
-    with the optimistic prior 0.8 (tests pin 0 to speculate on every step that can)."""
+    with the optimistic prior 0.8 (tests pin 0 to speculate on every step that can). On CUDA the
+    host-side drafters (self, mtp) add CUDA_HOST_DRAFT_COST per draft token."""
     pinned = lv.spec_verify_cost >= 0
     cpu = getattr(backend, "name", "") != "cuda"
     step_fixed = lv.spec_step_fixed if lv.spec_step_fixed >= 0 else (CPU_STEP_FIXED if cpu and not pinned else 0.0)
@@ -301,6 +321,8 @@ def gate_costs(lv, backend, drafter, method: str) -> dict:
         0.8 if pinned else PRIOR_ACCEPTANCE.get(method, 0.5))
     # a pinned spec_verify_cost is the whole cost of a draft token (verify and drafting)
     auto_draft = 0.0 if pinned else getattr(drafter, "cost_per_token", 0.0)
+    if not pinned and not cpu:
+        auto_draft += CUDA_HOST_DRAFT_COST.get(method, 0.0)
     draft_cost = lv.spec_draft_cost if lv.spec_draft_cost >= 0 else auto_draft
     draft_fixed = 0.0 if pinned else getattr(drafter, "cost_per_draft", 0.0)
     return dict(verify_cost=verify_cost, step_fixed=step_fixed, row_cost=row_cost, prior_acceptance=prior,
