@@ -93,6 +93,11 @@ if SIMULATOR:
     def pack_bf16x2(a, b):
         return np.uint32(_rne_bits(_f32_bits(a)) | (_rne_bits(_f32_bits(b)) << 16))
 
+    @cuda.jit(device=True)
+    def f32_order_key(x):
+        b = _f32_bits(float(x) + 0.0)
+        return np.uint32((~b) & 0xFFFFFFFF) if b & 0x80000000 else np.uint32(b | 0x80000000)
+
 else:
     from numba.cuda import libdevice
 
@@ -110,6 +115,14 @@ else:
     @device_function
     def f32_to_bf16(x):
         return np.uint16(_rne(x))
+
+    @device_function
+    def f32_order_key(x):
+        """uint32 whose unsigned order is x's float order (-0.0 taken as +0.0)."""
+        b = np.uint32(libdevice.float_as_int(x + np.float32(0.0)))
+        if b & np.uint32(0x80000000):
+            return ~b
+        return b | np.uint32(0x80000000)
 
     @device_function
     def unpack_bf16x2(w):

@@ -34,7 +34,8 @@ def test_small_kernels():
     assert "fma.rn.f32" in p or "mul.f32" in p
     ptx_of(activation._silu_mul_kernel, (F32_2, F32_2))
     ptx_of(kv_cache._store_kv_kernel, (F32_3A, F32_3A, I32_1, U16_4, U16_4))
-    assert "shfl.sync.bfly.b32" in ptx_of(argmax._argmax_rows_kernel, (F32_2, I32_1))
+    p = ptx_of(argmax._argmax_rows_kernel, (F32_2, I32_1, types.Array(types.uint64, 1, "C")))
+    assert "shfl.sync.bfly.b32" in p and "atom.global.max.u64" in p and "atom.global.exch.b64" in p
 
 
 def test_bf16_helpers():

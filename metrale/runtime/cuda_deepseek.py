@@ -183,7 +183,7 @@ def activation_plan(config: ModelConfig, max_tokens: int, max_rows: int, max_mod
     d, H, nope, rope, r, v = c.hidden_size, c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank, c.v_head_dim
     f32, i32 = np.float32, np.int32
     plan = {"residual": ((T, d), f32), "h": ((T, d), f32), "rows": ((R, d), f32), "normed_rows": ((R, d), f32),
-            "argmax": ((R,), i32), "act": ((T, c.intermediate_size), f32),
+            "argmax": ((R,), i32), "argmax_work": ((argmax.argmax_work_size(R),), np.uint64), "act": ((T, c.intermediate_size), f32),
             "ds_q": ((T, H * (nope + rope)), f32), "ds_kv": ((T, r + rope), f32), "ds_c_kv": ((T, r), f32),
             "ds_q_abs": ((T, H, r + rope), f32), "ds_lat": ((T, H, r), f32), "ds_attn": ((T, H * v), f32),
             "cos": ((max_model_len, rope // 2), f32), "sin": ((max_model_len, rope // 2), f32)}
@@ -321,7 +321,7 @@ class DeepseekCudaBackend(CudaBackend):
 
     def _run(self, g: Geometry) -> None:
         logits = deepseek_forward(DeepseekCudaOps(self, g), self.weights, self.config, g.num_layers)
-        argmax.argmax_rows(logits, self.act["argmax"][:g.rows], stream=self.stream.numba)
+        argmax.argmax_rows(logits, self.act["argmax"][:g.rows], self.act["argmax_work"], stream=self.stream.numba)
 
     def export_weights(self) -> WeightStream:
         """The canonical weights as float32 host arrays (kv_b rebuilt, the router unpadded)."""

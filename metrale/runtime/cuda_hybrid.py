@@ -240,7 +240,7 @@ class HybridCudaBackend(CudaBackend):
 
     def _run(self, g: Geometry) -> None:
         logits = llama_forward(HybridCudaOps(self, g), self.weights, self.config, g.num_layers)
-        argmax.argmax_rows(logits, self.act["argmax"][:g.rows], stream=self.stream.numba)
+        argmax.argmax_rows(logits, self.act["argmax"][:g.rows], self.act["argmax_work"], stream=self.stream.numba)
 
     def kv_tokens_that_fit(self, utilization: float = 0.9) -> int:
         from metrale.runtime.cuda import free_device_memory

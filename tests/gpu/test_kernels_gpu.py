@@ -156,8 +156,11 @@ def test_argmax_rows(V):
     logits[3] = 0.0
     logits[4] = -np.inf
     out = cuda.device_array(6, np.int32)
-    argmax.argmax_rows(cuda.to_device(logits), out)
-    np.testing.assert_array_equal(out.copy_to_host(), argmax.argmax_rows_ref(logits))
+    work = cuda.to_device(np.zeros(argmax.argmax_work_size(6), np.uint64))
+    for _ in range(2):                    # the work array is left zero: a second launch agrees
+        argmax.argmax_rows(cuda.to_device(logits), out, work)
+        np.testing.assert_array_equal(out.copy_to_host(), argmax.argmax_rows_ref(logits))
+    assert not work.copy_to_host().any()
 
 
 # ---------------------------------------------------------------- attention

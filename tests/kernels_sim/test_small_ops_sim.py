@@ -110,10 +110,20 @@ def test_store_kv():
 
 
 def test_argmax_rows():
+    """Several chunks a row (CHUNK = 64 in the simulator): a tie across chunks goes to the lowest
+    index, an all -inf row, -0.0 against +0.0 (equal: the first), a winner in the last partial
+    chunk; work is left zero and a second launch on it agrees (graph replay)."""
+    from kernels_numba.argmax import argmax_work_size
     rng = np.random.default_rng(6)
-    logits = rng.standard_normal((3, 300)).astype(np.float32)
-    logits[1, 7] = logits[1, 250] = 99.0  # tie -> lowest index
+    logits = rng.standard_normal((5, 300)).astype(np.float32)
+    logits[1, 7] = logits[1, 250] = 99.0  # tie in different chunks -> lowest index
     logits[2] = -np.inf
-    out = np.full(3, -5, np.int32)
-    argmax_rows(logits, out)
-    np.testing.assert_array_equal(out, argmax_rows_ref(logits))
+    logits[3] = -1.0
+    logits[3, 200], logits[3, 20] = 0.0, -0.0
+    logits[4, 299] = 50.0                 # the last (partial) chunk
+    work = np.zeros(argmax_work_size(5), np.uint64)
+    for _ in range(2):
+        out = np.full(5, -5, np.int32)
+        argmax_rows(logits, out, work)
+        np.testing.assert_array_equal(out, argmax_rows_ref(logits))
+        assert not work.any()
