@@ -53,7 +53,6 @@ and flash_prefill (which rounds P to bf16).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -78,7 +77,6 @@ from kernels_numba.ptx import (
     mma_bf16_16816,
     mma_tf32_1688,
     pack_bf16x2,
-    ldcg_f32,
     shfl_xor_f32,
     tf32_rna,
 )
@@ -102,7 +100,6 @@ class FlashDecodeConfig:
     warps: int = 4  # warps per block, each with its own online softmax over interleaved steps
     keys: int = 16  # keys per warp step (multiple of 8): 2 * keys * hd * 2 / 32 B in flight a lane
     out_bf16: bool = False  # out is uint16 bf16 bits [T, Hq * hd] (a cuBLASLt input), not float32 [T, Hq, hd]
-    fused_merge: bool = False  # split-K: the last partition block of a (token, kv head) merges (no merge launch)
 
     @property
     def threads(self) -> int:
@@ -116,7 +113,7 @@ class FlashDecodeConfig:
 
 def flash_decode_config(head_dim: int, group: int, block_size: int = 16, **override) -> FlashDecodeConfig:
     cfg = FlashDecodeConfig(head_dim, group, block_size, override.get("warps", 4), override.get("keys", 16),
-                            override.get("out_bf16", False), override.get("fused_merge", False))
+                            override.get("out_bf16", False))
     if head_dim % 64 or head_dim <= 0:
         raise ValueError(f"flash_decode: head_dim {head_dim} must be a multiple of 64")
     if not 1 <= group <= 8:
@@ -174,10 +171,7 @@ def _make_kernel(cfg: FlashDecodeConfig):
     Z = np.uint32(0)
     ZF = np.float32(0.0)
 
-    FUSED = cfg.fused_merge
-
-    def flash_decode(q, k_cache, v_cache, block_tables, token_seq, positions, qscale, part_size, out, scratch,
-                     counters):
+    def flash_decode(q, k_cache, v_cache, block_tables, token_seq, positions, qscale, part_size, out, scratch):
         grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
         grid_trigger()
         p = cuda.blockIdx.x
@@ -349,35 +343,6 @@ def _make_kernel(cfg: FlashDecodeConfig):
                 if d == 0:
                     scratch[row, hq, HD] = mm * np.float32(LN2)
                     scratch[row, hq, HD + 1] = den
-        if FUSED and nparts > 1:
-            # ---- split-K merge by the last partition block of (tok, h) to finish: every block
-            # publishes its partial (fence), counts itself in; the one that sees nparts - 1 before
-            # it reads all partials through L2 (ldcg) and re-arms the counter for the next launch.
-            cuda.threadfence()
-            cuda.syncthreads()
-            ci = tok * cuda.gridDim.y + h
-            if tid == 0:
-                s_m[0] = np.float32(1.0) if cuda.atomic.add(counters, ci, 1) == nparts - 1 else ZF
-            cuda.syncthreads()
-            if s_m[0] != ZF:
-                cuda.threadfence()
-                base = tok * grid_parts
-                for idx in range(tid, G * HD, NT):
-                    gg = idx // HD
-                    d = idx - gg * HD
-                    hq = h * G + gg
-                    mm = NEG
-                    for pp in range(nparts):
-                        mm = max(mm, ldcg_f32(scratch, base + pp, hq, HD))
-                    num = ZF
-                    den = ZF
-                    for pp in range(nparts):
-                        f = math.exp(ldcg_f32(scratch, base + pp, hq, HD) - mm)
-                        num += f * ldcg_f32(scratch, base + pp, hq, d)
-                        den += f * ldcg_f32(scratch, base + pp, hq, HD + 1)
-                    store(out, tok, hq, d, num * (np.float32(1.0) / den))
-                if tid == 0:
-                    counters[ci] = 0
 
     return flash_decode
 
@@ -408,7 +373,6 @@ def flash_decode_attention(
     config: FlashDecodeConfig | None = None,
     stream=0,
     no_split_context: int | None = None,
-    counters=None,
 ) -> None:
     """Causal paged attention for a ragged batch on the tensor cores (see module docstring); the
     arguments are those of attention.paged_attention. scratch: float32 [rows, Hq, hd + 2] (from
@@ -416,9 +380,7 @@ def flash_decode_attention(
     CUDA-graph capture; a longer context is still handled: the last partition stretches).
     partitions forces the split count; no_split_context (default 0): never split when max_context
     is at most this. out may also be uint16 with room for [T, Hq * hd]: the result as bf16 bits,
-    row-major (the staging input of a cuBLASLt product: no conversion launch). counters: int32
-    [>= T * Hk], all zero (the kernel leaves them zero): with it a split is merged by the last
-    partition block of each (token, kv head) instead of a merge launch. Allocates nothing."""
+    row-major (the staging input of a cuBLASLt product: no conversion launch). Allocates nothing."""
     num_tokens, hq, hd = q.shape
     if num_tokens == 0:
         return
@@ -451,17 +413,10 @@ def flash_decode_attention(
             scratch = out              # an unused float32 [., ., .] argument
         elif scratch is None:
             scratch = q
-    fused = counters is not None and parts > 1
-    if fused:
-        assert counters.dtype == np.int32 and counters.shape[0] >= num_tokens * hk, \
-            f"flash_decode: counters must be int32 [>= {num_tokens * hk}]"
-    if cfg.fused_merge != fused:
-        cfg = replace(cfg, fused_merge=fused)
     _kernel(cfg)[(parts, hk, num_tokens), cfg.threads, stream](
-        q, kc, vc, block_tables, token_seq, positions, np.float32(scale * LOG2E), np.int32(part), out, scratch,
-        counters if fused else positions,       # positions: an unused int32 [.] argument
+        q, kc, vc, block_tables, token_seq, positions, np.float32(scale * LOG2E), np.int32(part), out, scratch
     )
-    if parts > 1 and not fused:
+    if parts > 1:
         merge = _merge_partitions_bf16_kernel if bf16 else _merge_partitions_kernel
         merge[(hq, num_tokens), min(128, max(32, hd)), stream](scratch, positions, np.int32(part), np.int32(parts), out)
 

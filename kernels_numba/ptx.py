@@ -474,30 +474,3 @@ else:
     @intrinsic
     def grid_trigger(typingctx):
         return types.none(), _griddepcontrol("launch_dependents")
-
-
-# ----------------------------------------------------------------------------- coherent loads
-#   ldcg_f32(a, i, j, k)   `ld.global.cg.f32` of a[i, j, k] (3-D float32): cached in L2 only, so a
-#                          block reads what other blocks of the SAME grid wrote before a
-#                          threadfence + atomic handshake (L1 is not coherent across SMs; the
-#                          read-only path `ld.global.nc` must never see such data).
-__all__ += ["ldcg_f32"]
-
-if SIM:
-    def ldcg_f32(a, i, j, k):
-        return a[i, j, k]
-
-else:
-    @intrinsic
-    def ldcg_f32(typingctx, a, i, j, k):
-        if not (isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 3):
-            return None
-
-        def gen(context, builder, sig, args):
-            ptr = _elem_ptr(context, builder, sig.args[0], args[0], sig.args[1:], args[1:])
-            gptr = builder.addrspacecast(builder.bitcast(ptr, ir.IntType(8).as_pointer()),
-                                         ir.PointerType(ir.IntType(8), 1))
-            fty = ir.FunctionType(_f32t, [gptr.type])
-            return builder.call(ir.InlineAsm(fty, "ld.global.cg.f32 $0, [$1];", "=f,l,~{memory}", side_effect=True),
-                                [gptr])
-        return types.float32(a, i, j, k), gen

@@ -35,8 +35,6 @@ class Levers:
     prefill_attention_min_tokens: int = 64  # segments this long use the tiled prefill kernel
     prefill_attention_kernel: str = "mma"   # mma (tensor cores, flash_prefill.py) | fma (FP32, attention.py)
     decode_attention_kernel: str = "mma"    # mma (tensor cores, flash_decode.py; H200: 2-2.9x at B>=128) | fma (attention.py)
-    decode_attention_fused_merge: bool = True  # mma decode attention split over partitions: the last
-                                         # partition block merges (no merge launch a layer)
     fuse_decode: bool = True             # one-row steps (CUDA): RMSNorm and silu*mul inside the next GEMV
     carry_norm_sums: bool = True         # one-row steps (CUDA, with fuse_decode): residual GEMVs sum the
                                          # squares for the next RMSNorm (float atomics: order-dependent

@@ -240,7 +240,7 @@ class CudaOps:
         decode = flash_decode.flash_decode_attention if self.b.flash_decode else attention.paged_attention
         decode(q, self.b.k_cache64[layer], self.b.v_cache64[layer], self.block_tables, self.token_seq, self.positions,
                1.0 / math.sqrt(self.cfg.head_dim), out, scratch=self.b.attn_scratch, max_context=self.g.max_context,
-               stream=self.s, **({"counters": self.b.attn_counters} if self.b.flash_decode else {}))
+               stream=self.s)
 
     def attention_linear_residual(self, q, layer, weight, residual):
         """residual += attention(q) @ weight.T. When cuBLASLt runs the product of a decode step, the
@@ -515,7 +515,6 @@ class CudaBackend:
         """levers.fuse_decode: one-row steps run RMSNorm and silu*mul inside the GEMV that reads
         them (CudaOps.norm_linear / silu_mul_linear_residual)."""
         self.fuse_decode = bool(getattr(levers, "fuse_decode", True))
-        self.fused_merge = bool(getattr(levers, "decode_attention_fused_merge", True))
         self.carry_norm_sums = bool(getattr(levers, "carry_norm_sums", False))
 
     # ------------------------------------------------------------------ memory plan
@@ -538,7 +537,6 @@ class CudaBackend:
         scratch = attention.paged_attention_scratch_shape(T, c.num_heads, c.num_kv_heads, c.head_dim,
                                                           self.max_model_len)
         plan["attn_scratch"] = (scratch, np.float32)
-        plan["attn_counters"] = ((T * c.num_kv_heads,), np.int32)   # flash_decode's fused merge (kept zero)
         if self.use_blas:
             from metrale.runtime.cuda.cublaslt import WORKSPACE_BYTES
             widest = max(c.hidden_size, c.intermediate_size, c.q_size)
@@ -557,10 +555,8 @@ class CudaBackend:
     def _alloc_activations(self) -> None:
         self.act = {name: self.pool.alloc("activations", shape, dt) for name, (shape, dt) in self._activation_plan().items()}
         self.attn_scratch = self.act["attn_scratch"]
-        for name in ("attn_counters", "argmax_work"):      # kernels that keep these zero between launches
-            if name in self.act:
-                self.act[name].copy_to_device(np.zeros(self.act[name].shape, self.act[name].dtype))
-        self.attn_counters = self.act["attn_counters"] if "attn_counters" in self.act and self.fused_merge else None
+        if "argmax_work" in self.act:                      # argmax_rows keeps it zero between launches
+            self.act["argmax_work"].copy_to_device(np.zeros(self.act["argmax_work"].shape, np.uint64))
         cos, sin = self._rope_host_tables()
         self.act["cos"].copy_to_device(np.ascontiguousarray(cos, np.float32))
         self.act["sin"].copy_to_device(np.ascontiguousarray(sin, np.float32))

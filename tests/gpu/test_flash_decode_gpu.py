@@ -11,7 +11,6 @@ from numba import cuda
 from kernels_numba import attention as A
 from kernels_numba import flash_decode as FD
 from kernels_numba.bf16 import to_bf16_bits
-from kernels_numba.ptx import bf16_bits_to_f32
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda.is_available(), reason="needs a CUDA GPU")]
@@ -71,23 +70,6 @@ def test_flash_decode_vs_paged_and_reference(shape, split):
             FD.flash_decode_attention(*d, scale, d_fd, scratch=scr, max_context=max_ctx, partitions=parts)
             o2 = d_fd.copy_to_host()
             assert np.abs(o2[:n] - out[:n]).max() < 1e-2, parts
-            # the fused merge (last partition block merges) gives the merge launch's values (to float
-            # rounding: the compiler may contract differently),
-            # on float32 and on bf16 outputs, and leaves its counters zero, twice in a row
-            counters = cuda.to_device(np.zeros(q.shape[0] * shape["hk"], np.int32))
-            d_b1 = cuda.to_device(np.zeros((q.shape[0], hq * hd), np.uint16))
-            d_b2 = cuda.to_device(np.zeros((q.shape[0], hq * hd), np.uint16))
-            FD.flash_decode_attention(*d, scale, d_b1, scratch=scr, max_context=max_ctx, partitions=parts)
-            for _ in range(2):
-                d_f = cuda.to_device(np.full_like(q, np.nan))
-                FD.flash_decode_attention(*d, scale, d_f, scratch=scr, max_context=max_ctx, partitions=parts,
-                                          counters=counters)
-                np.testing.assert_allclose(d_f.copy_to_host(), o2, rtol=1e-5, atol=1e-6)
-                FD.flash_decode_attention(*d, scale, d_b2, scratch=scr, max_context=max_ctx, partitions=parts,
-                                          counters=counters)
-                b1, b2 = (bf16_bits_to_f32(a.copy_to_host()) for a in (d_b1, d_b2))
-                assert np.abs(b1 - b2).max() <= 1e-2 * np.abs(b1).max(), np.abs(b1 - b2).max()
-                assert not counters.copy_to_host().any()
 
 
 def _time(fn, n_rot, iters=20):

@@ -113,34 +113,3 @@ def test_flash_decode_bf16_out_equals_rounded_float_out(partitions):
                               partitions=partitions, config=cfg)
     np.testing.assert_array_equal(staged[:q.size], f32_to_bf16_bits(out).reshape(-1))
     assert (staged[q.size:] == 0xFFFF).all()
-
-
-@pytest.mark.parametrize("out_bf16", [False, True])
-def test_fused_merge_matches_merge_launch_and_rearms(out_bf16):
-    """counters given: the last partition block of each (token, kv head) merges the split (no merge
-    launch). Same values as the merge kernel (float32 out: equal; bf16 out: the same bits), the
-    counters are all zero afterwards, and a second launch on the same counters agrees again (graph
-    replay). Tokens with one partition (context 1) and with fewer than the grid's partitions."""
-    from kernels_numba.ptx import bf16_bits_to_f32
-    rng = np.random.default_rng(11)
-    hd, hq, hk, bs = 64, 8, 2, 16
-    q, kc, vc, tables, token_seq, positions = make_batch(rng, hd, hq, hk, [70, 1, 33], bs)
-    scale = hd ** -0.5
-    cfg = FD.flash_decode_config(hd, hq // hk, bs, warps=2, keys=8)
-    T = q.shape[0]
-
-    def run(counters):
-        scratch = np.zeros((8 * T, hq, hd + 2), np.float32)
-        out = np.zeros((T, hq * hd), np.uint16) if out_bf16 else np.full_like(q, np.nan)
-        FD.flash_decode_attention(q, kc, vc, tables, token_seq, positions, scale, out, scratch=scratch,
-                                  partitions=4, config=cfg, counters=counters)
-        return bf16_bits_to_f32(out).reshape(q.shape) if out_bf16 else out
-
-    want = run(None)
-    counters = np.zeros(T * hk, np.int32)
-    got = run(counters)
-    np.testing.assert_array_equal(got, want)
-    assert not counters.any(), counters
-    np.testing.assert_array_equal(run(counters), want)
-    assert not counters.any()
-    check(got, A.attention_ref(q, kc, vc, tables, token_seq, positions, scale))
