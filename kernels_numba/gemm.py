@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32, uint32
+from numba import cuda, float32, uint32, uint64
 
 from kernels_numba.bf16 import f32_to_bf16
 from kernels_numba.ptx import grid_trigger, grid_wait
@@ -44,6 +44,25 @@ __all__ = ["linear", "linear_residual", "linear_ref", "FMA_MAX_T", "SKINNY_MAX_T
            "bf16_bits_to_f32", "gemv", "gemv_path", "gemv_cfg", "gemv_ref", "PROLOGUES"]
 
 FMA_MAX_T = 1          # T <= this: fma GEMV
+# Carried sums of squares (gemv ss_out -> rmsnorm_ss) are uint64 fixed point, sum * SS_SCALE: integer
+# atomics add in any order to the same bits, so a greedy decode is reproducible run to run (float
+# atomics were not: the order of the blocks' adds changed the last bits of the norm and, over a few
+# hundred tokens, a near-tie argmax). Resolution 1.5e-5, range 2.8e14: a 4096-wide residual of RMS
+# 1e-2 .. 1e5 keeps float32-level relative precision.
+SS_SCALE = 65536.0
+SS_UNIT = 1.0 / SS_SCALE
+
+
+def ss_fixed(sum_sq: float) -> np.uint64:
+    """Host: a sum of squares as the carried fixed-point value (an ss_in element)."""
+    return np.uint64(round(float(sum_sq) * SS_SCALE))
+
+
+def ss_value(fixed) -> float:
+    """Host: a carried fixed-point sum of squares back as a float."""
+    return float(np.uint64(fixed)) * SS_UNIT
+
+
 SKINNY_MAX_T = 256     # T <= this (and > FMA_MAX_T): streaming mma; above: tiled
 SKINNY_WARPS = 8       # warps splitting K inside one skinny block
 FMA_WARPS = 4          # rows of w per fma block
@@ -162,8 +181,9 @@ def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumula
     P (prologue, PROLOGUES): 0 x as is; 1 rmsnorm: the block first reduces sum(x^2) (x [1, K]),
     then uses x * rsqrt(mean + eps) * norm_w; 2 silu_mul: x [1, 2K] = [gate | up], uses
     silu(gate) * up; 3 rmsnorm_ss: as 1 with sum(x^2) read from ss_in[0] (written by the kernel that
-    produced x: no reduction, no barrier). SQ: the epilogue adds the sum of squares of the values
-    it writes (after the residual add) into ss_out[0], one atomic per block, for the next
+    produced x: no reduction, no barrier; fixed point, see SS_SCALE). SQ: the epilogue adds the sum
+    of squares of the values it writes (after the residual add) into ss_out[0], one integer atomic
+    per block, for the next
     kernel's rmsnorm_ss. KS > 0: the transformed x is staged once per block in shared memory as
     float32 in dynamic shared memory (K floats, the launch passes 4K bytes; stored permuted,
     element e of chunk c at e * K/8 + c, so the lanes' scalar shared loads are conflict free);
@@ -232,7 +252,7 @@ def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumula
                 tot += red[i]
             scale = float32(1.0) / math.sqrt(tot / float32(K) + eps)
         elif P == 3:
-            scale = float32(1.0) / math.sqrt(ss_in[0] / float32(K) + eps)
+            scale = float32(1.0) / math.sqrt(float32(ss_in[0]) * float32(SS_UNIT) / float32(K) + eps)
         if KS > 0:
             for i in range(tid, K, NT):
                 e = i // nch
@@ -361,7 +381,7 @@ def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumula
                 tot = float32(0.0)
                 for i in range(W):
                     tot += red[i]
-                cuda.atomic.add(ss_out, 0, tot)
+                cuda.atomic.add(ss_out, 0, uint64(tot * float32(SS_SCALE) + float32(0.5)))
 
     return gemv
 
@@ -832,9 +852,9 @@ def gemv(x, w, out, *, prologue: str = "plain", norm_w=None, eps: float = 1e-6, 
     """T = 1 product with the input transform fused into the GEMV (no launch of its own):
       plain       out[1, N] (+)= x[1, K] @ bf16(w).T (+ bias)
       rmsnorm     x -> x * rsqrt(mean(x^2) + eps) * norm_w   (norm_w float32 [K])
-      rmsnorm_ss  the same, with sum(x^2) already in ss_in[0] (float32 [1]): no reduction
+      rmsnorm_ss  the same, with sum(x^2) already in ss_in[0] (uint64 [1], fixed point: ss_fixed): no reduction
       silu_mul    x[1, 2K] = [gate | up] -> silu(gate) * up  (the gate_up product's output)
-    accumulate adds into out (the residual stream). ss_out (float32 [1], zeroed by the caller):
+    accumulate adds into out (the residual stream). ss_out (uint64 [1], zeroed by the caller):
     the sum of squares of the values written is added into it, for the next rmsnorm_ss.
     glu: w is [gate | up] (2I rows) and out[1, I] = silu(x' @ gate.T) * (x' @ up.T) (x' the
     prologue's input): the down product's activation in one launch (no bias, accumulate, ss_out).

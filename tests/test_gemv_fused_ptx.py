@@ -14,6 +14,7 @@ pytestmark = pytest.mark.skipif(SIM, reason="compile_ptx needs the real CUDA tar
 F32_2 = types.Array(types.float32, 2, "C")
 U16_2 = types.Array(types.uint16, 2, "C")
 F32_1 = types.Array(types.float32, 1, "C")
+U64_1 = types.Array(types.uint64, 1, "C")
 
 
 I32_1 = types.Array(types.int32, 1, "C")
@@ -22,7 +23,8 @@ ROPE_SIG = (I32_1, F32_2, F32_2, I32_1, U16_4, U16_4)     # positions, cos, sin,
 
 
 def _ptx(cfg, bias, acc, sq=False, glu=False, rope=0):
-    sig = (F32_2, U16_2, F32_2, F32_1 if bias else F32_2, F32_2, types.float32, F32_1, F32_1) + ROPE_SIG
+    ss = U64_1 if sq or cfg[3] == gemm.PROLOGUES["rmsnorm_ss"] else F32_1       # carried sums: uint64 fixed point
+    sig = (F32_2, U16_2, F32_2, F32_1 if bias else F32_2, F32_2, types.float32, ss, ss) + ROPE_SIG
     ptx, _ = cuda.compile_ptx(gemm.py_kernel("gemv", *cfg, bias, acc, sq, glu, rope), sig, cc=(9, 0))
     assert ".local" not in ptx, f"gemv{cfg}: register arrays spilled to local memory"
     return ptx
@@ -66,9 +68,10 @@ def test_gemv_rmsnorm_ss_and_sumsq_ptx(rows, ks, acc):
     ptx = _ptx((8, rows, 1, p, ks), False, acc, sq=True)
     assert ptx.count("shfl.sync.bfly") == 5 * rows
     assert "sqrt" in ptx
-    assert ptx.count("atom.global.add.f32") + ptx.count("red.global.add.f32") == 1
+    assert ptx.count("atom.global.add.u64") + ptx.count("red.global.add.u64") == 1   # integer: order-free
+    assert "atom.global.add.f32" not in ptx and "red.global.add.f32" not in ptx
     plain = _ptx((8, rows, 1, gemm.PROLOGUES["plain"], 0), False, acc, sq=False)
-    assert "atom.global.add.f32" not in plain and "red.global.add.f32" not in plain
+    assert "atom.global" not in plain and "red.global" not in plain
 
 
 @pytest.mark.parametrize("prologue", ["plain", "rmsnorm_ss"])

@@ -147,7 +147,7 @@ class CudaOps:
         self._resid_ss = None
         if self._carry_norm():       # the step's sums start at zero (a memset node in the graph)
             ss = self.b.act["norm_ss"]
-            cu("cuMemsetD32Async", _ptr(ss), 0, ss.shape[0], self.b.stream.handle)
+            cu("cuMemsetD32Async", _ptr(ss), 0, 2 * ss.shape[0], self.b.stream.handle)   # uint64 slots
         return out
 
     def _carry_norm(self) -> bool:
@@ -542,7 +542,7 @@ class CudaBackend:
             widest = max(c.hidden_size, c.intermediate_size, c.q_size)
             plan["x_bf16"] = ((T, widest), np.uint16)
             plan["blas_workspace"] = ((WORKSPACE_BYTES,), np.uint8)
-        plan["norm_ss"] = ((2 * c.num_layers + 2,), np.float32)   # carried RMSNorm sums (CudaOps._carry_norm)
+        plan["norm_ss"] = ((2 * c.num_layers + 2,), np.uint64)    # carried RMSNorm sums, fixed point (gemm.SS_SCALE)
         plan["cos"] = ((self.max_model_len, c.head_dim // 2), np.float32)
         plan["sin"] = ((self.max_model_len, c.head_dim // 2), np.float32)
         return plan

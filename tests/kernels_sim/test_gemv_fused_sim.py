@@ -71,12 +71,12 @@ def test_sumsq_epilogue_feeds_rmsnorm_ss(N, K, warps, rows, smem, acc):
     w = f32_to_bf16_bits(rng.standard_normal((N, K)).astype(np.float32) / np.sqrt(K))
     r = rng.standard_normal((1, N)).astype(np.float32) if acc else None
     d_out = cuda.to_device(r.copy() if acc else np.full((1, N), np.nan, np.float32))
-    ss = cuda.to_device(np.zeros(1, np.float32))
+    ss = cuda.to_device(np.zeros(1, np.uint64))
     path = gemm.gemv_path(N, K, "plain", warps=warps, rows=rows, unroll=1, smem=smem)
     gemm.gemv(cuda.to_device(x), cuda.to_device(w), d_out, accumulate=acc, path=path, ss_out=ss)
     h = d_out.copy_to_host()
     assert _relerr(h, gemm.gemv_ref(x, w, "plain", residual=r)) < 1e-5
-    assert abs(float(ss.copy_to_host()[0]) - float((h.astype(np.float64) ** 2).sum())) < 1e-4 * float((h ** 2).sum())
+    assert abs(gemm.ss_value(ss.copy_to_host()[0]) - float((h.astype(np.float64) ** 2).sum())) < 1e-4 * float((h ** 2).sum())
     # the consumer: N inputs, 64 outputs, normalized by the carried sum
     w2 = f32_to_bf16_bits(rng.standard_normal((64, N)).astype(np.float32) / np.sqrt(N))
     nw = (1 + 0.2 * rng.standard_normal(N)).astype(np.float32)
@@ -99,7 +99,7 @@ def test_gemv_glu_epilogue(prologue, I, K, warps, unroll, smem):
     x = (rng.standard_normal((1, K)) * 2).astype(np.float32)
     w = f32_to_bf16_bits(rng.standard_normal((2 * I, K)).astype(np.float32) / np.sqrt(K))
     nw = (1 + 0.2 * rng.standard_normal(K)).astype(np.float32) if prologue != "plain" else None
-    ss = np.array([np.sum(x.astype(np.float64) ** 2)], np.float32) if prologue == "rmsnorm_ss" else None
+    ss = np.array([gemm.ss_fixed(np.sum(x.astype(np.float64) ** 2))], np.uint64) if prologue == "rmsnorm_ss" else None
     d_out = cuda.to_device(np.full((1, I), np.nan, np.float32))
     path = gemm.gemv_path(2 * I, K, prologue, warps=warps, rows=2, unroll=unroll, smem=smem)
     gemm.gemv(cuda.to_device(x), cuda.to_device(w), d_out, prologue=prologue,
