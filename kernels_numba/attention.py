@@ -322,8 +322,8 @@ def _merged(scratch, base, nparts, hq, hd, d, m, inv):
 
 @cuda.jit
 def _merge_partitions_kernel(scratch, positions, part_size, grid_parts, out):
-    grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
-    grid_trigger()
+    grid_trigger()   # before the wait: the o_proj GEMV may launch (and prefetch its weights) while
+    grid_wait()      # the attention this merge waits for still runs; then PDL: before any read
     hq = cuda.blockIdx.x
     t = cuda.blockIdx.y
     ctx = positions[t] + 1
@@ -340,8 +340,8 @@ def _merge_partitions_kernel(scratch, positions, part_size, grid_parts, out):
 def _merge_partitions_bf16_kernel(scratch, positions, part_size, grid_parts, out):
     """_merge_partitions_kernel writing bf16 bits into out uint16 [T, Hq * hd] (a library
     matmul's input, no conversion launch)."""
-    grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
-    grid_trigger()
+    grid_trigger()   # before the wait, as _merge_partitions_kernel
+    grid_wait()      # PDL: before any read of what an earlier kernel wrote
     hq = cuda.blockIdx.x
     t = cuda.blockIdx.y
     ctx = positions[t] + 1

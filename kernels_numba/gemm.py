@@ -37,7 +37,7 @@ from kernels_numba.bf16 import f32_to_bf16
 from kernels_numba.ptx import grid_trigger, grid_wait
 from kernels_numba.ptx import (SIM, bf16_bits_to_f32, bf16hi_f32, bf16lo_f32, f32_to_bf16_bits,
                                ldg_f32x4, ldg_u16x8, lds_u32x4, mma_bf16_16816, pack_bf16x2,
-                               sts_u32x4, warp_sum_f32)
+                               prefetch_l2, sts_u32x4, warp_sum_f32)
 
 __all__ = ["linear", "linear_residual", "linear_ref", "FMA_MAX_T", "SKINNY_MAX_T", "pick_path",
            "fma_path", "skinny_path", "tiled_path", "skinny_cfg", "f32_to_bf16_bits",
@@ -174,7 +174,7 @@ def gemv_ref(x, w_u16, prologue: str = "plain", norm_w=None, eps: float = 1e-6, 
 
 
 def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumulate: bool, SQ: bool = False,
-               GLU: bool = False, ROPE: int = 0):
+               GLU: bool = False, ROPE: int = 0, PF: bool = False):
     """T = 1 GEMV, R consecutive rows of w per warp (W warps a block): a lane takes 8-wide k
     chunks lane, lane+32, ...; U chunks of each of its R rows in flight (16-byte loads) while the
     previous U are used. The 8 x values of a chunk are fetched once and used for R rows.
@@ -196,7 +196,10 @@ def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumula
     pass-through dims) and writes, at the step's position pos[0] and slot slots[0]: q rotated into
     out [1, Hq hd], k rotated and v as they are into the bf16 caches [blocks, block_size, Hk, hd]
     (slot -1: no store). The attention input in the projection's launch: no qkv buffer, no
-    rope/store kernel."""
+    rope/store kernel. PF (plain row layout only): before the PDL wait the block also prefetches all
+    of its rows into L2 (`prefetch.global.L2`, one 128-byte line a thread at a time), so that weights
+    stream from HBM while the kernels before it are latency-bound (o_proj after decode attention),
+    and the product after the wait reads L2."""
     NT = 32 * W
     NWR = 4 * U * R
     RPW = 1 if GLU else R           # outputs a warp writes
@@ -235,6 +238,12 @@ def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumula
                 q = ldg_u16x8(w, n0 + r * rs, kc)
                 for e in range(4):
                     wr[(u * R + r) * 4 + e] = q[e]
+        if PF:
+            lines = K >> 6                                  # 128-byte lines a row (64 bf16)
+            rb = cuda.blockIdx.x * (W * R)
+            for i in range(tid, W * R * lines, NT):
+                rr = i // lines
+                prefetch_l2(w, rb + rr, (i - rr * lines) << 6)
         grid_wait()      # PDL: before any read of what an earlier kernel wrote (x, out, ss_in)
         grid_trigger()
         scale = float32(1.0)
@@ -691,7 +700,7 @@ def py_kernel(kind: str, *cfg):
 def kernel(kind: str, *cfg):
     """kind 'fma': (T, warps, unroll, has_bias, accumulate); 'skinny': (mt, nt, warps, unroll,
     has_bias, accumulate); 'tiled': (bm, bn, has_bias, accumulate); 'gemv': (warps, rows,
-    unroll, prologue, smem (0/1), has_bias, accumulate, sumsq, glu, rope), arguments (x, w, out, bias, norm_w,
+    unroll, prologue, smem (0/1), has_bias, accumulate, sumsq, glu, rope, prefetch), arguments (x, w, out, bias, norm_w,
     eps, ss_in, ss_out, positions, cos, sin, slot_mapping, k_cache, v_cache)."""
     key = (kind,) + cfg
     k = _KERNELS.get(key)
@@ -806,7 +815,7 @@ def _launch(x, w, out, bias, stream, accumulate, fma_max_t, skinny_max_t, path=N
     if path is None:
         path = pick_path(T, N, fma_max_t, skinny_max_t, K)
     kind, cfg, grid, block = path
-    k = kernel(kind, *cfg, bias is not None, accumulate, *((False, False, 0) if kind == "gemv" else ()))
+    k = kernel(kind, *cfg, bias is not None, accumulate, *((False, False, 0, False) if kind == "gemv" else ()))
     # without a bias the kernel never reads that argument (branch pruned): pass out as filler
     if kind == "gemv":
         assert T == 1 and cfg[3] == 0, "the gemv path of linear is T = 1, no prologue"
@@ -848,7 +857,7 @@ def _rope_filler() -> tuple:
 
 def gemv(x, w, out, *, prologue: str = "plain", norm_w=None, eps: float = 1e-6, bias=None,
          accumulate: bool = False, stream=None, path=None, ss_in=None, ss_out=None, glu: bool = False,
-         rope: tuple | None = None, interleaved: bool = False) -> None:
+         rope: tuple | None = None, interleaved: bool = False, prefetch: bool = False) -> None:
     """T = 1 product with the input transform fused into the GEMV (no launch of its own):
       plain       out[1, N] (+)= x[1, K] @ bf16(w).T (+ bias)
       rmsnorm     x -> x * rsqrt(mean(x^2) + eps) * norm_w   (norm_w float32 [K])
@@ -861,6 +870,7 @@ def gemv(x, w, out, *, prologue: str = "plain", norm_w=None, eps: float = 1e-6, 
     rope = (positions, cos, sin, slot_mapping, k_cache, v_cache): w is the fused QKV projection and
     the epilogue does qkv.qkv_rope_store's work for the one token (no q/k norm): q rotated into
     out [1, Hq hd], k rotated and v into the caches (interleaved: the rotation pairs' layout).
+    prefetch: before its PDL wait each block pulls all its rows into L2 (plain layout: no glu/rope).
     path: from gemv_path (default gemv_cfg). Device arrays in, nothing allocated (graph-capture safe)."""
     if prologue not in PROLOGUES:
         raise ValueError(f"gemv: unknown prologue '{prologue}' (one of {sorted(PROLOGUES)})")
@@ -889,8 +899,9 @@ def gemv(x, w, out, *, prologue: str = "plain", norm_w=None, eps: float = 1e-6, 
     assert kind == "gemv" and cfg[3] == PROLOGUES[prologue], f"gemv: path {kind}{cfg} is not for {prologue}"
     assert cfg[4] == 0 or K <= GEMV_SMEM_MAX_K, "gemv: x staged in shared memory needs K <= 12288"
     assert not (glu or rope is not None) or cfg[1] == 2, "gemv glu / rope: two rows (gate and up, a rotation pair) a warp"
+    assert not prefetch or not (glu or rope is not None), "gemv prefetch: plain row layout only"
     k = kernel(kind, *cfg, bias is not None, accumulate, ss_out is not None, glu,
-               0 if rope is None else (2 if interleaved else 1))
+               0 if rope is None else (2 if interleaved else 1), bool(prefetch))
     f = out.reshape(out.size)                           # filler for unused ss arguments
     k[grid, block, stream or 0, 4 * K if cfg[4] else 0](x, w, out, out if bias is None else bias,
                                                          nw, np.float32(eps),

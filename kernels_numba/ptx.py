@@ -474,3 +474,29 @@ else:
     @intrinsic
     def grid_trigger(typingctx):
         return types.none(), _griddepcontrol("launch_dependents")
+
+
+# ----------------------------------------------------------------------------- L2 prefetch
+#   prefetch_l2(a, r, c)   `prefetch.global.L2` of the 128-byte line holding a[r, c] (2-D uint16):
+#                          a kernel parked at its PDL wait pulls weights it will stream into L2
+#                          while the kernels before it are latency-bound (decode attention).
+__all__ += ["prefetch_l2"]
+
+if SIM:
+    def prefetch_l2(a, r, c):
+        return None
+
+else:
+    @intrinsic
+    def prefetch_l2(typingctx, a, r, c):
+        if not (isinstance(a, types.Array) and a.dtype == types.uint16 and a.ndim == 2):
+            return None
+
+        def gen(context, builder, sig, args):
+            ptr = _elem_ptr(context, builder, sig.args[0], args[0], sig.args[1:], args[1:])
+            gptr = builder.addrspacecast(builder.bitcast(ptr, ir.IntType(8).as_pointer()),
+                                         ir.PointerType(ir.IntType(8), 1))
+            fty = ir.FunctionType(ir.VoidType(), [gptr.type])
+            builder.call(ir.InlineAsm(fty, "prefetch.global.L2 [$0];", "l", side_effect=True), [gptr])
+            return context.get_dummy_value()
+        return types.none(a, r, c), gen

@@ -22,10 +22,10 @@ U16_4 = types.Array(types.uint16, 4, "C")
 ROPE_SIG = (I32_1, F32_2, F32_2, I32_1, U16_4, U16_4)     # positions, cos, sin, slots, k/v caches
 
 
-def _ptx(cfg, bias, acc, sq=False, glu=False, rope=0):
+def _ptx(cfg, bias, acc, sq=False, glu=False, rope=0, pf=False):
     ss = U64_1 if sq or cfg[3] == gemm.PROLOGUES["rmsnorm_ss"] else F32_1       # carried sums: uint64 fixed point
     sig = (F32_2, U16_2, F32_2, F32_1 if bias else F32_2, F32_2, types.float32, ss, ss) + ROPE_SIG
-    ptx, _ = cuda.compile_ptx(gemm.py_kernel("gemv", *cfg, bias, acc, sq, glu, rope), sig, cc=(9, 0))
+    ptx, _ = cuda.compile_ptx(gemm.py_kernel("gemv", *cfg, bias, acc, sq, glu, rope, pf), sig, cc=(9, 0))
     assert ".local" not in ptx, f"gemv{cfg}: register arrays spilled to local memory"
     return ptx
 
@@ -92,3 +92,17 @@ def test_gemv_rope_ptx(rope, bias):
     assert ptx.count("ld.global.nc.v4.u32") == 2 * 2 * 2
     assert "st.global.u16" in ptx and "st.global.f32" in ptx
     assert "atom.global" not in ptx and "red.global" not in ptx
+
+
+@pytest.mark.parametrize("sq", [False, True])
+def test_gemv_prefetch_before_the_wait(sq):
+    """prefetch: `prefetch.global.L2` of the block's rows, all of it before `griddepcontrol.wait`;
+    the product after the wait is unchanged (same 16-byte loads); without it, no prefetch."""
+    cfg = (8, 2, 2, gemm.PROLOGUES["plain"], 0)
+    ptx = _ptx(cfg, False, True, sq=sq, pf=True)
+    lines = ptx.splitlines()
+    wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
+    pf = [i for i, ln in enumerate(lines) if "prefetch.global.L2" in ln]
+    assert pf and max(pf) < wait, (pf, wait)
+    assert ptx.count("ld.global.nc.v4.u32") == 2 * 2 * 2
+    assert "prefetch.global" not in _ptx(cfg, False, True, sq=sq)

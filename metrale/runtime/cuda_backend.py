@@ -185,15 +185,19 @@ class CudaOps:
             gemm.linear(x, weight, out, bias, stream=self.s, skinny_max_t=self.b.skinny_max_t)
         return out
 
-    def linear_residual(self, x, weight, residual):
+    def linear_residual(self, x, weight, residual, prefetch: bool = False):
+        """residual += x @ weight.T. prefetch (one row, the Numba GEMV): each block pulls its weight
+        rows into L2 before its PDL wait (the o_proj after decode attention, levers.prefetch_o_proj)."""
         if self._carry_norm() and not self.b.blas_takes(1, weight) and _ptr(residual) == _ptr(self.b.act["residual"]):
             ss = self._take_ss()
-            gemm.gemv(x, weight, residual, accumulate=True, stream=self.s, ss_out=ss)
+            gemm.gemv(x, weight, residual, accumulate=True, stream=self.s, ss_out=ss, prefetch=prefetch)
             self._resid_ss = ss
             return residual
         self._resid_ss = None
         if self.b.blas_takes(x.shape[0], weight):
             self.b.blas_linear(x, weight, residual, None, accumulate=True)
+        elif prefetch and x.shape[0] == 1:
+            gemm.gemv(x, weight, residual, accumulate=True, stream=self.s, prefetch=True)
         else:
             gemm.linear_residual(x, weight, residual, stream=self.s, skinny_max_t=self.b.skinny_max_t)
         return residual
@@ -248,7 +252,8 @@ class CudaOps:
         no float32 output, no conversion launch (one kernel a layer fewer)."""
         T = self.g.tokens
         if not (self.b.flash_decode and self.g.max_query_len < self.b.prefill_min_tokens and self.b.blas_takes(T, weight)):
-            return self.linear_residual(self.attention(q, layer), weight, residual)
+            return self.linear_residual(self.attention(q, layer), weight, residual,
+                                        prefetch=self.b.prefetch_o_proj and T == 1 and self.b.fuse_decode)
         self._decode_attention(q, layer, self.b.blas_input((T, self.cfg.q_size)))
         self._resid_ss = None
         self.b.blas_linear(None, weight, residual, None, accumulate=True, rows=T)
@@ -515,6 +520,7 @@ class CudaBackend:
         """levers.fuse_decode: one-row steps run RMSNorm and silu*mul inside the GEMV that reads
         them (CudaOps.norm_linear / silu_mul_linear_residual)."""
         self.fuse_decode = bool(getattr(levers, "fuse_decode", True))
+        self.prefetch_o_proj = bool(getattr(levers, "prefetch_o_proj", True))
         self.carry_norm_sums = bool(getattr(levers, "carry_norm_sums", False))
 
     # ------------------------------------------------------------------ memory plan

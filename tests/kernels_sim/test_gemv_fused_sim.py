@@ -150,3 +150,26 @@ def test_gemv_rope_epilogue_equals_linear_then_rope_store(interleaved, rot, bias
         else:
             g, t = bf16_bits_to_f32(got), bf16_bits_to_f32(want)
             np.testing.assert_allclose(g, t, rtol=1e-2, atol=1e-3)  # one bf16 rounding apart at most
+
+
+def test_gemv_prefetch_changes_nothing():
+    """prefetch=True (an L2 hint before the PDL wait; a no-op in the simulator) gives the same
+    output as without, with accumulate and the carried sum of squares."""
+    rng = np.random.default_rng(3)
+    N, K = 128, 256
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    w = f32_to_bf16_bits(rng.standard_normal((N, K)).astype(np.float32) / np.sqrt(K))
+    r = rng.standard_normal((1, N)).astype(np.float32)
+    outs = []
+    for pf in (False, True):
+        d = cuda.to_device(r.copy())
+        ss = cuda.to_device(np.zeros(1, np.uint64))
+        gemm.gemv(cuda.to_device(x), cuda.to_device(w), d, accumulate=True, ss_out=ss, prefetch=pf,
+                  path=gemm.gemv_path(N, K, "plain", warps=2, rows=2, unroll=1))
+        outs.append((d.copy_to_host(), ss.copy_to_host()))
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    np.testing.assert_array_equal(outs[0][1], outs[1][1])
+    assert _relerr(outs[1][0], gemm.gemv_ref(x, w, "plain", residual=r)) < 1e-5
+    with pytest.raises(AssertionError, match="prefetch"):
+        gemm.gemv(cuda.to_device(x), cuda.to_device(np.concatenate([w, w])), cuda.to_device(np.zeros((1, N), np.float32)),
+                  glu=True, prefetch=True)

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Session 5, call B (carry .whl + .snap): the o_proj L2 prefetch during decode attention
+# (levers.prefetch_o_proj; the split-K merge triggers before its wait) and the fixed-point carried
+# norm sums: GPU tests, replays with the prefetch on / off, the torch.compile peer at 8B B=32.
+set -u
+t0=$(date +%s); stamp() { echo "=== $1 at $(( $(date +%s) - t0 )) s"; }
+if [ ! -d /tmp/site/hydra ]; then
+  stamp install
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --no-build-isolation \
+      --target /tmp/site .whl/*.whl .whl/*.tar.gz >/dev/null || exit 1
+fi
+if [ -f .snap/src.tar.gz ]; then
+  rm -rf /tmp/src && mkdir -p /tmp/src && tar xzf .snap/src.tar.gz -C /tmp/src || exit 5
+fi
+cd /tmp/src 2>/dev/null && echo "committed tree in /tmp/src" || echo "no /tmp/src: the working tree"
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore OPENBLAS_NUM_THREADS=8
+stamp tests
+timeout 170 python3 -m pytest -q -m gpu -p no:warnings tests/gpu/test_fused_gemv_gpu.py tests/gpu/test_cuda_backend_gpu.py \
+    -k "fused_decode or reproducible or glu or ragged or verify or prefill_logits" > $OUT/tests_b.txt 2>&1
+grep -E "passed|failed|^E  |^FAILED|graph nodes" $OUT/tests_b.txt | cut -c1-250 | tail -8
+stamp replays
+ab() { timeout 80 python3 -m bench.profile_graph --time-only --context 512 "$@" 2>&1 | grep -E "replay|Error|error" | cut -c1-200 | tail -3; }
+for pf in true false; do
+  echo "--- prefetch_o_proj=$pf"
+  ab --model llama-3-8b-shape --batch 1 32 --override "levers.graph_batch_sizes=[1,32]" "levers.prefetch_o_proj=$pf"
+  ab --model llama-3.2-1b-shape --batch 1 --override "levers.graph_batch_sizes=[1]" "levers.prefetch_o_proj=$pf"
+  ab --model smollm2-135m-shape --batch 1 --override "levers.graph_batch_sizes=[1]" "levers.prefetch_o_proj=$pf"
+done
+stamp "torch.compile peer, 8B B=32"
+timeout 150 python3 -m bench.run_all --stage peers --out $OUT/raw --peer-jobs torch_decode:llama-3-8b-shape:32 \
+    > $OUT/peer.txt 2>&1; echo "exit $?"
+grep -E "tok/s|Error" $OUT/peer.txt | cut -c1-200 | tail -4
+stamp done
