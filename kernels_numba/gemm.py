@@ -768,14 +768,19 @@ def gemv_cfg(N: int, K: int, prologue: str = "plain"):
     return (8, 1, 2, False) if K <= 1024 else (4, 1, 2, False)
 
 
+# Every T = 1 GEMV's warps / unroll instead of gemv_cfg's (0: the table); the backend sets these from
+# levers.gemv_warps / gemv_unroll before it compiles anything (a sweep inside whole decode graphs).
+GEMV_FORCE = {"warps": 0, "unroll": 0}
+
+
 def gemv_path(N: int, K: int, prologue: str = "plain", warps: int | None = None,
               rows: int | None = None, unroll: int | None = None, smem: bool | None = None):
     """T = 1 GEMV with a fused prologue ('plain', 'rmsnorm', 'rmsnorm_ss', 'silu_mul'); keyword arguments
-    override gemv_cfg. smem=True stages x in shared memory (K <= GEMV_SMEM_MAX_K)."""
+    override gemv_cfg (then GEMV_FORCE). smem=True stages x in shared memory (K <= GEMV_SMEM_MAX_K)."""
     d = gemv_cfg(N, K, prologue)
-    warps = d[0] if warps is None else warps
+    warps = (GEMV_FORCE["warps"] or d[0]) if warps is None else warps
     rows = d[1] if rows is None else rows
-    unroll = d[2] if unroll is None else unroll
+    unroll = (GEMV_FORCE["unroll"] or d[2]) if unroll is None else unroll
     smem = d[3] if smem is None else smem
     assert N % (warps * rows) == 0, f"gemv: N={N} is not a multiple of warps*rows={warps * rows}"
     assert warps <= 32

@@ -36,6 +36,8 @@ class Levers:
     prefill_attention_kernel: str = "mma"   # mma (tensor cores, flash_prefill.py) | fma (FP32, attention.py)
     decode_attention_kernel: str = "mma"    # mma (tensor cores, flash_decode.py; H200: 2-2.9x at B>=128) | fma (attention.py)
     fuse_decode: bool = True             # one-row steps (CUDA): RMSNorm and silu*mul inside the next GEMV
+    gemv_warps: int = 0                  # every one-row GEMV's warps a block (0: gemm.gemv_cfg's table)
+    gemv_unroll: int = 0                 # every one-row GEMV's 16-byte loads in flight a row and lane (0: table)
     prefetch_o_proj: bool = True         # one-row steps (CUDA, with fuse_decode): the o_proj GEMV pulls its
                                          # weights into L2 before its PDL wait, during decode attention
     carry_norm_sums: bool = True         # one-row steps (CUDA, with fuse_decode): residual GEMVs sum the

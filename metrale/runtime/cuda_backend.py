@@ -521,6 +521,7 @@ class CudaBackend:
         them (CudaOps.norm_linear / silu_mul_linear_residual)."""
         self.fuse_decode = bool(getattr(levers, "fuse_decode", True))
         self.prefetch_o_proj = bool(getattr(levers, "prefetch_o_proj", True))
+        gemm.GEMV_FORCE.update(warps=int(getattr(levers, "gemv_warps", 0)), unroll=int(getattr(levers, "gemv_unroll", 0)))
         self.carry_norm_sums = bool(getattr(levers, "carry_norm_sums", False))
 
     # ------------------------------------------------------------------ memory plan

@@ -12,7 +12,11 @@ launches allocate nothing and can be captured in a CUDA graph.
 
 Autotune (`autotune` candidates, for plans of at most `autotune_max_rows` rows, i.e. the decode and
 verify ladder): the heuristic's top candidates are each timed on the call's own operands (output to
-a scratch buffer, so the real output is untouched) and the fastest is kept. The heuristic's first
+a scratch buffer, so the real output is untouched) and the fastest is kept. Each timed run starts
+with the L2 flushed (a FLUSH_BYTES memset outside the events): a decode step streams its weights
+from HBM, while back-to-back runs of one product keep a <= 50 MB weight (8B qkv, o_proj) in the
+L2 and time a different kernel choice (session 5: the pick, and the 8B B=32 step with it, varied
+between runs: 358 or 390 graph nodes, 5.68 or 5.78 ms). The heuristic's first
 choice is often a split-K kernel plus a reduce launch for the skinny decode products (H200, 8B
 shape, 32 rows: 2.5-2.8 TB/s on qkv/o_proj against 3.8 for gate_up). Plans first made while a stream
 is being captured are not tuned (nothing may run then); the backend's eager warm-up run makes them
@@ -33,6 +37,7 @@ CUDA_R_16BF = 14
 CUBLAS_COMPUTE_32F = 68
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 WORKSPACE_BYTES = 32 << 20
+FLUSH_BYTES = 192 << 20  # > 3x the H200's L2: written before each timed autotune run
 MAX_PLANS = 512          # plans kept (LRU): eager prefill chunks of every length would grow it
 
 
@@ -141,6 +146,7 @@ class CublasLt:
         x_ptr, w_ptr, bias_ptr, stream = tune_with
         a, b, d = layouts
         scratch = self._scratch_for(T * N * 4)
+        flush = int(_check(drv.cuMemAlloc(FLUSH_BYTES)))
         if bias:
             self._set(desc, self.L.MatmulDescAttribute.BIAS_POINTER, bias_ptr, np.uint64)
         beta = self._one if accumulate else self._zero
@@ -155,6 +161,7 @@ class CublasLt:
                 runs = []
                 try:
                     for r in range(6):
+                        _check(drv.cuMemsetD8Async(flush, r, FLUSH_BYTES, stream))   # cold L2, as in a step
                         _check(drv.cuEventRecord(start, stream))
                         self.L.matmul(self.handle, desc, self._one.ctypes.data, w_ptr, a, x_ptr, b,
                                       beta.ctypes.data, scratch, d, scratch, d, algo, self.workspace,
@@ -169,6 +176,8 @@ class CublasLt:
         finally:
             for e in (start, stop):
                 drv.cuEventDestroy(e)
+            _check(drv.cuStreamSynchronize(stream))
+            drv.cuMemFree(flush)
         pick = int(np.argmin(times))
         if not np.isfinite(times[pick]):
             pick = 0
