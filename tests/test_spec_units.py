@@ -49,6 +49,29 @@ def test_ngram_matches_the_sliding_window_definition(max_n, min_n):
         assert (draft.tokens, draft.confidences) == sliding_window_ngram(toks, k, max_n, min_n), toks
 
 
+def test_ngram_index_grows_with_the_sequence():
+    """The per-sequence n-gram index is extended by the tokens appended between calls (prompt and
+    output), equals the sliding-window definition at every step, is rebuilt if the history is not
+    an extension of what it saw, and is dropped by release."""
+    r = np.random.default_rng(7)
+    d = NgramDrafter(4, 1)
+    s = seq(r.integers(0, 4, size=12).tolist())
+    for step in range(60):
+        k = int(r.integers(1, 5))
+        [draft] = d.propose([s], [k])
+        assert (draft.tokens, draft.confidences) == sliding_window_ngram(s.token_ids, k, 4, 1), step
+        s.output_token_ids.extend(r.integers(0, 4, size=int(r.integers(1, 4))).tolist())
+    assert len(d._index[s].toks) < s.num_tokens        # the last tokens are entered at the next call
+    s2 = seq([5, 6, 5, 6, 7])
+    d.propose([s2], [2])
+    s2.prompt_token_ids[-1] = 5                         # not an extension: rebuilt, still correct
+    s2.output_token_ids.append(6)
+    [draft] = d.propose([s2], [3])
+    assert (draft.tokens, draft.confidences) == sliding_window_ngram(s2.token_ids, 3, 4, 1)
+    d.release(s2)
+    assert s2 not in d._index
+
+
 def test_draft_cut_at_low_confidence():
     d = Draft([1, 2, 3, 4], [0.9, 0.8, 0.2, 0.9])
     assert d.cut(4, 0.5).tokens == [1, 2]

@@ -7,6 +7,7 @@ indexed by the target's block tables.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -41,9 +42,35 @@ class Drafter(Protocol):
         """The sequence finished or was preempted: drop anything kept for it."""
 
 
+class _NgramIndex:
+    """One sequence's n-grams: tables[n][the n tokens ending at e] = the latest such e, for every
+    e before the last token (an n-gram is entered when the token after it arrives)."""
+
+    __slots__ = ("toks", "tables")
+
+    def __init__(self, max_n: int):
+        self.toks: list[int] = []
+        self.tables: list[dict] = [{} for _ in range(max_n + 1)]
+
+    def extend(self, new: list[int]) -> None:
+        toks, tables = self.toks, self.tables
+        for t in new:
+            e = len(toks) - 1                     # the old last token stops being the last
+            if e >= 0:
+                for n in range(1, min(len(tables) - 1, e + 1) + 1):
+                    tables[n][tuple(toks[e - n + 1:e + 1])] = e
+            toks.append(t)
+
+
 class NgramDrafter:
     """Prompt lookup: the longest suffix (max_n down to min_n tokens) of prompt + output that
-    occurred earlier proposes the tokens that followed its latest earlier occurrence."""
+    occurred earlier proposes the tokens that followed its latest earlier occurrence.
+
+    Each sequence keeps an index of its n-grams (latest end position per n-gram, per n), grown by
+    the tokens appended since the last call: a proposal is max_n dictionary lookups instead of a
+    scan of the whole history (the scan plus the history's conversion to an array cost ~10-30 us a
+    sequence and step on the CPU: ~0.3-1 ms a step at batch 32, against a 2.3 ms SmolLM2 step on
+    the H200). `_one` is the stateless scan, kept as the reference."""
 
     name = "ngram"
 
@@ -51,9 +78,36 @@ class NgramDrafter:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"ngram drafter needs 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.max_n, self.min_n = max_n, min_n
+        self._index: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
-        return [self._one(np.asarray(s.token_ids, dtype=np.int64), k) for s, k in zip(seqs, ks)]
+        return [self._lookup(self._synced(s), k) for s, k in zip(seqs, ks)]
+
+    def _synced(self, seq: Sequence) -> _NgramIndex:
+        """The sequence's index with every token of prompt + output entered (tokens only ever
+        append; a shorter or different history rebuilds it)."""
+        idx = self._index.get(seq)
+        P, out = len(seq.prompt_token_ids), seq.output_token_ids
+        L = P + len(out)
+        n = 0 if idx is None else len(idx.toks)
+        if idx is None or n > L or (n and idx.toks[-1] != (seq.prompt_token_ids[n - 1] if n <= P else out[n - 1 - P])):
+            idx = self._index[seq] = _NgramIndex(self.max_n)
+            n = 0
+        if n < P:
+            idx.extend(seq.prompt_token_ids[n:])
+            idx.extend(out)
+        elif n < L:
+            idx.extend(out[n - P:])
+        return idx
+
+    def _lookup(self, idx: _NgramIndex, k: int) -> Draft:
+        toks, L = idx.toks, len(idx.toks)
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            e = idx.tables[n].get(tuple(toks[L - n:]))
+            if e is not None:
+                follow = toks[e + 1:e + 1 + k]
+                return Draft(follow, [n / self.max_n] * len(follow))
+        return Draft()
 
     def _one(self, toks: np.ndarray, k: int) -> Draft:
         """Candidates are the earlier positions j holding the last token; each one's match length
@@ -81,4 +135,4 @@ class NgramDrafter:
         return Draft([int(t) for t in follow], [conf] * len(follow))
 
     def release(self, seq: Sequence) -> None:
-        pass
+        self._index.pop(seq, None)
