@@ -68,6 +68,8 @@ class Levers:
     spec_ema_decay: float = 0.7          # weight of history in the accepted-tokens average
     spec_measured_gate: str = "auto"     # auto | on | off: pause speculation on measured step times
                                          # (auto: on CUDA backends; CPU uses the spec_verify_cost model)
+    spec_measured_margin: float = 0.05   # the measured gate speculates on while its rate beats plain by this
+    spec_measured_min_steps: int = 4     # verify steps a batch-size bucket (or a probe) needs before deciding
     state_norm_bound: float = 0.0        # hybrid models: clamp recurrent-state norms in long prefills (0: off)
     state_snapshots: int = 64            # hybrid models: recurrent-state snapshots kept for prefix caching
                                          # (LRU; 0: no prefix caching for hybrid models)

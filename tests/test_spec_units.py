@@ -191,6 +191,23 @@ def test_measured_gate_reprobes_after_the_pause():
 
 
 
+def test_measured_gate_margin_pauses_a_break_even_speculation():
+    """With measure_margin 0.05 a speculation measured at ~1.03x of plain's rate pauses (after
+    measure_min_steps verify steps), while one at 1.5x goes on; without a margin the 1.03x one goes on."""
+    def spec_steps(margin, spec_s, accepted):
+        clock = FakeClock()
+        g = AdaptiveGate(2, verify_cost=0.1, probe_interval=8, clock=clock, measure_margin=margin,
+                         measure_min_steps=4)
+        return run_steps(g, clock, 200, 8, plain_s=0.01, spec_s=spec_s, accepted_per_seq=accepted), g
+    # 1 + 1 tokens a sequence in 0.0194 s against 1 in 0.01 s: 1.03x
+    n, g = spec_steps(0.05, 0.0194, 1)
+    assert n < 60 and 1.0 < g.timing[8].rate_ratio() < 1.05
+    n0, _ = spec_steps(0.0, 0.0194, 1)
+    assert n0 > 180
+    n2, g2 = spec_steps(0.05, 0.0133, 1)
+    assert n2 > 180 and g2.timing[8].rate_ratio() > 1.45
+
+
 def test_drafts_fit_the_backend_logits_rows():
     """With a backend that holds R logits rows a forward (CUDA: max_rows), the drafts of a step
     never need more than R rows in all: one per running sequence plus the drafts."""

@@ -399,7 +399,8 @@ class CudaBackend:
         if self.use_blas:
             from metrale.runtime.cuda.cublaslt import CublasLt
             ws = self.act["blas_workspace"]
-            self.blas = CublasLt(_ptr(ws), ws.nbytes, autotune=int(getattr(levers, "cublaslt_autotune", 0)))
+            self.blas = CublasLt(_ptr(ws), ws.nbytes, autotune=int(getattr(levers, "cublaslt_autotune", 0)),
+                                 autotune_rows=set(self.graph_sizes) if self.use_graphs else None)
         self.graphs: dict[Geometry, CudaGraph] = {}
         self.mixed_ladder = token_ladder(self.max_tokens)
         self._mixed_lru: dict[Geometry, None] = {}      # mixed geometries in self.graphs, oldest first

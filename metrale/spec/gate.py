@@ -27,7 +27,7 @@ A guard on top, because the constant cost model is only a prior: a batch-level g
   begin_step, so drafting, forward and acceptance all count) is averaged per batch-size bucket for
   plain steps and for steps with verify blocks, with the tokens the latter emitted per sequence.
   When speculation's measured rate, (1 + accepted per sequence) / t_spec, falls below plain
-  decoding's, 1 / t_plain, speculation pauses for the whole batch for probe_interval steps (doubling
+  decoding's, 1 / t_plain, times 1 + measure_margin (after measure_min_steps verify steps), speculation pauses for the whole batch for probe_interval steps (doubling
   while probes keep losing, at most 16x), then one step probes again. A bucket that has verify
   steps but no plain one runs a plain step to measure it. This catches what a per-token constant
   cannot: a CPU where every verify row costs a real row, or a GPU whose verify steps run eagerly
@@ -97,14 +97,18 @@ class AdaptiveGate:
                  draft_fixed: float = 0.0, step_fixed: float = 0.0, row_cost: float = 0.0,
                  prior_acceptance: float = 0.8, probe_budget: float | None = None, min_gain: float = 1.0,
                  caution: float = 0.0, probe_interval: int = 16, max_batch: int = 64, ema_decay: float = 0.7,
-                 measure: bool = True, clock=time.perf_counter):
+                 measure: bool = True, measure_margin: float = 0.0, measure_min_steps: int = 2,
+                 clock=time.perf_counter):
         """verify_cost: v per draft token (constant model); step_fixed > 0 selects the row model
         (step_fixed, row_cost: see the module doc) instead; draft_cost / draft_fixed: the drafter's
         cost per token / per proposal; prior_acceptance: a new sequence's per-token acceptance;
         probe_budget: the share of a request's tokens that probes may lose (None: no budget);
         min_gain: the expected gain a draft needs (above 1: a margin for the model's error);
         caution: standard deviations of the acceptance estimate below its mean that drafting decisions
-        act on (0: the mean)."""
+        act on (0: the mean). measure_margin: the measured gate keeps speculating only while its rate
+        beats plain decoding's by this share (step times are noisy: a break-even speculation is a
+        gamble either way); measure_min_steps: verify steps a bucket (or a probe) needs before it
+        decides."""
         self.num_drafts, self.verify_cost, self.draft_cost = num_drafts, verify_cost, draft_cost
         self.draft_fixed, self.step_fixed, self.row_cost = draft_fixed, step_fixed, row_cost
         self.prior, self.probe_budget = min(max(prior_acceptance, 0.0), 1.0), probe_budget
@@ -117,6 +121,7 @@ class AdaptiveGate:
         self._warned_never: set[int] = set()
         self._pays: dict[int, bool] = {}           # can_pay per batch size (the costs are constants)
         self.measure, self.clock = measure, clock
+        self.measure_margin, self.measure_min_steps = max(0.0, measure_margin), max(1, int(measure_min_steps))
         self.timing: dict[int, BucketTiming] = {}
         self._t: float | None = None              # when the current step began
         self._n = 0                               # its decoding sequences
@@ -173,8 +178,9 @@ class AdaptiveGate:
         if b.spec_s is not None and b.plain_s is None:
             return False                          # measure a plain step of this size first
         ratio = b.rate_ratio()
-        if ratio is None or b.spec_steps < 2 or ratio >= 1.0:
-            if ratio is not None and ratio >= 1.0:
+        win = 1.0 + self.measure_margin
+        if ratio is None or b.spec_steps < self.measure_min_steps or ratio >= win:
+            if ratio is not None and ratio >= win:
                 b.backoff = 1
             return True
         if not self._warned_measured:

@@ -82,9 +82,14 @@ class CublasLt:
     """One handle, one workspace, a cache of plans keyed by shape."""
 
     def __init__(self, workspace_ptr: int, workspace_bytes: int = WORKSPACE_BYTES, *,
-                 autotune: int = 0, autotune_max_rows: int = 256) -> None:
+                 autotune: int = 0, autotune_max_rows: int = 256, autotune_rows: set[int] | None = None) -> None:
+        """autotune_rows: the only row counts tuned (the backend's CUDA-graph ladder, whose plans its
+        warm-up makes before capture); None: every count up to autotune_max_rows. Other row counts
+        (eager steps: short prompts, odd mixes) take the heuristic's first choice, so serving never
+        stops to time candidates the first time a step of a new size runs."""
         self.L = L = _lib()
         self.autotune, self.autotune_max_rows = int(autotune), int(autotune_max_rows)
+        self.autotune_rows = None if autotune_rows is None else {int(t) for t in autotune_rows}
         self.tuned: dict[tuple, tuple[int, float, float]] = {}    # key -> (chosen index, its us, first's us)
         self._scratch, self._scratch_bytes = 0, 0
         self.handle = L.create()
@@ -123,7 +128,7 @@ class CublasLt:
         b = L.matrix_layout_create(CUDA_R_16BF, K, T, K)
         d = L.matrix_layout_create(CUDA_R_32F, N, T, N)
         tune = (self.autotune > 1 and T <= self.autotune_max_rows and tune_with is not None
-                and not _capturing(tune_with[3]))
+                and (self.autotune_rows is None or T in self.autotune_rows) and not _capturing(tune_with[3]))
         n = self.autotune if tune else 1
         result = L.MatmulHeuristicResult(n)
         count = np.zeros(1, np.int32)
