@@ -53,13 +53,20 @@ class _NgramIndex:
         self.tables: list[dict] = [{} for _ in range(max_n + 1)]
 
     def extend(self, new: list[int]) -> None:
-        toks, tables = self.toks, self.tables
-        for t in new:
-            e = len(toks) - 1                     # the old last token stops being the last
-            if e >= 0:
-                for n in range(1, min(len(tables) - 1, e + 1) + 1):
-                    tables[n][tuple(toks[e - n + 1:e + 1])] = e
-            toks.append(t)
+        """Append tokens; enter the n-grams that now end before the last token: those ending at the
+        old last position up to the new second-to-last (built with zip over slices: a prompt is
+        indexed at C speed, ~0.1 us an entry, not one Python loop turn per n-gram)."""
+        toks = self.toks
+        e0 = max(len(toks) - 1, 0)
+        toks.extend(new)
+        e1 = len(toks) - 2
+        for n in range(1, len(self.tables)):
+            s = max(e0, n - 1)                    # the first end position with a full n-gram
+            if s > e1:
+                continue
+            b, cnt = s - n + 1, e1 - s + 1
+            grams = zip(*(toks[b + i:b + i + cnt] for i in range(n)))
+            self.tables[n].update(zip(grams, range(s, e1 + 1)))   # later ends overwrite: latest wins
 
 
 class NgramDrafter:

@@ -120,6 +120,7 @@ class AdaptiveGate:
         self._warned_batch = False
         self._warned_never: set[int] = set()
         self._pays: dict[int, bool] = {}           # can_pay per batch size (the costs are constants)
+        self._cost_cache: dict[tuple[int, bool], list[float]] = {}   # _block_costs per (batch, drafting)
         self.measure, self.clock = measure, clock
         self.measure_margin, self.measure_min_steps = max(0.0, measure_margin), max(1, int(measure_min_steps))
         self.timing: dict[int, BucketTiming] = {}
@@ -220,18 +221,32 @@ class AdaptiveGate:
             c += self.draft_cost * k + self.draft_fixed
         return c
 
+    def _block_costs(self, batch: int | None, drafting: bool) -> list[float]:
+        """[block_cost(k) for k = 0..num_drafts] at this batch size, cached (the costs are
+        constants; this runs several times per sequence and step)."""
+        b = self.batch if batch is None else max(1, batch)
+        key = (b, drafting)
+        c = self._cost_cache.get(key)
+        if c is None:
+            c = self._cost_cache[key] = [self.block_cost(k, b, drafting) for k in range(self.num_drafts + 1)]
+        return c
+
     @staticmethod
     def expected_accepted(alpha: float, k: int) -> float:
         return sum(alpha ** j for j in range(1, k + 1))
 
     def best_drafts(self, alpha: float, batch: int | None = None) -> tuple[int, float]:
         """(k, expected gain) of the draft count with the best expected gain at acceptance alpha."""
-        best = (1, -1.0)
+        best_k, best_g = 1, -1.0
+        cost = self._block_costs(batch, True)
+        p, acc = 1.0, 0.0
         for k in range(1, self.num_drafts + 1):
-            g = (1.0 + self.expected_accepted(alpha, k)) / self.block_cost(k, batch)
-            if g > best[1] + 1e-12:
-                best = (k, g)
-        return best
+            p *= alpha
+            acc += p                                    # expected_accepted(alpha, k)
+            g = (1.0 + acc) / cost[k]
+            if g > best_g + 1e-12:
+                best_k, best_g = k, g
+        return best_k, best_g
 
     def can_pay(self, batch: int | None = None) -> bool:
         """Whether some draft count gains at this batch size with every draft accepted."""
@@ -284,10 +299,11 @@ class AdaptiveGate:
             return n if self.worth_verifying(n, batch) else 0
         alpha = st.alpha if probing else st.alpha_low(self.caution)
         p, acc, best, best_n = 1.0, 0.0, self.min_gain - 1e-12, 0
+        cost = self._block_costs(batch, False) if n <= self.num_drafts else None
         for j, c in enumerate(confidences, 1):
             p *= min(alpha, max(0.0, float(c)))
             acc += p
-            g = (1.0 + acc) / self.block_cost(j, batch, drafting=False)
+            g = (1.0 + acc) / (cost[j] if cost is not None else self.block_cost(j, batch, drafting=False))
             if g > best:
                 best, best_n = g, j
         return best_n
