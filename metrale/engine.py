@@ -118,6 +118,7 @@ class Engine:
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0}
         self.step_log: list | None = None     # set to [] to log (tokens, KV tokens read) per forward
         self._collect: dict[str, RequestOutput | None] = {}   # outputs generate() waits for
+        self._text_at_end = False     # new requests detokenize at their end (inside generate())
         self._groups: dict[str, _Group] = {}                  # requests with n > 1 / best_of > 1
         self._hidden: set[str] = set()                        # best_of candidates whose deltas poll() drops
         self._outbox: list[StreamDelta] = []                  # completions of finished best_of groups
@@ -213,7 +214,8 @@ class Engine:
     def _add_sequence(self, ids: list[int], params: SamplingParams, request_id: str, prompt: str | None,
                       queue: bool = True) -> RequestState:
         seq = Sequence(list(ids), params, request_id=request_id, prompt=prompt)
-        state = self.requests[seq.request_id] = RequestState(seq, self.tokenizer, self.eos_ids, self.max_model_len)
+        state = self.requests[seq.request_id] = RequestState(seq, self.tokenizer, self.eos_ids, self.max_model_len,
+                                                             text_at_end=self._text_at_end)
         if queue:
             self.scheduler.add(seq)
         return state
@@ -506,10 +508,12 @@ class Engine:
         for sp in params:
             sp.validate(self.model_config.vocab_size)   # refuse the batch before any request starts
         ids = []
+        self._text_at_end = True      # generate() reads each request's text once, at its end
         try:
             for p, sp in zip(prompts, params):
                 ids.append(self.add_request(p, sp, chat=chat))
         except BaseException:
+            self._text_at_end = False
             for i in ids:
                 self.abort_completions(i)
             raise
@@ -524,6 +528,7 @@ class Engine:
                     bar.update(now - done)
                 done = now
         finally:
+            self._text_at_end = False
             if bar is not None:
                 bar.close()
             for i in ids:

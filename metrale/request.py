@@ -17,13 +17,19 @@ from metrale.scheduler.sequence import Sequence
 
 
 class RequestState:
-    def __init__(self, seq: Sequence, tokenizer, eos_ids: tuple[int, ...], max_model_len: int):
+    def __init__(self, seq: Sequence, tokenizer, eos_ids: tuple[int, ...], max_model_len: int,
+                 text_at_end: bool = False):
+        """text_at_end: nobody reads the text before the request ends (Engine.generate): without
+        stop strings, tokens are detokenized once at the end instead of twice each as they come
+        (~half the host time of a batch-32 decode step on a small model)."""
         self.seq = seq
         self.params: SamplingParams = seq.params
         self.decoder = tokenizer.incremental_decoder(seq.prompt_token_ids, self.params.skip_special_tokens)
         self.stop_ids = set(self.params.stop_token_ids or ()) | (set() if self.params.ignore_eos else set(eos_ids))
         self.eos_ids = set(eos_ids)
         self.stops = self.params.stop_strings
+        self.text_at_end = text_at_end and not self.stops
+        self._undecoded: list[int] = []     # tokens appended but not yet fed to the decoder (text_at_end)
         self.holdback = max((len(s) for s in self.stops), default=1) - 1
         self.max_model_len = max_model_len
         self.sampling = SamplingState(self.params, seq.prompt_token_ids, tokenizer, eos_ids)  # seed, penalties, grammar, logprobs
@@ -51,7 +57,10 @@ class RequestState:
         n_out = len(seq.output_token_ids)
         if token in self.stop_ids and n_out > self.params.min_tokens:
             return "stop"
-        self.text += self.decoder.feed(token)
+        if self.text_at_end:
+            self._undecoded.append(token)
+        else:
+            self.text += self.decoder.feed(token)
         if self.stops:
             window = self.text[max(0, self.emitted - self.holdback):]
             hits = [(window.find(s), s) for s in self.stops if s in window]
@@ -65,10 +74,18 @@ class RequestState:
             return "length"
         return None
 
+    def _decode_pending(self) -> None:
+        if self._undecoded:
+            bulk = getattr(self.decoder, "feed_bulk", None)
+            self.text += bulk(self._undecoded) if bulk is not None else "".join(self.decoder.feed(t) for t in self._undecoded)
+            self._undecoded = []
+
     def delta(self, finish_reason: str | None) -> StreamDelta:
         if self.on_first_delta is not None:
             start, self.on_first_delta = self.on_first_delta, None
             start()
+        if finish_reason is not None:
+            self._decode_pending()
         if finish_reason is None:
             upto = max(self.emitted, len(self.text) - self.holdback)
         else:
@@ -85,6 +102,7 @@ class RequestState:
                            lps[first:last] if lps is not None else None)
 
     def output(self) -> RequestOutput:
+        self._decode_pending()
         now = time.perf_counter()
         metrics = {"time_to_first_token": (self.t_first_token or now) - self.t_arrival,
                    "latency": now - self.t_arrival, "num_preemptions": self.seq.num_preemptions}

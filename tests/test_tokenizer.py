@@ -225,6 +225,43 @@ def test_incremental_decoder_prompt_ends_mid_character(tok):
     assert out.endswith(" y") and "\ufffd" not in out
 
 
+def test_feed_bulk_equals_feeding_one_by_one(tok):
+    """feed_bulk (two decodes for many ids: RequestState's text_at_end path) gives the text feed()
+    gives token by token, for texts with multi-byte characters, random byte-level ids (incomplete
+    characters at the end: released by flush as U+FFFD), special tokens, after a prompt that ends
+    mid-character, and in several bulks in a row."""
+    from metrale.request import RequestState
+    texts = ["emoji: 🙂👍🏽🇫🇷 done 👩‍👩‍👧!", "中文：你好世界 naïve café", "Paris.<|im_end|>\nok"]
+    rng = np.random.default_rng(0)
+    cases = [(tok.encode("<|im_start|>assistant\n"), tok.encode(t)) for t in texts]
+    cases += [((), rng.integers(0, tok.vocab_size, 40).tolist()) for _ in range(20)]
+    x = tok.encode("x 你好 y")
+    cut = next(k for k in range(1, len(x)) if tok.decode(x[:k]).endswith("\ufffd"))
+    cases.append((x[:cut], x[cut:]))
+    for prompt, ids in cases:
+        pieces, want = _stream(tok, ids, prompt)
+        dec = IncrementalDecoder(tok, prompt)
+        got = dec.feed_bulk(ids[:7]) + dec.feed_bulk(ids[7:]) + dec.flush()
+        assert got == "".join(pieces), (prompt, ids)
+    # the engine's side: a RequestState with text_at_end ends with the same text and token deltas
+    from metrale.sampling.params import SamplingParams
+    from metrale.scheduler.sequence import Sequence
+    for prompt, ids in cases[:4]:
+        outs = []
+        for lazy in (False, True):
+            st = RequestState(Sequence(list(prompt) or [1], SamplingParams(max_tokens=len(ids), ignore_eos=True)),
+                              tok, (), 4096, text_at_end=lazy)
+            streamed = ""
+            for t in ids:
+                reason = st.append(int(t))
+                d = st.delta(reason)
+                streamed += d.text
+                if reason:
+                    break
+            outs.append((st.output().text, streamed))
+        assert outs[0][0] == outs[1][0] == outs[1][1] == outs[0][1]
+
+
 # ------------------------------------------------------------------ errors and the HF-dir constructor
 
 

@@ -631,6 +631,24 @@ class IncrementalDecoder:
     def feed_many(self, token_ids: Iterable[int]) -> str:
         return "".join(self.feed(t) for t in token_ids)
 
+    def feed_bulk(self, token_ids: Iterable[int]) -> str:
+        """Append many ids with two decodes in all (feed_many does two per id); returns what they
+        complete, holding back a trailing incomplete character as feed does."""
+        start = len(self.ids)
+        self.ids.extend(int(t) for t in token_ids)
+        if len(self.ids) == start:
+            return ""
+        prefix_text = self._decode(self.prefix_offset, self.read_offset)
+        new_text = self._decode(self.prefix_offset)
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            piece = new_text[len(prefix_text):]
+            # keep the usual window: the last few ids as the next decode's left context
+            self.read_offset = len(self.ids)
+            self.prefix_offset = max(self.read_offset - _PREFIX_WINDOW, 0)
+            self.text += piece
+            return piece
+        return ""
+
     __call__ = feed
 
     def flush(self) -> str:
