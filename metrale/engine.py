@@ -290,8 +290,8 @@ class Engine:
                 ckpt = self._checkpoint(s.seq, slot) if s.draft and slot >= 0 else -1
                 if ckpt >= 0:
                     checkpoints[id(s.seq)] = (slot, ckpt)
-                segments.append(Segment(np.asarray(s.seq.token_ids[s.seq.num_computed_tokens:
-                                                                   s.seq.num_computed_tokens + s.num_tokens - len(s.draft)]
+                first = s.seq.num_computed_tokens
+                segments.append(Segment(np.asarray(s.seq.token_slice(first, first + s.num_tokens - len(s.draft))
                                                    + s.draft, dtype=np.int32),
                                         s.seq.num_computed_tokens, np.asarray(s.seq.block_table, dtype=np.int32),
                                         "all" if s.draft else ("last" if s.needs_logits else "none"),

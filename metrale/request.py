@@ -95,7 +95,7 @@ class RequestState:
         text = self.text[self.emitted:upto]
         self.emitted = upto
         first, last = self.tokens_emitted, len(self.seq.output_token_ids)
-        toks = self.seq.output_array()[first:]
+        toks = np.asarray(self.seq.output_token_ids[first:last], dtype=np.int32)   # the new ones only
         self.tokens_emitted = last
         lps = self.sampling.logprobs
         return StreamDelta(self.public_id, text, toks, finish_reason, self.index,

@@ -61,10 +61,12 @@ def build_batch(segments: list[Segment], block_size: int) -> ForwardBatch:
         raise ValueError("every segment needs at least one token")
     starts = np.zeros(len(segments) + 1, dtype=np.int32)
     np.cumsum(lens, out=starts[1:])
+    S, T = len(segments), int(starts[-1])
     token_ids = np.concatenate([np.asarray(s.token_ids, dtype=np.int32) for s in segments])
-    positions = np.concatenate([np.arange(s.start_pos, s.start_pos + n, dtype=np.int32)
-                                for s, n in zip(segments, lens)])
-    token_seq = np.repeat(np.arange(len(segments), dtype=np.int32), lens)
+    start_pos = np.fromiter((s.start_pos for s in segments), dtype=np.int32, count=S)
+    # vectorized over segments (this runs every step; per-segment aranges cost ~4 us each)
+    positions = (np.arange(T, dtype=np.int32) - np.repeat(starts[:-1] - start_pos, lens)).astype(np.int32)
+    token_seq = np.repeat(np.arange(S, dtype=np.int32), lens)
     max_blocks = max(len(s.block_table) for s in segments)
     tables = np.zeros((len(segments), max(max_blocks, 1)), dtype=np.int32)
     for i, s in enumerate(segments):
@@ -74,14 +76,18 @@ def build_batch(segments: list[Segment], block_size: int) -> ForwardBatch:
             raise ValueError(f"segment {i} covers {s.start_pos + lens[i]} positions "
                              f"but its block table has {len(s.block_table)} blocks of {block_size}")
     slot_mapping = tables[token_seq, positions // block_size] * block_size + positions % block_size
-    rows: list[np.ndarray] = []
-    for s, a, b in zip(segments, starts[:-1], starts[1:]):
-        if s.logits == "last":
-            rows.append(np.array([b - 1], dtype=np.int32))
-        elif s.logits == "all":
-            rows.append(np.arange(a, b, dtype=np.int32))
-    logits_indices = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int32)
-    context_lens = np.array([s.start_pos + n for s, n in zip(segments, lens)], dtype=np.int32)
+    modes = [s.logits for s in segments]
+    if all(m == "last" for m in modes):
+        logits_indices = starts[1:] - 1
+    else:
+        want = np.zeros(T, dtype=bool)
+        for m, a, b in zip(modes, starts[:-1], starts[1:]):
+            if m == "last":
+                want[b - 1] = True
+            elif m == "all":
+                want[a:b] = True
+        logits_indices = np.flatnonzero(want)
+    context_lens = start_pos + lens
     state_slots = np.array([s.state_slot for s in segments], dtype=np.int32)
     state_checkpoints = np.array([s.state_checkpoint for s in segments], dtype=np.int32)
     return ForwardBatch(token_ids, positions, slot_mapping.astype(np.int32), token_seq, starts,

@@ -45,6 +45,16 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """token_ids[start:stop] without building token_ids (prompt + output, O(length) a call):
+        the step loop asks for the few tokens of each sequence's chunk every step."""
+        P = len(self.prompt_token_ids)
+        if start >= P:
+            return self.output_token_ids[start - P:stop - P]
+        if stop <= P:
+            return self.prompt_token_ids[start:stop]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - P]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
