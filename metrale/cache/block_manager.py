@@ -102,11 +102,13 @@ class BlockManager:
         """Register the blocks that the computed tokens have filled, so later prompts can share them."""
         if not self.prefix_caching:
             return
-        tokens, bs = seq.token_ids, self.block_size
+        bs = self.block_size
         full = seq.num_computed_tokens // bs
+        if full <= len(seq.block_hashes):        # the common decode step: no block filled (O(1))
+            return
         prev = seq.block_hashes[-1] if seq.block_hashes else None
         for i in range(len(seq.block_hashes), full):
-            h = self.chain_hash(prev, tokens[i * bs:(i + 1) * bs])
+            h = self.chain_hash(prev, seq.token_slice(i * bs, (i + 1) * bs))
             block = seq.block_table[i]
             if h not in self.cached:
                 self.cached[h] = block
