@@ -99,8 +99,9 @@ class Scheduler:
         budget = self.budget
         prefill_pending = any(s.num_uncomputed > 1 for s in self.running) or bool(self.waiting)
         decode_allowed = not (self.no_mix and prefill_pending)
+        gone: set[int] = set()                 # ids preempted in this loop (a set: `in self.running` was O(B))
         for seq in sorted(self.running, key=lambda s: s.arrival):
-            if seq not in self.running:        # preempted earlier in this loop
+            if id(seq) in gone:                # preempted earlier in this loop
                 continue
             is_decode = seq.num_uncomputed == 1
             if (is_decode and not decode_allowed) or budget == 0:
@@ -116,9 +117,10 @@ class Scheduler:
                 victims = [s for s in self.running if id(s) not in scheduled] or [seq]
                 victim = max(victims, key=lambda s: (len(s.block_table), s.arrival))
                 self._preempt(victim, plan)
+                gone.add(id(victim))
                 if victim is seq:
                     break
-            if seq in self.running:
+            if id(seq) not in gone:
                 plan.scheduled.append(ScheduledSeq(seq, n, draft))
                 budget -= n
         # admit waiting sequences
