@@ -281,11 +281,12 @@ class Engine:
         deltas = [self._finish_delta(seq.request_id, seq.finish_reason) for seq in plan.preempted]
         if not plan.scheduled:
             return deltas
-        sampling = [s for s in plan.scheduled if s.needs_logits]
-        states = [self.requests[s.seq.request_id] for s in plan.scheduled if s.needs_logits]
+        logits = [s.needs_logits for s in plan.scheduled]       # read once: the sequences change below
+        sampling = [s for s, lg in zip(plan.scheduled, logits) if lg]
+        states = [self.requests[s.seq.request_id] for s in sampling]
         segments, checkpoints = [], {}
         try:
-            for s in plan.scheduled:
+            for s, lg in zip(plan.scheduled, logits):
                 slot = self._state_slot(s.seq)
                 ckpt = self._checkpoint(s.seq, slot) if s.draft and slot >= 0 else -1
                 if ckpt >= 0:
@@ -294,7 +295,7 @@ class Engine:
                 segments.append(Segment(np.asarray(s.seq.token_slice(first, first + s.num_tokens - len(s.draft))
                                                    + s.draft, dtype=np.int32),
                                         s.seq.num_computed_tokens, np.asarray(s.seq.block_table, dtype=np.int32),
-                                        "all" if s.draft else ("last" if s.needs_logits else "none"),
+                                        "all" if s.draft else ("last" if lg else "none"),
                                         state_slot=slot, state_checkpoint=ckpt))
         except Exception as exc:   # no state slot / checkpoint left: end the step's requests with the reason
             log.exception("building the step failed")
@@ -333,8 +334,8 @@ class Engine:
         if self.snapshots is not None:
             self._take_snapshots(plan.scheduled)
         self.stats["steps"] += 1
-        for s in plan.scheduled:
-            if not s.needs_logits:
+        for s, lg in zip(plan.scheduled, logits):
+            if not lg:
                 s.seq.num_computed_tokens += s.num_tokens
                 self.blocks.commit_full_blocks(s.seq)
         for s, state, tokens in zip(sampling, states, emitted):
