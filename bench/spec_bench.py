@@ -73,6 +73,25 @@ def gpu_name(device: str) -> str:
     return f"CPU ({os.cpu_count()} cores)"
 
 
+_T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23,
+         12: 2.18, 15: 2.13, 20: 2.09, 25: 2.06, 30: 2.04}
+
+
+def paired_ci95(ratios: list[float]) -> tuple[float, float, float]:
+    """(geometric mean, low, high) of paired plain/spec time ratios: a 95% t-interval on the mean of
+    their logs. A cell is a measured loss beyond 3% only when `high` < 0.97; identical-work cells
+    (no verify) show what the machine's noise alone spreads."""
+    logs = np.log(np.asarray(ratios, dtype=np.float64))
+    n = logs.size
+    m = float(logs.mean()) if n else 0.0
+    if n < 2:
+        return float(np.exp(m)), 0.0, float("inf")
+    df = n - 1
+    t = _T975[max(k for k in _T975 if k <= df)] if df < 30 else 1.96
+    half = t * float(logs.std(ddof=1)) / np.sqrt(n)
+    return float(np.exp(m)), float(np.exp(m - half)), float(np.exp(m + half))
+
+
 def measure(eng: Engine, prompts: list[str], max_tokens: int, reps: int, peer: Engine | None = None,
             peer_out: dict | None = None) -> dict:
     """Generate `prompts` greedily (EOS ignored) `reps` times; the fastest run's time, the first
@@ -99,7 +118,7 @@ def measure(eng: Engine, prompts: list[str], max_tokens: int, reps: int, peer: E
     if peer is not None and peer_out is not None:
         n = sum(len(x.token_ids) for x in po)
         peer_out.update(seconds=peer_best, tok_s=n / peer_best, paired_speedup=float(np.median(ratios)),
-                        paired_ratios=ratios)
+                        paired_ratios=ratios, paired_ci95=paired_ci95(ratios))
     after = eng.speculator.stats() if eng.speculator else {}
     d = {k: after.get(k, 0) - before.get(k, 0) for k in SPEC_COUNTERS}
     tokens = sum(len(o.token_ids) for o in outs)
@@ -198,6 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
                     r["plain_seconds_first"] = p["seconds"]
                     p = dict(p, seconds=q["seconds"], tok_s=q["tok_s"])
                     r["paired_speedup"], r["paired_ratios"] = q["paired_speedup"], q["paired_ratios"]
+                    r["paired_ci95"] = q["paired_ci95"]
                 r["plain_tok_s"] = p["tok_s"]
                 r["plain_seconds"] = p["seconds"]
                 r["speedup"] = p["seconds"] / r["seconds"]
@@ -205,7 +225,9 @@ def main(argv: list[str] | None = None) -> dict:
                 results.append(r)
                 ok = r["lossless"]
                 print(f"[spec] {task:10s} B={b:3d} {method:6s} {r['tok_s']:8.1f} tok/s (plain {p['tok_s']:8.1f}) "
-                      f"speedup {r['speedup']:.2f}x (paired median {r.get('paired_speedup', r['speedup']):.2f}x)  tokens/verify {r['tokens_per_verify'] or 0:.2f}  "
+                      f"speedup {r['speedup']:.2f}x (paired median {r.get('paired_speedup', r['speedup']):.2f}x, "
+                      f"95% CI {r.get('paired_ci95', (0, 0, 0))[1]:.2f}-{r.get('paired_ci95', (0, 0, 0))[2]:.2f})  "
+                      f"tokens/verify {r['tokens_per_verify'] or 0:.2f}  "
                       f"acceptance {r['acceptance_rate'] or 0:.2f}  verifies {r['verifies']}  dropped {r['dropped']}  "
                       f"same as plain {ok['identical']}/{ok['sequences']}", flush=True)
         if method != "none":
@@ -225,6 +247,9 @@ def main(argv: list[str] | None = None) -> dict:
         w = min(worst, key=lambda r: r["speedup"])
         gate = {"task": "open_chat", "batch": big, "method": w["method"], "speedup": w["speedup"],
                 "within_3pct": all(r["speedup"] >= 1 - GATE_TOLERANCE for r in worst),
+                # no cell measured significantly worse than 3% (95% CI of the paired ratio)
+                "no_cell_significantly_below_3pct": all(r.get("paired_ci95", (0, 0, float("inf")))[2] >= 1 - GATE_TOLERANCE
+                                                        for r in results),
                 "per_method": {r["method"]: r["speedup"] for r in worst}}
         print(f"[spec] gate worst case (open_chat, B={big}): {w['method']} {w['speedup']:.3f}x of plain; "
               f"within 3%: {gate['within_3pct']}", flush=True)
