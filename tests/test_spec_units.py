@@ -208,6 +208,25 @@ def test_measured_gate_margin_pauses_a_break_even_speculation():
     assert n2 > 180 and g2.timing[8].rate_ratio() > 1.45
 
 
+def test_measured_row_cost_prices_draft_rows_at_what_the_batch_pays():
+    """8 sequences verify 2 drafts each (16 rows) in steps 40% slower than plain ones: a row costs
+    0.4 x 8 / 16 = 0.2 plain steps a sequence. A 1-token draft of confidence 0.25 (a 1-gram n-gram
+    match) passes the 0.1 constant but not the measured price; a confident 2-token draft passes both."""
+    clock = FakeClock()
+    g = AdaptiveGate(2, verify_cost=0.1, probe_interval=8, clock=clock, measure_margin=0.05, measure_min_steps=4,
+                     min_gain=1.1)                              # the engine's spec_min_gain
+    assert g.measured_row_cost(8) == 0.0                      # nothing measured yet
+    run_steps(g, clock, 40, 8, plain_s=0.01, spec_s=0.014, accepted_per_seq=2)
+    assert g.measured_row_cost(8) == pytest.approx(0.2, rel=0.05)
+    g.begin_step(8)
+    g.stats["s0"].hits, g.stats["s0"].trials = 40.0, 41.0    # a well-measured, high acceptance
+    assert g.verify_length("s0", [1.0, 1.0]) == 2
+    assert g.verify_length("s0", [0.25]) == 0
+    unmeasured = AdaptiveGate(2, verify_cost=0.1, measure=False, caution=0.0, min_gain=1.1)
+    unmeasured._stats("s0").hits, unmeasured._stats("s0").trials = 40.0, 41.0
+    assert unmeasured.verify_length("s0", [0.25]) == 1
+
+
 def test_drafts_fit_the_backend_logits_rows():
     """With a backend that holds R logits rows a forward (CUDA: max_rows), the drafts of a step
     never need more than R rows in all: one per running sequence plus the drafts."""

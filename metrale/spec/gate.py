@@ -77,6 +77,7 @@ class BucketTiming:
     spec_s: float | None = None
     spec_tokens: float = 1.0          # tokens emitted per decoding sequence in a verify step
     spec_steps: int = 0
+    spec_rows: float = 0.0            # draft rows verified in a verify step (all sequences together)
     paused_until: int = 0
     backoff: int = 1
     probing: bool = False             # the next verify step is a probe after a pause
@@ -128,6 +129,7 @@ class AdaptiveGate:
         self._n = 0                               # its decoding sequences
         self._verified = False                    # whether it verified drafts
         self._accepted = 0                        # draft tokens it accepted
+        self._drafted = 0                         # draft rows it verified
         self._warned_measured = False
 
     def begin_step(self, num_decoding: int) -> bool:
@@ -159,14 +161,15 @@ class AdaptiveGate:
             if self._verified:
                 tokens = 1.0 + self._accepted / self._n
                 if b.spec_steps == 0 or b.probing:       # a probe measures afresh: things may have changed
-                    b.spec_s, b.spec_tokens, b.probing = dt, tokens, False
+                    b.spec_s, b.spec_tokens, b.spec_rows, b.probing = dt, tokens, float(self._drafted), False
                 else:
                     b.spec_s = self._avg(b.spec_s, dt)
                     b.spec_tokens = self.decay * b.spec_tokens + (1 - self.decay) * tokens
+                    b.spec_rows = self.decay * b.spec_rows + (1 - self.decay) * self._drafted
                 b.spec_steps += 1
             else:
                 b.plain_s = self._avg(b.plain_s, dt)
-        self._t, self._n, self._verified, self._accepted = now, num_decoding, False, 0
+        self._t, self._n, self._verified, self._accepted, self._drafted = now, num_decoding, False, 0, 0
 
     def _avg(self, old: float | None, x: float) -> float:
         if old is None:
@@ -221,15 +224,37 @@ class AdaptiveGate:
             c += self.draft_cost * k + self.draft_fixed
         return c
 
-    def _block_costs(self, batch: int | None, drafting: bool) -> list[float]:
-        """[block_cost(k) for k = 0..num_drafts] at this batch size, cached (the costs are
-        constants; this runs several times per sequence and step)."""
+    def _block_costs(self, batch: int | None, drafting: bool, measured: bool = False) -> list[float]:
+        """[block_cost(k) for k = 0..num_drafts] at this batch size, cached (this runs several times
+        per sequence and step). measured: a draft row costs at least what the measured gate saw
+        (measured_row_cost), so a sequence's verify decision prices its rows at what the whole
+        batch pays for them."""
         b = self.batch if batch is None else max(1, batch)
-        key = (b, drafting)
+        vm = round(self.measured_row_cost(b), 3) if measured else 0.0
+        key = (b, drafting, vm)
         c = self._cost_cache.get(key)
         if c is None:
-            c = self._cost_cache[key] = [self.block_cost(k, b, drafting) for k in range(self.num_drafts + 1)]
+            if len(self._cost_cache) > 256:
+                self._cost_cache.clear()
+            f, v = self.costs(b)
+            extra = max(0.0, vm - v)
+            c = self._cost_cache[key] = [self.block_cost(k, b, drafting) + extra * k for k in range(self.num_drafts + 1)]
         return c
+
+    def measured_row_cost(self, batch: int) -> float:
+        """Plain steps per sequence that one verified draft row costs, from the measured step times
+        of this batch size's bucket (0 until measured): a verify step's extra time over a plain step,
+        shared by the draft rows it verified, and paid by all `batch` sequences that wait for it.
+        On the GPU a verify step can cost more than the per-row constant (a larger graph of the
+        ladder, host-side drafting and acceptance): 1-gram n-gram drafts at open chat B=32 were
+        verified at a measured 0.96x."""
+        if not self.measure:
+            return 0.0
+        t = self.timing.get(_bucket(batch))
+        if (t is None or t.plain_s is None or t.spec_s is None or t.spec_rows <= 0
+                or t.spec_steps < self.measure_min_steps):
+            return 0.0
+        return max(0.0, t.spec_s / t.plain_s - 1.0) * batch / t.spec_rows
 
     @staticmethod
     def expected_accepted(alpha: float, k: int) -> float:
@@ -299,7 +324,7 @@ class AdaptiveGate:
             return n if self.worth_verifying(n, batch) else 0
         alpha = st.alpha if probing else st.alpha_low(self.caution)
         p, acc, best, best_n = 1.0, 0.0, self.min_gain - 1e-12, 0
-        cost = self._block_costs(batch, False) if n <= self.num_drafts else None
+        cost = self._block_costs(batch, False, measured=True) if n <= self.num_drafts else None
         for j, c in enumerate(confidences, 1):
             p *= min(alpha, max(0.0, float(c)))
             acc += p
@@ -354,6 +379,7 @@ class AdaptiveGate:
             return
         self._verified = True
         self._accepted += accepted
+        self._drafted += proposed
         st = self._stats(request_id)
         st.proposed += proposed
         st.accepted += accepted
