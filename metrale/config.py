@@ -27,6 +27,7 @@ class Levers:
     cublaslt_min_rows: int = 2           # rows from which gemm_library=auto/cublaslt calls cuBLASLt
                                          # (matrices under 4M elements: from 64 rows; docs/gemm.md)
     cublaslt_autotune: int = 8           # cuBLASLt candidates timed per decode-ladder shape (<= 256 rows)
+    cublaslt_split_k: bool = True        # autotune may pick split-K candidates (false: one-kernel ones only)
                                          # at the first (eager) use; 0 or 1: the heuristic's first
     prefix_caching: bool = True          # reuse KV blocks of identical prompt prefixes
     preempt_mode: str = "recompute"      # recompute | abort  (what happens to a preempted request)

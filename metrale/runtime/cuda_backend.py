@@ -424,7 +424,8 @@ class CudaBackend:
             from metrale.runtime.cuda.cublaslt import CublasLt
             ws = self.act["blas_workspace"]
             self.blas = CublasLt(_ptr(ws), ws.nbytes, autotune=int(getattr(levers, "cublaslt_autotune", 0)),
-                                 autotune_rows=set(self.graph_sizes) if self.use_graphs else None)
+                                 autotune_rows=set(self.graph_sizes) if self.use_graphs else None,
+                                 split_k=bool(getattr(levers, "cublaslt_split_k", True)))
         self.graphs: dict[Geometry, CudaGraph] = {}
         self.mixed_ladder = token_ladder(self.max_tokens)
         self._mixed_lru: dict[Geometry, None] = {}      # mixed geometries in self.graphs, oldest first

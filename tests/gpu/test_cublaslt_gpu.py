@@ -96,3 +96,17 @@ def test_autotuned_plans_leave_the_output_alone(mode):
     assert best_us <= first_us
     print(f"autotune {key}: candidate {pick} {best_us:.1f} us, heuristic's first {first_us:.1f} us")
     blas.close()
+
+
+def test_autotune_without_split_k():
+    """split_k=False: the kept algorithm is a one-kernel one (SPLITK_NUM 1) whenever the heuristic
+    offered one, and the product is still right."""
+    ws = cuda.device_array(WORKSPACE_BYTES, np.uint8)
+    blas = CublasLt(_ptr(ws), WORKSPACE_BYTES, autotune=8, split_k=False)
+    T, N, K = 32, 4096, 4096
+    assert _linear_error(blas, T, N, K, "accumulate", 3) < 1e-4
+    (key, (pick, best_us, _)), = blas.tuned.items()
+    p = blas.plans[key]
+    print(f"no split-K autotune {key}: candidate {pick} {best_us:.1f} us, split {blas._split_k_num(p.algo_ptr)}")
+    assert blas._split_k_num(p.algo_ptr) == 1 or best_us == float("inf")
+    blas.close()

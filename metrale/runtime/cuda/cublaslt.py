@@ -82,14 +82,18 @@ class CublasLt:
     """One handle, one workspace, a cache of plans keyed by shape."""
 
     def __init__(self, workspace_ptr: int, workspace_bytes: int = WORKSPACE_BYTES, *,
-                 autotune: int = 0, autotune_max_rows: int = 256, autotune_rows: set[int] | None = None) -> None:
+                 autotune: int = 0, autotune_max_rows: int = 256, autotune_rows: set[int] | None = None,
+                 split_k: bool = True) -> None:
         """autotune_rows: the only row counts tuned (the backend's CUDA-graph ladder, whose plans its
         warm-up makes before capture); None: every count up to autotune_max_rows. Other row counts
         (eager steps: short prompts, odd mixes) take the heuristic's first choice, so serving never
-        stops to time candidates the first time a step of a new size runs."""
+        stops to time candidates the first time a step of a new size runs. split_k=False: autotune
+        skips split-K candidates (a second kernel, the reduce, a node more in a CUDA graph) unless
+        every candidate is one."""
         self.L = L = _lib()
         self.autotune, self.autotune_max_rows = int(autotune), int(autotune_max_rows)
         self.autotune_rows = None if autotune_rows is None else {int(t) for t in autotune_rows}
+        self.split_k = bool(split_k)
         self.tuned: dict[tuple, tuple[int, float, float]] = {}    # key -> (chosen index, its us, first's us)
         self._scratch, self._scratch_bytes = 0, 0
         self.handle = L.create()
@@ -158,9 +162,12 @@ class CublasLt:
         start, stop = (_check(drv.cuEventCreate(0)) for _ in range(2))
         times = []
         try:
+            splits = [self._split_k_num(int(result[i].ptr)) for i in range(count)]
+            skip_split = not self.split_k and any(s <= 1 for s in splits)
             for i in range(count):
                 algo = int(result[i].ptr)
-                if int(result[i].state) != 0 or int(result[i].workspace_size) > self.workspace_bytes:
+                if (int(result[i].state) != 0 or int(result[i].workspace_size) > self.workspace_bytes
+                        or (skip_split and splits[i] > 1)):
                     times.append(float("inf"))
                     continue
                 runs = []
@@ -188,6 +195,16 @@ class CublasLt:
             pick = 0
         self.tuned[key] = (pick, times[pick], times[0])
         return pick
+
+    def _split_k_num(self, algo_ptr: int) -> int:
+        """The candidate's split-K factor (1: one kernel; unreadable: 1)."""
+        buf, written = np.zeros(1, np.int32), np.zeros(1, np.uint64)
+        try:
+            self.L.matmul_algo_config_get_attribute(algo_ptr, int(self.L.MatmulAlgoConfigAttribute.SPLITK_NUM),
+                                                    buf.ctypes.data, 4, written.ctypes.data)
+        except Exception:
+            return 1
+        return max(1, int(buf[0]))
 
     def _scratch_for(self, nbytes: int) -> int:
         """A device buffer of at least nbytes for tuning outputs (grown on demand, freed at close)."""
