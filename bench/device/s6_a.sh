@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Prepared in session 5 for the next device session (not yet run). Carry .whl + .snap.
+# GPU tests of what landed after session 5's last device call, then the A/Bs it left:
+#   levers.fuse_attention_merge (SmolLM2 / 1B batch 1: attention partials merged in the o_proj GEMV),
+#   levers.cublaslt_split_k (8B batch 32: one-kernel cuBLASLt picks only), the torch.compile peer.
+set -u
+t0=$(date +%s); stamp() { echo "=== $1 at $(( $(date +%s) - t0 )) s"; }
+if [ ! -d /tmp/site/hydra ]; then
+  stamp install
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --no-build-isolation \
+      --target /tmp/site .whl/*.whl .whl/*.tar.gz >/dev/null || exit 1
+fi
+if [ -f .snap/src.tar.gz ]; then
+  rm -rf /tmp/src && mkdir -p /tmp/src && tar xzf .snap/src.tar.gz -C /tmp/src || exit 5
+fi
+cd /tmp/src 2>/dev/null && echo "committed tree in /tmp/src" || echo "no /tmp/src: the working tree"
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore OPENBLAS_NUM_THREADS=8
+stamp tests
+timeout 200 python3 -m pytest -q -m gpu -p no:warnings -s tests/gpu/test_fused_gemv_gpu.py tests/gpu/test_cublaslt_gpu.py \
+    -k "merge or split_k or reproducible or fused_decode or autotune" > $OUT/tests_s6a.txt 2>&1
+grep -E "passed|failed|^E  |^FAILED|graph nodes|split" $OUT/tests_s6a.txt | cut -c1-250 | tail -10
+stamp replays
+ab() { timeout 80 python3 -m bench.profile_graph --time-only --context 512 "$@" 2>&1 | grep -E "replay|Error|error" | cut -c1-200 | tail -3; }
+for fm in false true; do
+  echo "--- fuse_attention_merge=$fm"
+  ab --model smollm2-135m-shape --batch 1 --override "levers.graph_batch_sizes=[1]" "levers.fuse_attention_merge=$fm"
+  ab --model llama-3.2-1b-shape --batch 1 --override "levers.graph_batch_sizes=[1]" "levers.fuse_attention_merge=$fm"
+done
+for sk in true false; do
+  echo "--- cublaslt_split_k=$sk"
+  ab --model llama-3-8b-shape --batch 32 --override "levers.graph_batch_sizes=[32]" "levers.cublaslt_split_k=$sk"
+done
+stamp "torch.compile peer, 8B B=32"
+timeout 150 python3 -m bench.run_all --stage peers --out $OUT/raw --peer-jobs torch_decode:llama-3-8b-shape:32 \
+    > $OUT/peer.txt 2>&1; echo "exit $?"; grep -E "tok_s" $OUT/peer.txt | cut -c1-200 | tail -2
+stamp done
