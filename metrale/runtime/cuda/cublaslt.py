@@ -165,7 +165,7 @@ class CublasLt:
         start, stop = (_check(drv.cuEventCreate(0)) for _ in range(2))
         times = []
         try:
-            splits = [self._split_k_num(int(result[i].ptr)) for i in range(count)]
+            splits = [self._split_k_num(int(result[i].ptr)) if not self.split_k else 1 for i in range(count)]
             skip_split = not self.split_k and any(s <= 1 for s in splits)
             for i in range(count):
                 algo = int(result[i].ptr)
