@@ -41,7 +41,8 @@ else
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore OPENBLAS_NUM_THREADS=8
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,utilization.gpu --format=csv,noheader 2>/dev/null
-for spec in "256 5 260" "64 5 150"; do
+REPS=${REPS:-5}                       # e.g. REPS=10 bash bench/device/s5_spec3.sh: a tighter paired_ci95
+for spec in "256 $REPS $((50 * REPS + 10))" "64 $REPS $((30 * REPS))"; do
   set -- $spec
   stamp "spec max_tokens=$1 reps=$2"
   timeout $3 python3 -m bench.spec_bench --device cuda --model /tmp/mdl/smollm2.gguf --batch 1 32 --max-tokens $1 \
@@ -58,11 +59,12 @@ for path in sys.argv[1:]:
     d = json.load(open(path))
     rows = sorted(d["results"], key=lambda r: (r["task"], r["batch"], r["method"]))
     print(f"max_tokens {d['max_tokens']}, reps {d['reps']}, {d['gpu']}, {d['wall_s']:.0f} s")
-    print(f"{'task':10s} {'B':>3s} {'method':6s} {'plain':>8s} {'spec':>8s} {'speedup':>7s} {'paired':>7s} {'tok/vf':>6s} {'verifies':>8s} same")
+    print(f"{'task':10s} {'B':>3s} {'method':6s} {'plain':>8s} {'spec':>8s} {'speedup':>7s} {'paired':>7s} {'95% CI':>11s} {'tok/vf':>6s} {'verifies':>8s} same")
     for r in rows:
         ok = r["lossless"]
         print(f"{r['task']:10s} {r['batch']:3d} {r['method']:6s} {r['plain_tok_s']:8.0f} {r['tok_s']:8.0f} "
-              f"{r['speedup']:6.2f}x {r.get('paired_speedup', r['speedup']):6.2f}x {r['tokens_per_verify'] or 0:6.2f} "
+              f"{r['speedup']:6.2f}x {r.get('paired_speedup', r['speedup']):6.2f}x "
+              f"{r.get('paired_ci95', (0, 0, 0))[1]:5.2f}-{r.get('paired_ci95', (0, 0, 0))[2]:5.2f} {r['tokens_per_verify'] or 0:6.2f} "
               f"{r['verifies']:8d} {ok['identical']}/{ok['sequences']}")
     w = min(rows, key=lambda r: r["speedup"])
     print(f"worst cell: {w['method']} {w['task']} B={w['batch']} {w['speedup']:.3f}x; every cell within 3%: "
