@@ -33,6 +33,7 @@ import math
 import numpy as np
 from numba import cuda, float32, uint32, uint64
 
+from kernels_numba.attention import _merge_scale, _merged
 from kernels_numba.bf16 import f32_to_bf16
 from kernels_numba.ptx import grid_trigger, grid_wait
 from kernels_numba.ptx import (SIM, bf16_bits_to_f32, bf16hi_f32, bf16lo_f32, f32_to_bf16_bits,
@@ -276,17 +277,8 @@ def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumula
                 c = i - e * nch
                 k = 8 * c + e
                 hq = k // hdm
-                d = k - hq * hdm
-                mm = float32(-1.0e30)
-                for p in range(npart):
-                    mm = max(mm, ms[p, hq, hdm])
-                num = float32(0.0)
-                den = float32(0.0)
-                for p in range(npart):
-                    f = math.exp(ms[p, hq, hdm] - mm)
-                    num += f * ms[p, hq, d]
-                    den += f * ms[p, hq, hdm + 1]
-                xs[i] = num / den
+                m, inv = _merge_scale(ms, 0, npart, hq, hdm)          # the merge kernel's own math
+                xs[i] = _merged(ms, 0, npart, hq, hdm, k - hq * hdm, m, inv)
             cuda.syncthreads()
         elif KS > 0:
             for i in range(tid, K, NT):

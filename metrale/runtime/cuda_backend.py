@@ -188,18 +188,22 @@ class CudaOps:
     def linear_residual(self, x, weight, residual, prefetch: bool = False):
         """residual += x @ weight.T. prefetch (one row, the Numba GEMV): each block pulls its weight
         rows into L2 before its PDL wait (the o_proj after decode attention, levers.prefetch_o_proj)."""
-        if self._carry_norm() and not self.b.blas_takes(1, weight) and _ptr(residual) == _ptr(self.b.act["residual"]):
-            ss = self._take_ss()
-            gemm.gemv(x, weight, residual, accumulate=True, stream=self.s, ss_out=ss, prefetch=prefetch)
-            self._resid_ss = ss
-            return residual
+        if x.shape[0] == 1 and not self.b.blas_takes(1, weight) and (prefetch or self._carry_norm()):
+            return self._residual_gemv(x, weight, residual, prefetch=prefetch)
         self._resid_ss = None
         if self.b.blas_takes(x.shape[0], weight):
             self.b.blas_linear(x, weight, residual, None, accumulate=True)
-        elif prefetch and x.shape[0] == 1:
-            gemm.gemv(x, weight, residual, accumulate=True, stream=self.s, prefetch=True)
         else:
             gemm.linear_residual(x, weight, residual, stream=self.s, skinny_max_t=self.b.skinny_max_t)
+        return residual
+
+    def _residual_gemv(self, x, weight, residual, **gemv_args):
+        """residual += the one-row GEMV of x (gemm.gemv with gemv_args: a prologue, prefetch); with
+        carried norm sums on and the step's residual as the target, its epilogue also sums the
+        squares of the new residual for the next norm (self._resid_ss)."""
+        ss = self._take_ss() if self._carry_norm() and _ptr(residual) == _ptr(self.b.act["residual"]) else None
+        gemm.gemv(x, weight, residual, accumulate=True, stream=self.s, ss_out=ss, **gemv_args)
+        self._resid_ss = ss
         return residual
 
     def qkv_to_cache(self, qkv_out, layer, q_norm, k_norm):
@@ -273,15 +277,7 @@ class CudaOps:
             1.0 / math.sqrt(self.cfg.head_dim), self._buf("attn"), scratch=scratch, max_context=self.g.max_context,
             stream=self.s, partials=True)
         x = self.b.view("attn", 1, (1, weight.shape[1]))          # unread: the prologue merges the partials
-        merge = (scratch, self.positions, part, parts)
-        if self._carry_norm() and _ptr(residual) == _ptr(self.b.act["residual"]):
-            ss = self._take_ss()
-            gemm.gemv(x, weight, residual, prologue="merge", accumulate=True, stream=self.s, ss_out=ss, merge=merge)
-            self._resid_ss = ss
-        else:
-            gemm.gemv(x, weight, residual, prologue="merge", accumulate=True, stream=self.s, merge=merge)
-            self._resid_ss = None
-        return residual
+        return self._residual_gemv(x, weight, residual, prologue="merge", merge=(scratch, self.positions, part, parts))
 
     def silu_mul(self, gate_up):
         out = self._buf("act")
@@ -326,12 +322,7 @@ class CudaOps:
             return residual
         if not self._fused(rows, weight):
             return self.linear_residual(self.silu_mul(gate_up), weight, residual)
-        ss = None
-        if self._carry_norm() and _ptr(residual) == _ptr(self.b.act["residual"]):
-            ss = self._take_ss()
-        gemm.gemv(gate_up, weight, residual, prologue="silu_mul", accumulate=True, stream=self.s, ss_out=ss)
-        self._resid_ss = ss
-        return residual
+        return self._residual_gemv(gate_up, weight, residual, prologue="silu_mul")
 
     def mlp_residual(self, residual, norm_weight, gate_up, down):
         """residual += silu_mul(norm(residual) @ gate_up.T) @ down.T. At one row, when down's input

@@ -77,7 +77,7 @@ class NgramDrafter:
     the tokens appended since the last call: a proposal is max_n dictionary lookups instead of a
     scan of the whole history (the scan plus the history's conversion to an array cost ~10-30 us a
     sequence and step on the CPU: ~0.3-1 ms a step at batch 32, against a 2.3 ms SmolLM2 step on
-    the H200). `_one` is the stateless scan, kept as the reference."""
+    the H200). tests/test_spec_units.py holds the definition it is checked against."""
 
     name = "ngram"
 
@@ -94,17 +94,13 @@ class NgramDrafter:
         """The sequence's index with every token of prompt + output entered (tokens only ever
         append; a shorter or different history rebuilds it)."""
         idx = self._index.get(seq)
-        P, out = len(seq.prompt_token_ids), seq.output_token_ids
-        L = P + len(out)
+        L = seq.num_tokens
         n = 0 if idx is None else len(idx.toks)
-        if idx is None or n > L or (n and idx.toks[-1] != (seq.prompt_token_ids[n - 1] if n <= P else out[n - 1 - P])):
+        if idx is None or n > L or (n and idx.toks[-1] != seq.token_slice(n - 1, n)[0]):
             idx = self._index[seq] = _NgramIndex(self.max_n)
             n = 0
-        if n < P:
-            idx.extend(seq.prompt_token_ids[n:])
-            idx.extend(out)
-        elif n < L:
-            idx.extend(out[n - P:])
+        if n < L:
+            idx.extend(seq.token_slice(n, L))
         return idx
 
     def _lookup(self, idx: _NgramIndex, k: int) -> Draft:
@@ -115,31 +111,6 @@ class NgramDrafter:
                 follow = toks[e + 1:e + 1 + k]
                 return Draft(follow, [n / self.max_n] * len(follow))
         return Draft()
-
-    def _one(self, toks: np.ndarray, k: int) -> Draft:
-        """Candidates are the earlier positions j holding the last token; each one's match length
-        grows backwards while toks[j - d] == toks[L - 1 - d] (d < max_n): one pass over the
-        candidates per d instead of a sliding-window comparison per n (this runs per drafting
-        sequence and step)."""
-        L = len(toks)
-        j = np.flatnonzero(toks[:L - 1] == toks[L - 1])      # a match ends at j, before the last token
-        if not j.size:
-            return Draft()
-        n = np.ones(j.size, dtype=np.int64)
-        alive = np.ones(j.size, dtype=bool)
-        for d in range(1, self.max_n):
-            alive &= j >= d
-            if not alive.any():
-                break
-            alive &= toks[np.maximum(j - d, 0)] == toks[L - 1 - d]
-            n += alive
-        best = int(n.max())
-        if best < self.min_n:
-            return Draft()
-        start = int(j[np.flatnonzero(n == best)[-1]]) + 1     # the token after the latest longest match
-        follow = toks[start:start + k].tolist()
-        conf = best / self.max_n                             # longer matches are more trustworthy
-        return Draft([int(t) for t in follow], [conf] * len(follow))
 
     def release(self, seq: Sequence) -> None:
         self._index.pop(seq, None)
