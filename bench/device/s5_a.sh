@@ -1,18 +1,7 @@
 #!/usr/bin/env bash
 # Session 5, call A (carry .whl + .snap): install, unpack the committed tree, GPU tests of the fused
 # split-K merge and the chunked argmax, then decode replays with the fused merge on (default) / off.
-set -u
-t0=$(date +%s); stamp() { echo "=== $1 at $(( $(date +%s) - t0 )) s"; }
-if [ ! -d /tmp/site/hydra ]; then
-  stamp install
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --no-build-isolation \
-      --target /tmp/site .whl/*.whl .whl/*.tar.gz >/dev/null || exit 1
-fi
-if [ -f .snap/src.tar.gz ]; then
-  rm -rf /tmp/src && mkdir -p /tmp/src && tar xzf .snap/src.tar.gz -C /tmp/src || exit 5
-fi
-cd /tmp/src 2>/dev/null && echo "committed tree in /tmp/src" || echo "no /tmp/src: the working tree"
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore OPENBLAS_NUM_THREADS=8
+source "$(dirname "$0")/common.sh"
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu --format=csv,noheader 2>/dev/null
 stamp tests
 timeout 200 python3 -m pytest -q -m gpu -p no:warnings tests/gpu/test_flash_decode_gpu.py \

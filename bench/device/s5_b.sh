@@ -2,18 +2,7 @@
 # Session 5, call B (carry .whl + .snap): the o_proj L2 prefetch during decode attention
 # (levers.prefetch_o_proj; the split-K merge triggers before its wait) and the fixed-point carried
 # norm sums: GPU tests, replays with the prefetch on / off, the torch.compile peer at 8B B=32.
-set -u
-t0=$(date +%s); stamp() { echo "=== $1 at $(( $(date +%s) - t0 )) s"; }
-if [ ! -d /tmp/site/hydra ]; then
-  stamp install
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --no-build-isolation \
-      --target /tmp/site .whl/*.whl .whl/*.tar.gz >/dev/null || exit 1
-fi
-if [ -f .snap/src.tar.gz ]; then
-  rm -rf /tmp/src && mkdir -p /tmp/src && tar xzf .snap/src.tar.gz -C /tmp/src || exit 5
-fi
-cd /tmp/src 2>/dev/null && echo "committed tree in /tmp/src" || echo "no /tmp/src: the working tree"
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore OPENBLAS_NUM_THREADS=8
+source "$(dirname "$0")/common.sh"
 stamp tests
 timeout 170 python3 -m pytest -q -m gpu -p no:warnings tests/gpu/test_fused_gemv_gpu.py tests/gpu/test_cuda_backend_gpu.py \
     -k "fused_decode or reproducible or glu or ragged or verify or prefill_logits" > $OUT/tests_b.txt 2>&1

@@ -1,18 +1,7 @@
 #!/usr/bin/env bash
 # Session 5, call C (carry .whl + .snap): cuBLASLt autotune timed with a cold L2 (the B=32 picks),
 # and the one-row GEMV's warps / loads in flight swept inside the 8B batch-1 decode graph.
-set -u
-t0=$(date +%s); stamp() { echo "=== $1 at $(( $(date +%s) - t0 )) s"; }
-if [ ! -d /tmp/site/hydra ]; then
-  stamp install
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --no-build-isolation \
-      --target /tmp/site .whl/*.whl .whl/*.tar.gz >/dev/null || exit 1
-fi
-if [ -f .snap/src.tar.gz ]; then
-  rm -rf /tmp/src && mkdir -p /tmp/src && tar xzf .snap/src.tar.gz -C /tmp/src || exit 5
-fi
-cd /tmp/src 2>/dev/null && echo "committed tree in /tmp/src" || echo "no /tmp/src: the working tree"
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore OPENBLAS_NUM_THREADS=8
+source "$(dirname "$0")/common.sh"
 stamp tests
 timeout 90 python3 -m pytest -q -m gpu -p no:warnings -s tests/gpu/test_cublaslt_gpu.py -k autotune > $OUT/tests_c.txt 2>&1
 grep -E "passed|failed|^E  |^FAILED|autotune" $OUT/tests_c.txt | cut -c1-200 | tail -8

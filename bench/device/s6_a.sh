@@ -3,18 +3,7 @@
 # GPU tests of what landed after session 5's last device call, then the A/Bs it left:
 #   levers.fuse_attention_merge (SmolLM2 / 1B batch 1: attention partials merged in the o_proj GEMV),
 #   levers.cublaslt_split_k (8B batch 32: one-kernel cuBLASLt picks only), the torch.compile peer.
-set -u
-t0=$(date +%s); stamp() { echo "=== $1 at $(( $(date +%s) - t0 )) s"; }
-if [ ! -d /tmp/site/hydra ]; then
-  stamp install
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --no-build-isolation \
-      --target /tmp/site .whl/*.whl .whl/*.tar.gz >/dev/null || exit 1
-fi
-if [ -f .snap/src.tar.gz ]; then
-  rm -rf /tmp/src && mkdir -p /tmp/src && tar xzf .snap/src.tar.gz -C /tmp/src || exit 5
-fi
-cd /tmp/src 2>/dev/null && echo "committed tree in /tmp/src" || echo "no /tmp/src: the working tree"
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore OPENBLAS_NUM_THREADS=8
+source "$(dirname "$0")/common.sh"
 stamp tests
 timeout 200 python3 -m pytest -q -m gpu -p no:warnings -s tests/gpu/test_fused_gemv_gpu.py tests/gpu/test_cublaslt_gpu.py \
     -k "merge or split_k or reproducible or fused_decode or autotune" > $OUT/tests_s6a.txt 2>&1

@@ -1,0 +1,38 @@
+# Sourced by the device scripts (bash bench/device/<script>.sh on the GPU machine): the packages
+# from a carried .whl into /tmp/site (once per warm machine), the committed tree from a carried
+# .snap/src.tar.gz into /tmp/src (run from there: no helper edit of the working tree can leak in),
+# the environment, and `stamp` (elapsed seconds). Without a .snap, an earlier call's /tmp/src or
+# else the working tree runs.
+set -u
+t0=$(date +%s); stamp() { echo "=== $1 at $(( $(date +%s) - t0 )) s"; }
+if [ ! -d /tmp/site/hydra ] && ls .whl/*.whl >/dev/null 2>&1; then
+  stamp install
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --no-build-isolation \
+      --target /tmp/site .whl/*.whl .whl/*.tar.gz >/dev/null || exit 1
+fi
+if [ -f .snap/src.tar.gz ]; then
+  rm -rf /tmp/src && mkdir -p /tmp/src && tar xzf .snap/src.tar.gz -C /tmp/src || exit 5
+  sha256sum .snap/src.tar.gz | cut -c1-16 > /tmp/src/.snap_id
+fi
+# SmolLM2 parts (carried as .m1 .m2 .m3, one a call) collect in /tmp/mdl
+mkdir -p /tmp/mdl
+for p in .m1/smolpart.aa .m2/smolpart.ab .m3/smolpart.ac; do [ -f "$p" ] && cp "$p" /tmp/mdl/; done
+if [ -f /tmp/src/.snap_id ]; then
+  cd /tmp/src || exit 5; echo "running the committed tree (.snap $(cat .snap_id))"
+else
+  echo "running the working tree (no .snap)"
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore OPENBLAS_NUM_THREADS=8
+
+# The real SmolLM2 GGUF at /tmp/mdl/smollm2.gguf once all three parts arrived: 0; else 1 (says
+# which carry comes next).
+smollm2_ready() {
+  if [ ! -f /tmp/mdl/smollm2.gguf ]; then
+    for p in aa ab ac; do
+      [ -f /tmp/mdl/smolpart.$p ] || { echo "SmolLM2 parts so far: $(ls /tmp/mdl | tr '\n' ' '); carry the next of .m1 .m2 .m3"; return 1; }
+    done
+    cat /tmp/mdl/smolpart.aa /tmp/mdl/smolpart.ab /tmp/mdl/smolpart.ac > /tmp/mdl/smollm2.gguf
+  fi
+  echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/mdl/smollm2.gguf" | sha256sum -c || {
+    rm -f /tmp/mdl/smollm2.gguf; return 1; }
+}
