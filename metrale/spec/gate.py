@@ -236,8 +236,7 @@ class AdaptiveGate:
         if c is None:
             if len(self._cost_cache) > 256:
                 self._cost_cache.clear()
-            f, v = self.costs(b)
-            extra = max(0.0, vm - v)
+            extra = max(0.0, vm - self.costs(b)[1])       # the measured price above the constant
             c = self._cost_cache[key] = [self.block_cost(k, b, drafting) + extra * k for k in range(self.num_drafts + 1)]
         return c
 
