@@ -100,7 +100,6 @@ class FlashDecodeConfig:
     warps: int = 4  # warps per block, each with its own online softmax over interleaved steps
     keys: int = 16  # keys per warp step (multiple of 8): 2 * keys * hd * 2 / 32 B in flight a lane
     out_bf16: bool = False  # out is uint16 bf16 bits [T, Hq * hd] (a cuBLASLt input), not float32 [T, Hq, hd]
-    partials: bool = False  # always write the split-K partials to scratch, even unsplit (a consumer merges)
 
     @property
     def threads(self) -> int:
@@ -114,7 +113,7 @@ class FlashDecodeConfig:
 
 def flash_decode_config(head_dim: int, group: int, block_size: int = 16, **override) -> FlashDecodeConfig:
     cfg = FlashDecodeConfig(head_dim, group, block_size, override.get("warps", 4), override.get("keys", 16),
-                            override.get("out_bf16", False), override.get("partials", False))
+                            override.get("out_bf16", False))
     if head_dim % 64 or head_dim <= 0:
         raise ValueError(f"flash_decode: head_dim {head_dim} must be a multiple of 64")
     if not 1 <= group <= 8:
@@ -167,7 +166,6 @@ def _make_kernel(cfg: FlashDecodeConfig):
         def store(out, tok, hq, d, v):
             out[tok, hq, d] = v
     SW = W * G
-    PARTIALS = cfg.partials
     U32 = np.uint64(0xFFFFFFFF)
     S32 = np.uint64(32)
     Z = np.uint32(0)
@@ -337,7 +335,7 @@ def _make_kernel(cfg: FlashDecodeConfig):
                 num += f * s_o[(w * G + gg) * HD + d]
                 den += f * s_l[w * G + gg]
             hq = h * G + gg
-            if nparts == 1 and not PARTIALS:
+            if nparts == 1:
                 store(out, tok, hq, d, num / den)
             else:
                 row = tok * grid_parts + p
@@ -375,21 +373,17 @@ def flash_decode_attention(
     config: FlashDecodeConfig | None = None,
     stream=0,
     no_split_context: int | None = None,
-    partials: bool = False,
-) -> tuple[int, int]:
+) -> None:
     """Causal paged attention for a ragged batch on the tensor cores (see module docstring); the
     arguments are those of attention.paged_attention. scratch: float32 [rows, Hq, hd + 2] (from
     paged_attention_scratch_shape), None = no split. max_context sets the grid (keep it fixed under
     CUDA-graph capture; a longer context is still handled: the last partition stretches).
     partitions forces the split count; no_split_context (default 0): never split when max_context
     is at most this. out may also be uint16 with room for [T, Hq * hd]: the result as bf16 bits,
-    row-major (the staging input of a cuBLASLt product: no conversion launch). partials: the
-    split-K partials are the output (scratch rows tok * parts + p, even unsplit), no merge launch:
-    a consumer merges them (gemm.gemv prologue 'merge'); out is not written. Returns (parts,
-    partition size). Allocates nothing."""
+    row-major (the staging input of a cuBLASLt product: no conversion launch). Allocates nothing."""
     num_tokens, hq, hd = q.shape
     if num_tokens == 0:
-        return 1, NO_SPLIT_PART
+        return
     kc, vc, hk = cache_views("flash_decode", q, k_cache_layer, v_cache_layer)
     cfg = config or flash_decode_config(hd, hq // hk, kc.shape[1])
     bf16 = out.dtype == np.uint16
@@ -412,12 +406,7 @@ def flash_decode_attention(
         parts = -(-max_context // part)
         if num_tokens * parts > rows:
             raise ValueError(f"flash_decode: scratch has {rows} rows, needs {num_tokens * parts}")
-    if partials:
-        if scratch is None or scratch.shape[0] < num_tokens * parts:
-            raise ValueError("flash_decode partials: scratch must hold num_tokens x partitions rows")
-        if not cfg.partials:
-            cfg = replace(cfg, partials=True)
-    elif scratch is None or parts == 1:
+    if scratch is None or parts == 1:
         if isinstance(out, np.ndarray):
             scratch = np.zeros((1, 1, hd + 2), np.float32)
         elif not bf16:
@@ -427,7 +416,7 @@ def flash_decode_attention(
     _kernel(cfg)[(parts, hk, num_tokens), cfg.threads, stream](
         q, kc, vc, block_tables, token_seq, positions, np.float32(scale * LOG2E), np.int32(part), out, scratch
     )
-    if parts > 1 and not partials:
+    if parts > 1:
         merge = _merge_partitions_bf16_kernel if bf16 else _merge_partitions_kernel
         merge[(hq, num_tokens), min(128, max(32, hd)), stream](scratch, positions, np.int32(part), np.int32(parts), out)
-    return parts, part
+

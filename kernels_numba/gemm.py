@@ -33,7 +33,6 @@ import math
 import numpy as np
 from numba import cuda, float32, uint32, uint64
 
-from kernels_numba.attention import _merge_scale, _merged
 from kernels_numba.bf16 import f32_to_bf16
 from kernels_numba.ptx import grid_trigger, grid_wait
 from kernels_numba.ptx import (SIM, bf16_bits_to_f32, bf16hi_f32, bf16lo_f32, f32_to_bf16_bits,
@@ -154,7 +153,7 @@ def _make_fma(TT: int, W: int, U: int, has_bias: bool, accumulate: bool):
 
 # ----------------------------------------------------------------------------- T = 1 GEMV
 # with a fused input transform (prologue), R rows of w per warp, x through L1 or shared memory
-PROLOGUES = {"plain": 0, "rmsnorm": 1, "silu_mul": 2, "rmsnorm_ss": 3, "merge": 4}
+PROLOGUES = {"plain": 0, "rmsnorm": 1, "silu_mul": 2, "rmsnorm_ss": 3}
 GEMV_SMEM_MAX_K = 12288     # x staged in shared memory as float32: 48 KB of static shared memory
 
 
@@ -179,10 +178,7 @@ def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumula
     """T = 1 GEMV, R consecutive rows of w per warp (W warps a block): a lane takes 8-wide k
     chunks lane, lane+32, ...; U chunks of each of its R rows in flight (16-byte loads) while the
     previous U are used. The 8 x values of a chunk are fetched once and used for R rows.
-    P (prologue, PROLOGUES): 0 x as is; 4 merge (KS > 0 only): x is the split-K decode attention
-    partials of one token in ms (flash_decode partials=True, mpart / mgrid its partition size and
-    count): each block merges them into shared memory (no merge launch, no attention output
-    buffer); 1 rmsnorm: the block first reduces sum(x^2) (x [1, K]),
+    P (prologue, PROLOGUES): 0 x as is; 1 rmsnorm: the block first reduces sum(x^2) (x [1, K]),
     then uses x * rsqrt(mean + eps) * norm_w; 2 silu_mul: x [1, 2K] = [gate | up], uses
     silu(gate) * up; 3 rmsnorm_ss: as 1 with sum(x^2) read from ss_in[0] (written by the kernel that
     produced x: no reduction, no barrier; fixed point, see SS_SCALE). SQ: the epilogue adds the sum
@@ -208,7 +204,7 @@ def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumula
     NWR = 4 * U * R
     RPW = 1 if GLU else R           # outputs a warp writes
 
-    def gemv(x, w, out, bias, nw, eps, ss_in, ss_out, pos, cos, sin, slots, k_cache, v_cache, ms, mpart, mgrid):
+    def gemv(x, w, out, bias, nw, eps, ss_in, ss_out, pos, cos, sin, slots, k_cache, v_cache):
         K = w.shape[1]
         tid = cuda.threadIdx.x
         warp = tid >> 5
@@ -266,21 +262,7 @@ def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumula
             scale = float32(1.0) / math.sqrt(tot / float32(K) + eps)
         elif P == 3:
             scale = float32(1.0) / math.sqrt(float32(ss_in[0]) * float32(SS_UNIT) / float32(K) + eps)
-        if KS > 0 and P == 4:
-            # merge: x is decode attention's split-K partials for one token (flash_decode with
-            # partials=True: ms[p, head, :hd] unnormalised O, [hd] max (natural log), [hd + 1] sum)
-            hdm = ms.shape[2] - 2
-            ctx = pos[0] + 1
-            npart = min((ctx + mpart - 1) // mpart, mgrid)
-            for i in range(tid, K, NT):
-                e = i // nch
-                c = i - e * nch
-                k = 8 * c + e
-                hq = k // hdm
-                m, inv = _merge_scale(ms, 0, npart, hq, hdm)          # the merge kernel's own math
-                xs[i] = _merged(ms, 0, npart, hq, hdm, k - hq * hdm, m, inv)
-            cuda.syncthreads()
-        elif KS > 0:
+        if KS > 0:
             for i in range(tid, K, NT):
                 e = i // nch
                 c = i - e * nch
@@ -844,7 +826,7 @@ def _launch(x, w, out, bias, stream, accumulate, fma_max_t, skinny_max_t, path=N
         assert T == 1 and cfg[3] == 0, "the gemv path of linear is T = 1, no prologue"
         f = out.reshape(out.size)                       # filler for the unused ss arguments
         k[grid, block, stream or 0](x, w, out, out if bias is None else bias, x, np.float32(0.0), f, f,
-                                    *_rope_filler(), *_merge_filler())
+                                    *_rope_filler())
     else:
         k[grid, block, stream or 0](x, w, out, out if bias is None else bias)
 
@@ -878,28 +860,14 @@ def _rope_filler() -> tuple:
     return tuple(_ROPE_FILLER)
 
 
-def _merge_filler() -> tuple:
-    """Typed stand-ins for the merge arguments (ms, mpart, mgrid) of a gemv launch without it."""
-    if not _MERGE_FILLER:
-        _MERGE_FILLER.append(cuda.to_device(np.zeros((1, 1, 3), np.float32)))
-    return _MERGE_FILLER[0], np.int32(0), np.int32(0)
-
-
-_MERGE_FILLER: list = []
-
-
 def gemv(x, w, out, *, prologue: str = "plain", norm_w=None, eps: float = 1e-6, bias=None,
          accumulate: bool = False, stream=None, path=None, ss_in=None, ss_out=None, glu: bool = False,
-         rope: tuple | None = None, interleaved: bool = False, prefetch: bool = False,
-         merge: tuple | None = None) -> None:
+         rope: tuple | None = None, interleaved: bool = False, prefetch: bool = False) -> None:
     """T = 1 product with the input transform fused into the GEMV (no launch of its own):
       plain       out[1, N] (+)= x[1, K] @ bf16(w).T (+ bias)
       rmsnorm     x -> x * rsqrt(mean(x^2) + eps) * norm_w   (norm_w float32 [K])
       rmsnorm_ss  the same, with sum(x^2) already in ss_in[0] (uint64 [1], fixed point: ss_fixed): no reduction
       silu_mul    x[1, 2K] = [gate | up] -> silu(gate) * up  (the gate_up product's output)
-      merge       merge = (partials, positions, part_size, parts) of flash_decode(partials=True) for one
-                  token: x (any float32 [1, K], unread) is their merge, done by each block in
-                  shared memory (needs the smem path: K <= GEMV_SMEM_MAX_K)
     accumulate adds into out (the residual stream). ss_out (uint64 [1], zeroed by the caller):
     the sum of squares of the values written is added into it, for the next rmsnorm_ss.
     glu: w is [gate | up] (2I rows) and out[1, I] = silu(x' @ gate.T) * (x' @ up.T) (x' the
@@ -932,17 +900,9 @@ def gemv(x, w, out, *, prologue: str = "plain", norm_w=None, eps: float = 1e-6, 
     else:
         nw = x
     assert (prologue == "rmsnorm_ss") == (ss_in is not None), "rmsnorm_ss and ss_in go together"
-    assert (prologue == "merge") == (merge is not None), "the merge prologue and merge= go together"
-    if merge is not None:
-        assert rope is None and not glu, "gemv merge: not with glu / rope"
-        ms, mpos, mpart, mgrid = merge
-        assert ms.ndim == 3 and ms.shape[1] * (ms.shape[2] - 2) == K and ms.shape[0] >= mgrid, \
-            f"gemv merge: partials {tuple(ms.shape)} do not hold {mgrid} partitions of K = {K}"
-    kind, cfg, grid, block = path or gemv_path(N, K, prologue, rows=2 if glu or rope is not None else None,
-                                               smem=True if merge is not None else None)
+    kind, cfg, grid, block = path or gemv_path(N, K, prologue, rows=2 if glu or rope is not None else None)
     assert kind == "gemv" and cfg[3] == PROLOGUES[prologue], f"gemv: path {kind}{cfg} is not for {prologue}"
     assert cfg[4] == 0 or K <= GEMV_SMEM_MAX_K, "gemv: x staged in shared memory needs K <= 12288"
-    assert merge is None or cfg[4], "gemv merge: the partials are merged into shared memory (smem path)"
     assert not (glu or rope is not None) or cfg[1] == 2, "gemv glu / rope: two rows (gate and up, a rotation pair) a warp"
     assert not prefetch or not (glu or rope is not None), "gemv prefetch: plain row layout only"
     k = kernel(kind, *cfg, bias is not None, accumulate, ss_out is not None, glu,
@@ -952,7 +912,4 @@ def gemv(x, w, out, *, prologue: str = "plain", norm_w=None, eps: float = 1e-6, 
                                                          nw, np.float32(eps),
                                                          f if ss_in is None else ss_in,
                                                          f if ss_out is None else ss_out,
-                                                         *(rope if rope is not None else _rope_filler() if merge is None
-                                                           else (mpos,) + _rope_filler()[1:]),
-                                                         *(_merge_filler() if merge is None else
-                                                           (ms, np.int32(mpart), np.int32(mgrid))))
+                                                         *(_rope_filler() if rope is None else rope))

@@ -39,8 +39,6 @@ class Levers:
     fuse_decode: bool = True             # one-row steps (CUDA): RMSNorm and silu*mul inside the next GEMV
     gemv_warps: int = 0                  # every one-row GEMV's warps a block (0: gemm.gemv_cfg's table)
     gemv_unroll: int = 0                 # every one-row GEMV's 16-byte loads in flight a row and lane (0: table)
-    fuse_attention_merge: bool = False   # one-row steps (CUDA, fuse_decode, o_proj K <= 2048): attention leaves
-                                         # split-K partials, the o_proj GEMV merges them (not yet measured)
     prefetch_o_proj: bool = True         # one-row steps (CUDA, with fuse_decode): the o_proj GEMV pulls its
                                          # weights into L2 before its PDL wait, during decode attention
     carry_norm_sums: bool = True         # one-row steps (CUDA, with fuse_decode): residual GEMVs sum the

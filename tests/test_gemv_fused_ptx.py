@@ -20,12 +20,11 @@ U64_1 = types.Array(types.uint64, 1, "C")
 I32_1 = types.Array(types.int32, 1, "C")
 U16_4 = types.Array(types.uint16, 4, "C")
 ROPE_SIG = (I32_1, F32_2, F32_2, I32_1, U16_4, U16_4)     # positions, cos, sin, slots, k/v caches
-MERGE_SIG = (types.Array(types.float32, 3, "C"), types.int32, types.int32)   # partials, part size, parts
 
 
 def _ptx(cfg, bias, acc, sq=False, glu=False, rope=0, pf=False):
     ss = U64_1 if sq or cfg[3] == gemm.PROLOGUES["rmsnorm_ss"] else F32_1       # carried sums: uint64 fixed point
-    sig = (F32_2, U16_2, F32_2, F32_1 if bias else F32_2, F32_2, types.float32, ss, ss) + ROPE_SIG + MERGE_SIG
+    sig = (F32_2, U16_2, F32_2, F32_1 if bias else F32_2, F32_2, types.float32, ss, ss) + ROPE_SIG
     ptx, _ = cuda.compile_ptx(gemm.py_kernel("gemv", *cfg, bias, acc, sq, glu, rope, pf), sig, cc=(9, 0))
     assert ".local" not in ptx, f"gemv{cfg}: register arrays spilled to local memory"
     return ptx
@@ -107,13 +106,3 @@ def test_gemv_prefetch_before_the_wait(sq):
     assert pf and max(pf) < wait, (pf, wait)
     assert ptx.count("ld.global.nc.v4.u32") == 2 * 2 * 2
     assert "prefetch.global" not in _ptx(cfg, False, True, sq=sq)
-
-
-@pytest.mark.parametrize("sq", [False, True])
-def test_gemv_merge_prologue_ptx(sq):
-    """merge: the partials are read (ex2-based exp, a division) into shared memory once a block,
-    then one barrier; the weight stream is the plain one."""
-    cfg = (8, 1, 2, gemm.PROLOGUES["merge"], 1)
-    ptx = _ptx(cfg, False, True, sq=sq)
-    assert ptx.count("ld.global.nc.v4.u32") == 2 * 2
-    assert "ex2.approx" in ptx and "div" in ptx and "st.shared.f32" in ptx and "bar.sync" in ptx

@@ -49,7 +49,7 @@ def _functions(path: Path):
 
 # Kernels allowed statements before grid_wait(): they load only what no earlier kernel writes
 # (weights), and these names, which earlier kernels do write, must not appear before the wait.
-PRE_WAIT = {("gemm.py", "gemv"): {"x", "out", "ss_in", "ss_out", "ms", "pos"}}
+PRE_WAIT = {("gemm.py", "gemv"): {"x", "out", "ss_in", "ss_out", "pos"}}
 # Kernels that trigger their successor before they wait (the split-K merge: the o_proj GEMV after it
 # launches while the attention still runs and prefetches its weights); the trigger reads nothing.
 TRIGGER_FIRST = {("attention.py", "_merge_partitions_kernel"), ("attention.py", "_merge_partitions_bf16_kernel")}

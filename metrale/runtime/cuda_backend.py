@@ -255,29 +255,13 @@ class CudaOps:
         tensor-core decode attention (or its split-K merge) writes the bf16 staging input itself:
         no float32 output, no conversion launch (one kernel a layer fewer)."""
         T = self.g.tokens
-        decode = self.b.flash_decode and self.g.max_query_len < self.b.prefill_min_tokens
-        if decode and T == 1 and self.b.fuse_attention_merge and self._fused(1, weight):
-            return self._merged_attention_linear_residual(q, layer, weight, residual)
-        if not (decode and self.b.blas_takes(T, weight)):
+        if not (self.b.flash_decode and self.g.max_query_len < self.b.prefill_min_tokens and self.b.blas_takes(T, weight)):
             return self.linear_residual(self.attention(q, layer), weight, residual,
                                         prefetch=self.b.prefetch_o_proj and T == 1 and self.b.fuse_decode)
         self._decode_attention(q, layer, self.b.blas_input((T, self.cfg.q_size)))
         self._resid_ss = None
         self.b.blas_linear(None, weight, residual, None, accumulate=True, rows=T)
         return residual
-
-    def _merged_attention_linear_residual(self, q, layer, weight, residual):
-        """One token row, o_proj input narrow enough to stage (K <= FUSE_MAX_K): decode attention
-        leaves its split-K partials (flash_decode partials=True, no merge launch) and the o_proj
-        GEMV merges them in its prologue (gemm.gemv 'merge'): one node a layer fewer
-        (levers.fuse_attention_merge)."""
-        scratch = self.b.attn_scratch
-        parts, part = flash_decode.flash_decode_attention(
-            q, self.b.k_cache64[layer], self.b.v_cache64[layer], self.block_tables, self.token_seq, self.positions,
-            1.0 / math.sqrt(self.cfg.head_dim), self._buf("attn"), scratch=scratch, max_context=self.g.max_context,
-            stream=self.s, partials=True)
-        x = self.b.view("attn", 1, (1, weight.shape[1]))          # unread: the prologue merges the partials
-        return self._residual_gemv(x, weight, residual, prologue="merge", merge=(scratch, self.positions, part, parts))
 
     def silu_mul(self, gate_up):
         out = self._buf("act")
@@ -538,7 +522,6 @@ class CudaBackend:
         them (CudaOps.norm_linear / silu_mul_linear_residual)."""
         self.fuse_decode = bool(getattr(levers, "fuse_decode", True))
         self.prefetch_o_proj = bool(getattr(levers, "prefetch_o_proj", True))
-        self.fuse_attention_merge = bool(getattr(levers, "fuse_attention_merge", False))
         gemm.GEMV_FORCE.update(warps=int(getattr(levers, "gemv_warps", 0)), unroll=int(getattr(levers, "gemv_unroll", 0)))
         self.carry_norm_sums = bool(getattr(levers, "carry_norm_sums", False))
 

@@ -146,26 +146,3 @@ def test_batch1_greedy_decode_is_reproducible(smol_pair):
     logits = [on.backend.forward(one) for _ in range(4)]
     for lg in logits[1:]:
         np.testing.assert_array_equal(lg, logits[0])
-
-
-def test_attention_merge_in_the_o_proj_gemv(smol_pair):
-    """levers.fuse_attention_merge: the batch-1 greedy tokens and one-row logits equal the default
-    path's; the batch-1 graph has one node a layer fewer when the attention splits (its merge)."""
-    from metrale import Engine, SamplingParams
-    from metrale.runtime.batch import Segment, build_batch
-    on, _ = smol_pair
-    fm = Engine(model="smollm2-135m-shape", device="cuda", cache={"num_blocks": 256},
-                levers={"fuse_attention_merge": True})
-    rng = np.random.default_rng(2)
-    prompt = rng.integers(0, on.model_config.vocab_size, 300)    # contexts that split
-    p = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    a = on.generate([prompt], p, use_tqdm=False)[0]
-    b = fm.generate([prompt], p, use_tqdm=False)[0]
-    np.testing.assert_array_equal(a.token_ids, b.token_ids)
-    one = build_batch([Segment(np.asarray([7], np.int32), 0, np.asarray([1], np.int32), "all")],
-                      on.backend.block_size)
-    la, lb = on.backend.forward(one), fm.backend.forward(one)
-    assert np.linalg.norm(la - lb) / np.linalg.norm(la) < 1e-4
-    n = {e: e.backend.graphs[[g for g in e.backend.graphs if g.tokens == 1][0]].num_nodes for e in (on, fm)}
-    print(f"batch-1 graph nodes: merge kernel {n[on]}, merged in the GEMV {n[fm]}")
-    assert n[fm] <= n[on]

@@ -113,34 +113,3 @@ def test_flash_decode_bf16_out_equals_rounded_float_out(partitions):
                               partitions=partitions, config=cfg)
     np.testing.assert_array_equal(staged[:q.size], f32_to_bf16_bits(out).reshape(-1))
     assert (staged[q.size:] == 0xFFFF).all()
-
-
-@pytest.mark.parametrize("partitions,ctx", [(3, 70), (1, 20), (4, 9)])
-def test_partials_merged_by_the_gemv_prologue(partitions, ctx):
-    """flash_decode(partials=True) leaves the split-K partials (even unsplit, even when the context
-    fills fewer partitions than the grid has) and launches no merge; gemm.gemv's 'merge' prologue
-    merges them in shared memory: residual += attention @ w.T equals the reference attention's
-    product (one token, the o_proj shape of a tiny model)."""
-    from kernels_numba import gemm
-    from kernels_numba.ptx import f32_to_bf16_bits, bf16_bits_to_f32
-    rng = np.random.default_rng(partitions * 100 + ctx)
-    hd, hq, hk, bs = 64, 4, 2, 16
-    q, kc, vc, tables, token_seq, positions = make_batch(rng, hd, hq, hk, [ctx], bs)
-    scale = hd ** -0.5
-    cfg = FD.flash_decode_config(hd, hq // hk, bs, warps=2, keys=8)
-    scratch = np.full((8, hq, hd + 2), np.nan, np.float32)
-    out = np.full_like(q, np.nan)
-    parts, part = FD.flash_decode_attention(q, kc, vc, tables, token_seq, positions, scale, out, scratch=scratch,
-                                            partitions=partitions, config=cfg, partials=True)
-    assert np.isnan(out).all()                               # no merge into out
-    K, N = hq * hd, 64
-    w = f32_to_bf16_bits(rng.standard_normal((N, K)).astype(np.float32) / np.sqrt(K))
-    res = rng.standard_normal((1, N)).astype(np.float32)
-    d_res = cuda.to_device(res.copy())
-    gemm.gemv(cuda.to_device(np.zeros((1, K), np.float32)), cuda.to_device(w), d_res, prologue="merge",
-              accumulate=True, merge=(cuda.to_device(scratch), cuda.to_device(positions), part, parts),
-              path=gemm.gemv_path(N, K, "merge", warps=2, rows=1, unroll=1, smem=True))
-    attn = A.attention_ref(q, kc, vc, tables, token_seq, positions, scale).reshape(1, K).astype(np.float64)
-    want = res + attn @ bf16_bits_to_f32(w).astype(np.float64).T
-    got = d_res.copy_to_host()
-    assert np.abs(got - want).max() < 2e-2 * np.abs(want).max(), np.abs(got - want).max()
