@@ -33,7 +33,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda
 
-from kernels_numba.ptx import grid_trigger, grid_wait
+from kernels_numba.ptx import grid_trigger, grid_trigger_late, grid_wait
 from kernels_numba.bf16 import (
     NEG_INF,
     SIMULATOR,
@@ -324,6 +324,7 @@ def _merged(scratch, base, nparts, hq, hd, d, m, inv):
 def _merge_partitions_kernel(scratch, positions, part_size, grid_parts, out):
     grid_trigger()   # before the wait: the o_proj GEMV may launch (and prefetch its weights) while
     grid_wait()      # the attention this merge waits for still runs; then PDL: before any read
+    grid_trigger_late()   # PDL 'late': the o_proj GEMV launches once the attention is done
     hq = cuda.blockIdx.x
     t = cuda.blockIdx.y
     ctx = positions[t] + 1
@@ -342,6 +343,7 @@ def _merge_partitions_bf16_kernel(scratch, positions, part_size, grid_parts, out
     matmul's input, no conversion launch)."""
     grid_trigger()   # before the wait, as _merge_partitions_kernel
     grid_wait()      # PDL: before any read of what an earlier kernel wrote
+    grid_trigger_late()
     hq = cuda.blockIdx.x
     t = cuda.blockIdx.y
     ctx = positions[t] + 1

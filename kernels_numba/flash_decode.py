@@ -59,7 +59,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda
 
-from kernels_numba.ptx import grid_trigger, grid_wait
+from kernels_numba.ptx import grid_trigger, grid_trigger_late, grid_wait
 from kernels_numba.attention import (  # noqa: F401 (reference and shared scratch layout)
     NO_SPLIT_PART,
     _merge_partitions_bf16_kernel,
@@ -307,6 +307,7 @@ def _make_kernel(cfg: FlashDecodeConfig):
                             vr[((n * 2 + j) * H + hh) * 2] = a
                             vr[((n * 2 + j) * H + hh) * 2 + 1] = b
 
+        grid_trigger_late()      # PDL 'late': the successor's blocks start during the merge below
         # ---- merge the warps' softmax states in shared memory; write out or the split-K partial
         lsum += shfl_xor_f32(lsum, 1)
         lsum += shfl_xor_f32(lsum, 2)

@@ -34,7 +34,7 @@ import numpy as np
 from numba import cuda, float32, uint32, uint64
 
 from kernels_numba.bf16 import f32_to_bf16
-from kernels_numba.ptx import grid_trigger, grid_wait
+from kernels_numba.ptx import grid_trigger, grid_trigger_late, grid_wait
 from kernels_numba.ptx import (SIM, bf16_bits_to_f32, bf16hi_f32, bf16lo_f32, f32_to_bf16_bits,
                                ldg_f32x4, ldg_u16x8, lds_u32x4, mma_bf16_16816, pack_bf16x2,
                                prefetch_l2, sts_u32x4, warp_sum_f32)
@@ -330,6 +330,7 @@ def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumula
                     s += bf16lo_f32(wc[o + 2]) * xv[4] + bf16hi_f32(wc[o + 2]) * xv[5]
                     s += bf16lo_f32(wc[o + 3]) * xv[6] + bf16hi_f32(wc[o + 3]) * xv[7]
                     acc[r] = s
+        grid_trigger_late()      # PDL 'late': the successor's blocks start during this epilogue
         if GLU:
             g = warp_sum_f32(acc[0])
             u = warp_sum_f32(acc[1])

@@ -6,7 +6,8 @@ launched early (when every CTA of the previous grid has called `grid_trigger()` 
 CTAs sit at `griddepcontrol.wait` and start the moment the previous grid's memory is visible.
 
 A kernel opts in by calling `ptx.grid_wait()` as its first statement (and `ptx.grid_trigger()` right
-after it, so that its own successor may launch early). Numba's launcher cannot set launch
+after it, so that its own successor may launch early; `ptx.grid_trigger_late()` after its main loop
+for the `late` mode). Numba's launcher cannot set launch
 attributes, so `enable(True)` wraps numba-cuda's `_Kernel.launch`: a kernel whose Python code
 names `grid_wait` is launched through cuda.core with `programmatic_stream_serialization=True`;
 every other kernel (and every kernel while PDL is off) goes through Numba's own launch. A kernel
@@ -49,15 +50,18 @@ def supported() -> bool:
         return False
 
 
-def set_early_trigger(on: bool) -> None:
-    """Whether grid_trigger() is compiled in (kernels compiled from now on; Numba keeps the ones
-    already compiled). Measured on the H200 (graph replay, levers.pdl on): early triggers help
-    Llama-3-8B (B=1 4.90 -> 4.77 ms, B=32 6.45 -> 6.37 ms) and cost SmolLM2-135M at B=1
-    (0.875 -> 0.998 ms: its kernels are a few microseconds; waiting blocks parked early only get in
-    the way)."""
+def set_trigger(mode: str) -> None:
+    """Which trigger kernels compiled from now on carry (Numba keeps the ones already compiled):
+    `early` grid_trigger() right after the wait, `late` grid_trigger_late() after the main loop,
+    `exit` none (the successor launches as the blocks exit). Measured on the H200 (graph replay,
+    levers.pdl on): early triggers help Llama-3-8B (B=1 4.90 -> 4.77 ms, B=32 6.45 -> 6.37 ms) and
+    cost SmolLM2-135M at B=1 (0.875 -> 0.998 ms: its kernels are a few microseconds; waiting blocks
+    parked early only get in the way)."""
     from kernels_numba import ptx
+    if mode not in ptx.TRIGGER_MODES:
+        raise ValueError(f"PDL trigger mode must be one of {ptx.TRIGGER_MODES}, not '{mode}'")
     if hasattr(ptx, "TRIGGER"):
-        ptx.TRIGGER["early"] = bool(on)
+        ptx.TRIGGER["mode"] = mode
 
 
 def enabled() -> bool:

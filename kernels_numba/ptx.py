@@ -443,7 +443,12 @@ else:
 #                   Without that launch attribute it returns at once.
 #   grid_trigger()  `griddepcontrol.launch_dependents`: once every CTA of this grid has issued it (or
 #                   exited), the next PDL-launched grid may be scheduled. Call it after grid_wait().
-__all__ += ["grid_wait", "grid_trigger"]
+#   grid_trigger_late()  the same instruction at a kernel's end of streaming (after its main loop,
+#                   before its reductions and stores): compiled in only in the `late` mode, where
+#                   grid_trigger() compiles to nothing, so a successor's blocks start (and issue their
+#                   weight loads) while this grid finishes its epilogue, not while it streams.
+__all__ += ["grid_wait", "grid_trigger", "grid_trigger_late"]
+TRIGGER_MODES = ("early", "late", "exit")
 
 if SIM:
     def grid_wait():
@@ -452,15 +457,18 @@ if SIM:
     def grid_trigger():
         return None
 
-else:
-    # What grid_trigger() compiles to, read when a kernel compiles (pdl.set_early_trigger, from
-    # levers.pdl_trigger): `early`, the instruction; else nothing, so a successor launches as this
-    # grid's blocks exit rather than as they start.
-    TRIGGER = {"early": True}
+    def grid_trigger_late():
+        return None
 
-    def _griddepcontrol(op: str):
+else:
+    # Which trigger call compiles to the instruction, read when a kernel compiles (pdl.set_trigger,
+    # from levers.pdl_trigger): `early` grid_trigger(), `late` grid_trigger_late(), `exit` neither
+    # (a successor launches as this grid's blocks exit).
+    TRIGGER = {"mode": "early"}
+
+    def _griddepcontrol(op: str, mode: str | None = None):
         def gen(context, builder, sig, args):
-            if op == "launch_dependents" and not TRIGGER["early"]:
+            if mode is not None and TRIGGER["mode"] != mode:
                 return context.get_dummy_value()
             fty = ir.FunctionType(ir.VoidType(), [])
             builder.call(ir.InlineAsm(fty, f"griddepcontrol.{op};", "~{memory}", side_effect=True), [])
@@ -473,7 +481,11 @@ else:
 
     @intrinsic
     def grid_trigger(typingctx):
-        return types.none(), _griddepcontrol("launch_dependents")
+        return types.none(), _griddepcontrol("launch_dependents", "early")
+
+    @intrinsic
+    def grid_trigger_late(typingctx):
+        return types.none(), _griddepcontrol("launch_dependents", "late")
 
 
 # ----------------------------------------------------------------------------- L2 prefetch

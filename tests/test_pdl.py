@@ -135,18 +135,22 @@ def test_pdl_trigger_lever_picks_by_model_size():
     from metrale.runtime.cuda_backend import PDL_EARLY_MIN_BYTES, CudaBackend
 
     try:
-        assert CudaBackend._pdl_trigger(None, "auto", PDL_EARLY_MIN_BYTES) is True and ptx.TRIGGER["early"]
-        assert CudaBackend._pdl_trigger(None, "auto", 270 << 20) is False and not ptx.TRIGGER["early"]
-        assert CudaBackend._pdl_trigger(None, "early", 0) is True
-        assert CudaBackend._pdl_trigger(None, "exit", 16 << 30) is False
+        assert CudaBackend._pdl_trigger(None, "auto", PDL_EARLY_MIN_BYTES) == "early" == ptx.TRIGGER["mode"]
+        assert CudaBackend._pdl_trigger(None, "auto", 270 << 20) == "exit" == ptx.TRIGGER["mode"]
+        assert CudaBackend._pdl_trigger(None, "early", 0) == "early"
+        assert CudaBackend._pdl_trigger(None, "late", 16 << 30) == "late" == ptx.TRIGGER["mode"]
+        assert CudaBackend._pdl_trigger(None, "exit", 16 << 30) == "exit"
         with pytest.raises(ValueError, match="pdl_trigger"):
             CudaBackend._pdl_trigger(None, "sometimes", 0)
     finally:
-        ptx.TRIGGER["early"] = True
+        ptx.TRIGGER["mode"] = "early"
 
 
 @pytest.mark.skipif(SIMULATOR, reason="compile_ptx needs the real CUDA target")
-def test_exit_trigger_compiles_no_launch_dependents():
+@pytest.mark.parametrize("mode", ["early", "late", "exit"])
+def test_trigger_mode_compiles_its_own_trigger_only(mode):
+    """early: grid_trigger() is the instruction; late: grid_trigger_late() is (after the stores it
+    follows in the source); exit: neither."""
     from numba.cuda import compile_ptx
     from kernels_numba import ptx
 
@@ -154,9 +158,24 @@ def test_exit_trigger_compiles_no_launch_dependents():
         ptx.grid_wait()
         ptx.grid_trigger()
         x[0] = 1.0
+        ptx.grid_trigger_late()
+        x[1] = 2.0
     try:
-        ptx.TRIGGER["early"] = False
+        pdl.set_trigger(mode)
         body, _ = compile_ptx(k, (types.float32[:],), cc=(9, 0))
-        assert "griddepcontrol.wait" in body and "griddepcontrol.launch_dependents" not in body
+        lines = body.splitlines()
+        assert "griddepcontrol.wait" in body
+        trig = [i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln]
+        if mode == "exit":
+            assert not trig
+        else:
+            assert len(trig) == 1
+            first_store = next(i for i, ln in enumerate(lines) if "st.global" in ln)
+            assert (trig[0] < first_store) == (mode == "early")
     finally:
-        ptx.TRIGGER["early"] = True
+        ptx.TRIGGER["mode"] = "early"
+
+
+def test_unknown_trigger_mode_is_refused():
+    with pytest.raises(ValueError, match="trigger mode"):
+        pdl.set_trigger("sometimes")

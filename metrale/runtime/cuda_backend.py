@@ -379,7 +379,7 @@ class CudaBackend:
         self.use_blas = self._want_cublaslt(str(levers.gemm_library))
 
         weight_bytes = self._weight_bytes()
-        self.pdl_early_trigger = self._pdl_trigger(str(getattr(levers, "pdl_trigger", "auto")), weight_bytes)
+        self.pdl_trigger = self._pdl_trigger(str(getattr(levers, "pdl_trigger", "auto")), weight_bytes)
         act_bytes = self._activation_bytes()
         free, total = free_device_memory()
         kv_bytes = kv_pool_bytes(free, total, float(cfg.cache.gpu_memory_utilization),
@@ -410,15 +410,15 @@ class CudaBackend:
         if self.use_graphs:
             self._capture_ladder()
 
-    def _pdl_trigger(self, choice: str, weight_bytes: int) -> bool:
-        """levers.pdl_trigger -> whether kernels compiled from now on trigger their PDL successor at
-        their start. auto: early for models of at least PDL_EARLY_MIN_BYTES of weights (measured:
-        a gain on Llama-3-8B, a 12% loss on SmolLM2-135M at batch 1; kernels_numba/pdl.py)."""
-        if choice not in ("auto", "early", "exit"):
-            raise ValueError(f"levers.pdl_trigger must be auto, early or exit, not '{choice}'")
-        early = choice == "early" or (choice == "auto" and weight_bytes >= PDL_EARLY_MIN_BYTES)
-        pdl.set_early_trigger(early)
-        return early
+    def _pdl_trigger(self, choice: str, weight_bytes: int) -> str:
+        """levers.pdl_trigger -> the trigger mode kernels compiled from now on carry (pdl.set_trigger):
+        early, late or exit. auto: early for models of at least PDL_EARLY_MIN_BYTES of weights
+        (measured: a gain on Llama-3-8B, a 12% loss on SmolLM2-135M at batch 1), else exit."""
+        if choice not in ("auto", "early", "late", "exit"):
+            raise ValueError(f"levers.pdl_trigger must be auto, early, late or exit, not '{choice}'")
+        mode = choice if choice != "auto" else ("early" if weight_bytes >= PDL_EARLY_MIN_BYTES else "exit")
+        pdl.set_trigger(mode)
+        return mode
 
     # ------------------------------------------------------------------ hooks of model families
     def _gemm_dims(self) -> list[tuple[str, int]]:
