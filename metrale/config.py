@@ -46,8 +46,9 @@ class Levers:
                                          # rounding; H200 8B B=1: 4.79 -> 4.58 ms a step)
     pdl: bool = True                     # CUDA sm_90+: programmatic dependent launch of the kernels that
                                          # opt in (the next kernel starts while the previous one drains)
-    pdl_trigger: str = "auto"            # early | exit | auto: a PDL successor launches when the kernel's
-                                         # blocks start (early) or exit; auto: early for >= 1 GiB of weights
+    pdl_trigger: str = "auto"            # early | late | exit | auto: a PDL successor launches when the
+                                         # kernel's blocks start (early), end their main loop (late) or
+                                         # exit; auto: early for >= 1 GiB of weights, else exit
     spec_min_confidence: float = 0.0     # cut a draft at its first token below this confidence
     spec_verify_cost: float = -1.0       # cost of one verified draft token, in plain decode steps
                                          # (-1: 0.1 on CUDA, where decode is memory-bound; the row model on
@@ -71,6 +72,9 @@ class Levers:
                                          # (auto: on CUDA backends; CPU uses the spec_verify_cost model)
     spec_measured_margin: float = 0.05   # the measured gate speculates on while its rate beats plain by this
     spec_measured_min_steps: int = 4     # verify steps a batch-size bucket (or a probe) needs before deciding
+    spec_shadow: bool = True             # free drafters (n-gram): where a verify is not expected to gain,
+                                         # compare the draft with what the sequence emits instead of
+                                         # probing (evidence without a verify; spec/gate.py)
     state_norm_bound: float = 0.0        # hybrid models: clamp recurrent-state norms in long prefills (0: off)
     state_snapshots: int = 64            # hybrid models: recurrent-state snapshots kept for prefix caching
                                          # (LRU; 0: no prefix caching for hybrid models)

@@ -23,6 +23,15 @@ sequence for probe_interval steps (doubling while probes keep losing). A batch s
 draft count could pay even with every draft accepted does not speculate at all (logged once). A
 batch of more than `max_batch` decoding sequences turns speculation off for the step.
 
+Shadow drafts (`shadow`, for drafters whose drafting is free: n-gram): a sequence the gate would
+not verify for still gets a draft, kept on the host and never verified; the tokens the sequence
+then emits say how much of it a verify would have accepted (the greedy match; for a sampled row the
+chance that the sampled token is the draft token is p(draft), the acceptance of rejection sampling
+with a one-hot draft), and `observe_shadow` counts that as evidence like a verify. So a free
+drafter never probes: it verifies only once its own shadow evidence (or earlier verifies) says a
+verify gains at alpha_low, and a sequence suspended after a losing verify resumes on shadow
+evidence instead of a timer. The probe budget and the suspension apply to dear drafters only.
+
 A guard on top, because the constant cost model is only a prior: a batch-level gate measured on the running engine: the wall time between steps (begin_step to
   begin_step, so drafting, forward and acceptance all count) is averaged per batch-size bucket for
   plain steps and for steps with verify blocks, with the tokens the latter emitted per sequence.
@@ -59,6 +68,8 @@ class SeqSpecStats:
     first_step: int = 0       # the step the gate first saw the sequence
     probe_loss: float = 0.0   # cost-model steps spent on probes (verifies expected to lose)
     probing: bool = False     # the current draft is a probe
+    shadows: int = 0          # shadow drafts resolved (never verified; see observe_shadow)
+    shadow_accepted: int = 0  # their tokens a verify would have accepted
 
     @property
     def alpha(self) -> float:
@@ -99,7 +110,7 @@ class AdaptiveGate:
                  prior_acceptance: float = 0.8, probe_budget: float | None = None, min_gain: float = 1.0,
                  caution: float = 0.0, probe_interval: int = 16, max_batch: int = 64, ema_decay: float = 0.7,
                  measure: bool = True, measure_margin: float = 0.0, measure_min_steps: int = 2,
-                 clock=time.perf_counter):
+                 shadow: bool = False, clock=time.perf_counter):
         """verify_cost: v per draft token (constant model); step_fixed > 0 selects the row model
         (step_fixed, row_cost: see the module doc) instead; draft_cost / draft_fixed: the drafter's
         cost per token / per proposal; prior_acceptance: a new sequence's per-token acceptance;
@@ -115,6 +126,7 @@ class AdaptiveGate:
         self.prior, self.probe_budget = min(max(prior_acceptance, 0.0), 1.0), probe_budget
         self.probe_interval, self.max_batch, self.decay = probe_interval, max_batch, ema_decay
         self.min_gain, self.caution = max(1.0, min_gain), max(0.0, caution)
+        self.shadow = bool(shadow) and draft_cost <= 0 and draft_fixed <= 0
         self.stats: dict[str, SeqSpecStats] = {}
         self.step = 0
         self.batch = 1                            # decoding sequences of the current step
@@ -351,10 +363,12 @@ class AdaptiveGate:
         it says, so it pays no catch-up or drafting for nothing."""
         st = self._stats(request_id)
         st.probing = False
-        if self.step < st.suspended_until or not self._batch_pays():
+        if not self._batch_pays() or (self.step < st.suspended_until and not self.shadow):
             return 0
         k, gain = self.best_drafts(st.alpha_low(self.caution))
         probing = gain < self.min_gain
+        if probing and self.shadow:
+            return 0                              # the Speculator shadows it instead (free evidence)
         k = self._verified_prefix(st, [1.0] * k, None, probing)
         if k == 0:
             return 0
@@ -390,6 +404,18 @@ class AdaptiveGate:
             st.probing = False
         if not self._suspend_if_losing(st) and accepted:
             st.backoff = 1
+
+    def observe_shadow(self, request_id: str, proposed: int, accepted: int) -> None:
+        """A shadow draft of `proposed` tokens resolved: the sequence emitted its first `accepted`
+        tokens (and then another, unless all matched). The same evidence as a verify with that
+        outcome, at no cost: no step timing, no probe loss, no suspension."""
+        if proposed <= 0:
+            return
+        st = self._stats(request_id)
+        st.shadows += 1
+        st.shadow_accepted += accepted
+        st.hits = self.decay * st.hits + accepted
+        st.trials = self.decay * st.trials + accepted + (1 if accepted < proposed else 0)
 
     def release(self, request_id: str) -> None:
         self.stats.pop(request_id, None)

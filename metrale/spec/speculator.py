@@ -108,6 +108,8 @@ class Speculator:
         self.proposed = self.accepted = self.verifies = self.cut = self.dropped = 0
         self._rows: dict[str, list] = {}                       # this step's verify rows per request
         self._pending: dict[str, tuple[Sequence, int, int]] = {}   # proposed, not yet verified
+        self._shadow: dict[str, tuple[Sequence, int, list[int]]] = {}   # (seq, first index, tokens): gate.shadow
+        self.shadows = self.shadow_accepted = 0
 
     def propose(self, running: list[Sequence], states: dict, blocks) -> None:
         for seq, before, k in self._pending.values():          # proposed last step, never verified
@@ -117,10 +119,13 @@ class Speculator:
         for seq in running:
             seq.draft_tokens, seq.draft_probs = [], None
         decoding = [s for s in running if s.num_uncomputed == 1]
+        if self._shadow:
+            self._resolve_shadows()
         if not self.gate.begin_step(len(decoding)):
             return
-        seqs, ks = [], []
+        seqs, ks, shadowed = [], [], []
         budgeted = isinstance(self.gate, AdaptiveGate)      # gates of tests may be duck-typed
+        shadow = budgeted and self.gate.shadow
         spare = (self.max_rows - len(running)) if self.max_rows else 1 << 30   # rows left for drafts
         for seq in decoding:
             state = states.get(seq.request_id)
@@ -133,6 +138,11 @@ class Speculator:
                 seqs.append(seq)
                 ks.append(k)
                 spare -= k
+                self._shadow.pop(seq.request_id, None)
+            elif shadow and want == 0 and left > 1 and seq.request_id not in self._shadow:
+                shadowed.append(seq)
+        if shadowed:
+            self._start_shadows(shadowed)
         if not seqs:
             return
         for seq, k, draft in zip(seqs, ks, self.drafter.propose(seqs, ks)):
@@ -151,6 +161,33 @@ class Speculator:
                 self._rows[seq.request_id] = rows
             if n < k:
                 blocks.trim(seq)
+
+    def _start_shadows(self, seqs: list[Sequence]) -> None:
+        """Free drafts the gate does not verify: kept to compare with what each sequence emits
+        (gate.observe_shadow), the evidence a probe would have bought."""
+        for seq, draft in zip(seqs, self.drafter.propose(seqs, [self.num_drafts] * len(seqs))):
+            toks = draft.cut(self.num_drafts, self.min_confidence).tokens
+            if toks:
+                self._shadow[seq.request_id] = (seq, seq.num_tokens, toks)
+
+    def _resolve_shadows(self) -> None:
+        """A shadow resolves at its first token the sequence did not emit, or once all matched."""
+        done = []
+        for rid, (seq, start, toks) in self._shadow.items():
+            avail = min(seq.num_tokens - start, len(toks))
+            if avail <= 0:
+                continue
+            got = seq.token_slice(start, start + avail)
+            m = 0
+            while m < avail and got[m] == toks[m]:
+                m += 1
+            if m < avail or avail == len(toks):
+                self.gate.observe_shadow(rid, len(toks), m)
+                self.shadows += 1
+                self.shadow_accepted += m
+                done.append(rid)
+        for rid in done:
+            del self._shadow[rid]
 
     def rows(self, sampling: list, states: list) -> list:
         """One row per logits row of the step: verify blocks expand to their look-ahead rows."""
@@ -217,6 +254,7 @@ class Speculator:
     def release(self, seq: Sequence) -> None:
         self._rows.pop(seq.request_id, None)
         self._pending.pop(seq.request_id, None)
+        self._shadow.pop(seq.request_id, None)
         self.gate.release(seq.request_id)
         self.drafter.release(seq)
 
@@ -235,8 +273,11 @@ class Speculator:
 
     def stats(self) -> dict:
         return {"proposed": self.proposed, "accepted": self.accepted, "verifies": self.verifies,
-                "cut": self.cut, "dropped": self.dropped, "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
-                "tokens_per_verify": (self.accepted + self.verifies) / self.verifies if self.verifies else 0.0}
+                "cut": self.cut, "dropped": self.dropped,
+                "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+                "tokens_per_verify": (self.accepted + self.verifies) / self.verifies if self.verifies else 0.0,
+                "shadows": self.shadows,
+                "shadow_tokens_per_draft": self.shadow_accepted / self.shadows if self.shadows else 0.0}
 
 
 def make_speculator(cfg, backend, model_config, load_draft_backend) -> Speculator | None:
@@ -276,7 +317,8 @@ def make_speculator(cfg, backend, model_config, load_draft_backend) -> Speculato
                         caution=GATE_CAUTION if lv.spec_verify_cost < 0 else 0.0,
                         probe_interval=lv.spec_probe_interval, max_batch=lv.spec_max_batch,
                         ema_decay=lv.spec_ema_decay, measure=_measured_gate(lv.spec_measured_gate, backend),
-                        measure_margin=lv.spec_measured_margin, measure_min_steps=lv.spec_measured_min_steps)
+                        measure_margin=lv.spec_measured_margin, measure_min_steps=lv.spec_measured_min_steps,
+                        shadow=bool(getattr(lv, "spec_shadow", True)))
     log.info("speculative decoding: %s, up to %d drafts", drafter.name, spec.num_drafts)
     return Speculator(drafter, num_drafts=spec.num_drafts, gate=gate, min_confidence=lv.spec_min_confidence,
                       max_rows=getattr(backend, "max_rows", None))
