@@ -50,6 +50,25 @@ def test_shadow_evidence_resumes_a_suspended_sequence():
     assert g.step < st.suspended_until and g.drafts_for("a") > 0
 
 
+def test_missed_shadows_back_off_and_a_hit_resets():
+    g = _gate(shadow=True)
+    waits = []
+    for _ in range(6):
+        assert g.wants_shadow("a")
+        g.observe_shadow("a", 4, 0)
+        w = 0
+        while not g.wants_shadow("a"):
+            g.begin_step(1)
+            w += 1
+        waits.append(w)
+    assert waits == [1, 2, 4, 8, 16, 16]
+    g.observe_shadow("a", 4, 2)                     # a (partial) hit: the next shadow may start at once
+    assert g.wants_shadow("a")
+    g.observe_shadow("a", 4, 0)
+    g.begin_step(1)
+    assert g.wants_shadow("a")                      # back to a one-step wait
+
+
 def test_dear_drafters_do_not_shadow():
     assert not AdaptiveGate(4, draft_cost=0.3, shadow=True).shadow
     assert not AdaptiveGate(4, draft_fixed=0.6, shadow=True).shadow
@@ -71,7 +90,8 @@ def test_a_drafter_that_is_always_wrong_is_never_verified_with_shadows(rng, shad
     assert list(out.token_ids) == reference_continuation(prompt, 40)
     stats = eng.speculator.stats()
     if shadow:
-        assert stats["verifies"] == 0 and stats["shadows"] >= 20 and stats["shadow_tokens_per_draft"] == 0
+        # misses space the shadows out (1, 2, 4, 8, 16 steps): ~6 lookups in 40 tokens, not 40
+        assert stats["verifies"] == 0 and 4 <= stats["shadows"] <= 8 and stats["shadow_tokens_per_draft"] == 0
     else:
         assert stats["verifies"] > 0 and stats["shadows"] == 0
     eng.blocks.check_no_leaks([])

@@ -10,6 +10,7 @@
 #   RUNS="tokens:reps:timeout_s ..."   request lengths (default "256:5:260 64:5:150")
 #   TESTS="<pytest -k expression>"     GPU tests of tests/gpu/ with the real model first (default none)
 #   FORCED=1                           also a 64-token run with the gate forced open (acceptance)
+#   METHODS="ngram ..."                the drafters (default: ngram self draft mtp)
 source "$(dirname "$0")/common.sh"
 smollm2_ready || exit 0
 [ -d /tmp/site/hydra ] || { echo "FRESH MACHINE: packages missing, carry .whl"; exit 3; }
@@ -23,7 +24,7 @@ bench() {   # tokens reps timeout name [extra spec_bench arguments]
   local n=$1 reps=$2 limit=$3 name=$4; shift 4
   stamp "spec $name: max_tokens=$n reps=$reps"
   timeout $limit python3 -m bench.spec_bench --device cuda --model /tmp/mdl/smollm2.gguf --batch 1 32 --max-tokens $n \
-      --reps $reps --methods ngram self draft mtp --tasks repetitive open_chat "$@" \
+      --reps $reps --methods ${METHODS:-ngram self draft mtp} --tasks repetitive open_chat "$@" \
       --out $OUT/spec_$name.json --records $OUT/spec_records_$name.json > $OUT/spec_$name.txt 2>&1
   echo "exit $?"; grep -E "Error|error|Traceback" $OUT/spec_$name.txt | cut -c1-200 | tail -4
 }

@@ -54,6 +54,7 @@ log = logging.getLogger("metrale.spec")
 
 
 PRIOR_WEIGHT = 2.0            # pseudo-tokens of the drafter's prior in a sequence's acceptance estimate
+SHADOW_MAX_WAIT = 16          # most steps between a sequence's shadow drafts while they miss
 
 
 @dataclass
@@ -70,6 +71,9 @@ class SeqSpecStats:
     probing: bool = False     # the current draft is a probe
     shadows: int = 0          # shadow drafts resolved (never verified; see observe_shadow)
     shadow_accepted: int = 0  # their tokens a verify would have accepted
+    shadow_after: int = 0     # the step from which the next shadow may start (wants_shadow)
+    shadow_backoff: int = 1   # steps to wait after the next missed shadow (doubles per miss, at most 16)
+    quiet: tuple | None = None  # (batch, hits, trials) at which drafts_for last refused a shadowed sequence
 
     @property
     def alpha(self) -> float:
@@ -365,9 +369,12 @@ class AdaptiveGate:
         st.probing = False
         if not self._batch_pays() or (self.step < st.suspended_until and not self.shadow):
             return 0
+        if self.shadow and st.quiet == (self.batch, st.hits, st.trials):
+            return 0                              # refused before, no new evidence since
         k, gain = self.best_drafts(st.alpha_low(self.caution))
         probing = gain < self.min_gain
         if probing and self.shadow:
+            st.quiet = (self.batch, st.hits, st.trials)
             return 0                              # the Speculator shadows it instead (free evidence)
         k = self._verified_prefix(st, [1.0] * k, None, probing)
         if k == 0:
@@ -405,6 +412,14 @@ class AdaptiveGate:
         if not self._suspend_if_losing(st) and accepted:
             st.backoff = 1
 
+    def wants_shadow(self, request_id: str) -> bool:
+        """Whether a sequence drafts_for refused should get a shadow this step: after a missed
+        shadow the next waits 1, 2, 4 .. SHADOW_MAX_WAIT steps (a hit resets), so a sequence whose
+        drafts keep missing (open chat) costs a lookup every 16 steps, not every step (H200,
+        SmolLM2 batch 1: a lookup and its bookkeeping every step were ~3% of a 1.2 ms step)."""
+        st = self.stats.get(request_id)
+        return st is None or self.step >= st.shadow_after
+
     def observe_shadow(self, request_id: str, proposed: int, accepted: int) -> None:
         """A shadow draft of `proposed` tokens resolved: the sequence emitted its first `accepted`
         tokens (and then another, unless all matched). The same evidence as a verify with that
@@ -414,6 +429,11 @@ class AdaptiveGate:
         st = self._stats(request_id)
         st.shadows += 1
         st.shadow_accepted += accepted
+        if accepted:
+            st.shadow_backoff = 1
+        else:                                 # misses space the next shadows out: bounded host work
+            st.shadow_after = self.step + st.shadow_backoff
+            st.shadow_backoff = min(SHADOW_MAX_WAIT, 2 * st.shadow_backoff)
         st.hits = self.decay * st.hits + accepted
         st.trials = self.decay * st.trials + accepted + (1 if accepted < proposed else 0)
 

@@ -139,7 +139,8 @@ class Speculator:
                 ks.append(k)
                 spare -= k
                 self._shadow.pop(seq.request_id, None)
-            elif shadow and want == 0 and left > 1 and seq.request_id not in self._shadow:
+            elif (shadow and want == 0 and left > 1 and seq.request_id not in self._shadow
+                  and self.gate.wants_shadow(seq.request_id)):
                 shadowed.append(seq)
         if shadowed:
             self._start_shadows(shadowed)
