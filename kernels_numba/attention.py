@@ -33,7 +33,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda
 
-from kernels_numba.ptx import grid_trigger, grid_trigger_late, grid_wait
+from kernels_numba.ptx import grid_trigger, grid_trigger_early, grid_trigger_late, grid_wait
 from kernels_numba.bf16 import (
     NEG_INF,
     SIMULATOR,
@@ -322,7 +322,7 @@ def _merged(scratch, base, nparts, hq, hd, d, m, inv):
 
 @cuda.jit
 def _merge_partitions_kernel(scratch, positions, part_size, grid_parts, out):
-    grid_trigger()   # before the wait: the o_proj GEMV may launch (and prefetch its weights) while
+    grid_trigger_early()   # before the wait: the o_proj GEMV may launch (and prefetch its weights) while
     grid_wait()      # the attention this merge waits for still runs; then PDL: before any read
     grid_trigger_late()   # PDL 'late': the o_proj GEMV launches once the attention is done
     hq = cuda.blockIdx.x
@@ -341,7 +341,7 @@ def _merge_partitions_kernel(scratch, positions, part_size, grid_parts, out):
 def _merge_partitions_bf16_kernel(scratch, positions, part_size, grid_parts, out):
     """_merge_partitions_kernel writing bf16 bits into out uint16 [T, Hq * hd] (a library
     matmul's input, no conversion launch)."""
-    grid_trigger()   # before the wait, as _merge_partitions_kernel
+    grid_trigger_early()   # before the wait, as _merge_partitions_kernel
     grid_wait()      # PDL: before any read of what an earlier kernel wrote
     grid_trigger_late()
     hq = cuda.blockIdx.x

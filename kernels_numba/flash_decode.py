@@ -59,7 +59,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda
 
-from kernels_numba.ptx import grid_trigger, grid_trigger_late, grid_wait
+from kernels_numba.ptx import grid_trigger_early, grid_trigger_late, grid_wait
 from kernels_numba.attention import (  # noqa: F401 (reference and shared scratch layout)
     NO_SPLIT_PART,
     _merge_partitions_bf16_kernel,
@@ -173,7 +173,7 @@ def _make_kernel(cfg: FlashDecodeConfig):
 
     def flash_decode(q, k_cache, v_cache, block_tables, token_seq, positions, qscale, part_size, out, scratch):
         grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
-        grid_trigger()
+        grid_trigger_early()
         p = cuda.blockIdx.x
         h = cuda.blockIdx.y
         tok = cuda.blockIdx.z

@@ -34,7 +34,7 @@ import numpy as np
 from numba import cuda, float32, uint32, uint64
 
 from kernels_numba.bf16 import f32_to_bf16
-from kernels_numba.ptx import grid_trigger, grid_trigger_late, grid_wait
+from kernels_numba.ptx import grid_trigger, grid_trigger_early, grid_trigger_late, grid_wait
 from kernels_numba.ptx import (SIM, bf16_bits_to_f32, bf16hi_f32, bf16lo_f32, f32_to_bf16_bits,
                                ldg_f32x4, ldg_u16x8, lds_u32x4, mma_bf16_16816, pack_bf16x2,
                                prefetch_l2, sts_u32x4, warp_sum_f32)
@@ -245,7 +245,7 @@ def _make_gemv(W: int, R: int, U: int, P: int, KS: int, has_bias: bool, accumula
                 rr = i // lines
                 prefetch_l2(w, rb + rr, (i - rr * lines) << 6)
         grid_wait()      # PDL: before any read of what an earlier kernel wrote (x, out, ss_in)
-        grid_trigger()
+        grid_trigger_early()
         scale = float32(1.0)
         if P == 1:
             ss = float32(0.0)

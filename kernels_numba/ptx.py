@@ -444,10 +444,13 @@ else:
 #   grid_trigger()  `griddepcontrol.launch_dependents`: once every CTA of this grid has issued it (or
 #                   exited), the next PDL-launched grid may be scheduled. Call it after grid_wait().
 #   grid_trigger_late()  the same instruction at a kernel's end of streaming (after its main loop,
-#                   before its reductions and stores): compiled in only in the `late` mode, where
-#                   grid_trigger() compiles to nothing, so a successor's blocks start (and issue their
-#                   weight loads) while this grid finishes its epilogue, not while it streams.
-__all__ += ["grid_wait", "grid_trigger", "grid_trigger_late"]
+#                   before its reductions and stores): compiled in only in the `late` mode, so a
+#                   successor's blocks start (and issue their weight loads) while this grid finishes
+#                   its epilogue, not while it streams.
+#   grid_trigger_early()  grid_trigger() of a kernel that also has a late site: compiled in only in
+#                   the `early` mode (in `late` mode such a kernel triggers late, every other kernel
+#                   still early).
+__all__ += ["grid_wait", "grid_trigger", "grid_trigger_early", "grid_trigger_late"]
 TRIGGER_MODES = ("early", "late", "exit")
 
 if SIM:
@@ -460,15 +463,19 @@ if SIM:
     def grid_trigger_late():
         return None
 
+    def grid_trigger_early():
+        return None
+
 else:
-    # Which trigger call compiles to the instruction, read when a kernel compiles (pdl.set_trigger,
-    # from levers.pdl_trigger): `early` grid_trigger(), `late` grid_trigger_late(), `exit` neither
-    # (a successor launches as this grid's blocks exit).
+    # Which trigger calls compile to the instruction, read when a kernel compiles (pdl.set_trigger,
+    # from levers.pdl_trigger): `early` grid_trigger() and grid_trigger_early(); `late`
+    # grid_trigger() and grid_trigger_late(); `exit` none (a successor launches as this grid's
+    # blocks exit).
     TRIGGER = {"mode": "early"}
 
-    def _griddepcontrol(op: str, mode: str | None = None):
+    def _griddepcontrol(op: str, modes: tuple = ()):
         def gen(context, builder, sig, args):
-            if mode is not None and TRIGGER["mode"] != mode:
+            if modes and TRIGGER["mode"] not in modes:
                 return context.get_dummy_value()
             fty = ir.FunctionType(ir.VoidType(), [])
             builder.call(ir.InlineAsm(fty, f"griddepcontrol.{op};", "~{memory}", side_effect=True), [])
@@ -481,11 +488,15 @@ else:
 
     @intrinsic
     def grid_trigger(typingctx):
-        return types.none(), _griddepcontrol("launch_dependents", "early")
+        return types.none(), _griddepcontrol("launch_dependents", ("early", "late"))
+
+    @intrinsic
+    def grid_trigger_early(typingctx):
+        return types.none(), _griddepcontrol("launch_dependents", ("early",))
 
     @intrinsic
     def grid_trigger_late(typingctx):
-        return types.none(), _griddepcontrol("launch_dependents", "late")
+        return types.none(), _griddepcontrol("launch_dependents", ("late",))
 
 
 # ----------------------------------------------------------------------------- L2 prefetch

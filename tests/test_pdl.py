@@ -21,8 +21,10 @@ DECODE_PATH = ["activation", "argmax", "attention", "convert", "embedding", "fla
 
 
 def _calls(stmt: ast.stmt, name: str) -> bool:
+    """stmt is a call of name (grid_trigger: or its early-mode variant, grid_trigger_early)."""
+    names = (name, "grid_trigger_early") if name == "grid_trigger" else (name,)
     return (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)
-            and isinstance(stmt.value.func, ast.Name) and stmt.value.func.id == name)
+            and isinstance(stmt.value.func, ast.Name) and stmt.value.func.id in names)
 
 
 def _body_without_docstring(fn: ast.FunctionDef) -> list[ast.stmt]:
@@ -136,7 +138,8 @@ def test_pdl_trigger_lever_picks_by_model_size():
 
     try:
         assert CudaBackend._pdl_trigger(None, "auto", PDL_EARLY_MIN_BYTES) == "early" == ptx.TRIGGER["mode"]
-        assert CudaBackend._pdl_trigger(None, "auto", 270 << 20) == "exit" == ptx.TRIGGER["mode"]
+        assert CudaBackend._pdl_trigger(None, "auto", 270 << 20) == "late" == ptx.TRIGGER["mode"]
+        assert CudaBackend._pdl_trigger(None, "auto", 2500 << 20) == "late"
         assert CudaBackend._pdl_trigger(None, "early", 0) == "early"
         assert CudaBackend._pdl_trigger(None, "late", 16 << 30) == "late" == ptx.TRIGGER["mode"]
         assert CudaBackend._pdl_trigger(None, "exit", 16 << 30) == "exit"
@@ -149,29 +152,36 @@ def test_pdl_trigger_lever_picks_by_model_size():
 @pytest.mark.skipif(SIMULATOR, reason="compile_ptx needs the real CUDA target")
 @pytest.mark.parametrize("mode", ["early", "late", "exit"])
 def test_trigger_mode_compiles_its_own_trigger_only(mode):
-    """early: grid_trigger() is the instruction; late: grid_trigger_late() is (after the stores it
-    follows in the source); exit: neither."""
+    """early: grid_trigger() / grid_trigger_early() at the start; late: grid_trigger_late() where a
+    kernel has one (after the stores it follows in the source), grid_trigger() elsewhere; exit: none."""
     from numba.cuda import compile_ptx
     from kernels_numba import ptx
 
-    def k(x):
+    def with_late_site(x):              # a kernel with a late site: early or late, never both
         ptx.grid_wait()
-        ptx.grid_trigger()
+        ptx.grid_trigger_early()
         x[0] = 1.0
         ptx.grid_trigger_late()
         x[1] = 2.0
+
+    def without(x):                     # a kernel without one: triggers at its start in early and late
+        ptx.grid_wait()
+        ptx.grid_trigger()
+        x[0] = 1.0
     try:
         pdl.set_trigger(mode)
-        body, _ = compile_ptx(k, (types.float32[:],), cc=(9, 0))
-        lines = body.splitlines()
-        assert "griddepcontrol.wait" in body
-        trig = [i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln]
-        if mode == "exit":
-            assert not trig
-        else:
-            assert len(trig) == 1
-            first_store = next(i for i, ln in enumerate(lines) if "st.global" in ln)
-            assert (trig[0] < first_store) == (mode == "early")
+        for k, expect in ((with_late_site, {"early": "before", "late": "after", "exit": None}[mode]),
+                          (without, None if mode == "exit" else "before")):
+            body, _ = compile_ptx(k, (types.float32[:],), cc=(9, 0))
+            lines = body.splitlines()
+            assert "griddepcontrol.wait" in body
+            trig = [i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln]
+            if expect is None:
+                assert not trig, (k.__name__, mode)
+            else:
+                assert len(trig) == 1, (k.__name__, mode)
+                first_store = next(i for i, ln in enumerate(lines) if "st.global" in ln)
+                assert (trig[0] < first_store) == (expect == "before"), (k.__name__, mode)
     finally:
         ptx.TRIGGER["mode"] = "early"
 

@@ -334,7 +334,7 @@ class CudaOps:
         return out
 
 
-PDL_EARLY_MIN_BYTES = 1 << 30   # levers.pdl_trigger=auto: early triggers from this much weight
+PDL_EARLY_MIN_BYTES = 8 << 30   # levers.pdl_trigger=auto: early triggers from this much weight, late below
 MAX_CACHED_VIEWS = 8192         # activation views CudaBackend.view keeps (cleared past this)
 
 
@@ -412,11 +412,13 @@ class CudaBackend:
 
     def _pdl_trigger(self, choice: str, weight_bytes: int) -> str:
         """levers.pdl_trigger -> the trigger mode kernels compiled from now on carry (pdl.set_trigger):
-        early, late or exit. auto: early for models of at least PDL_EARLY_MIN_BYTES of weights
-        (measured: a gain on Llama-3-8B, a 12% loss on SmolLM2-135M at batch 1), else exit."""
+        early, late or exit. auto: early for models of at least PDL_EARLY_MIN_BYTES of weights, else
+        late (H200, graph replay at batch 1: early wins on Llama-3-8B, 4,557 vs late 4,674 us;
+        late wins on Llama-3.2-1B, 1,018 vs early 1,076 / exit 1,058, and on SmolLM2-135M, 694 vs
+        911 / 780; docs/performance.md, Session 6)."""
         if choice not in ("auto", "early", "late", "exit"):
             raise ValueError(f"levers.pdl_trigger must be auto, early, late or exit, not '{choice}'")
-        mode = choice if choice != "auto" else ("early" if weight_bytes >= PDL_EARLY_MIN_BYTES else "exit")
+        mode = choice if choice != "auto" else ("early" if weight_bytes >= PDL_EARLY_MIN_BYTES else "late")
         pdl.set_trigger(mode)
         return mode
 
