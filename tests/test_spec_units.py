@@ -255,3 +255,31 @@ def test_draft_count_follows_the_expected_gain():
         st = g.stats["a"]
         st.hits = st.trials = 10.0                  # long acceptances: more drafts pay for all
     assert cheap.drafts_for("a") == 4 and dear.drafts_for("a") == 4 and mid.drafts_for("a") == 4
+
+
+def test_measured_gate_compares_against_plain_steps_without_its_own_host_work():
+    """Plain steps of 10 ms of which 3 ms are the speculator's own host work (gate calls, shadows:
+    add_host_time), verify steps of 16.5 ms for 2 tokens a sequence: 1.21x of the measured plain step
+    but 0.85x of a run without a speculator (7 ms a token), so speculation pauses; without that host
+    work reported it goes on."""
+    def run(host_s):
+        clock = FakeClock()
+        g = AdaptiveGate(2, verify_cost=0.1, probe_interval=8, clock=clock, measure_margin=0.05,
+                         measure_min_steps=4)
+        spec = 0
+        for _ in range(200):
+            go = g.begin_step(8)
+            if go:
+                spec += 1
+                for i in range(8):
+                    g.update(f"s{i}", 2, 1)
+                clock.t += 0.0165
+            else:
+                g.add_host_time(host_s)
+                clock.t += 0.010
+        return spec, g.timing[8]
+    spec, t = run(0.003)
+    assert t.plain_overhead_s == pytest.approx(0.003) and t.rate_ratio() == pytest.approx(2 / 0.0165 * 0.007, rel=0.02)
+    assert spec < 60
+    spec0, t0 = run(0.0)
+    assert spec0 > 180 and t0.rate_ratio() > 1.2

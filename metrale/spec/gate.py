@@ -36,7 +36,9 @@ A guard on top, because the constant cost model is only a prior: a batch-level g
   begin_step, so drafting, forward and acceptance all count) is averaged per batch-size bucket for
   plain steps and for steps with verify blocks, with the tokens the latter emitted per sequence.
   When speculation's measured rate, (1 + accepted per sequence) / t_spec, falls below plain
-  decoding's, 1 / t_plain, times 1 + measure_margin (after measure_min_steps verify steps), speculation pauses for the whole batch for probe_interval steps (doubling
+  decoding's, 1 / t_plain, times 1 + measure_margin (t_plain less the speculator's own host time
+  in those steps: its gate calls, shadows and index upkeep are paid while it speculates, not by a
+  run without it) (after measure_min_steps verify steps), speculation pauses for the whole batch for probe_interval steps (doubling
   while probes keep losing, at most 16x), then one step probes again. A bucket that has verify
   steps but no plain one runs a plain step to measure it. This catches what a per-token constant
   cannot: a CPU where every verify row costs a real row, or a GPU whose verify steps run eagerly
@@ -96,12 +98,16 @@ class BucketTiming:
     paused_until: int = 0
     backoff: int = 1
     probing: bool = False             # the next verify step is a probe after a pause
+    plain_overhead_s: float = 0.0     # the speculator's own host time inside those plain steps
 
     def rate_ratio(self) -> float | None:
-        """Speculation's measured rate over plain decoding's (None until both are measured)."""
+        """Speculation's measured rate over plain decoding's (None until both are measured). Plain
+        decoding's step is the measured plain step less the speculator's own host work in it (its
+        gate calls, shadows, index upkeep): what a run without a speculator would take."""
         if self.plain_s is None or self.spec_s is None:
             return None
-        return (self.spec_tokens / self.spec_s) / (1.0 / self.plain_s)
+        plain = max(self.plain_s - self.plain_overhead_s, 0.25 * self.plain_s)
+        return (self.spec_tokens / self.spec_s) * plain
 
 
 def _bucket(n: int) -> int:
@@ -146,6 +152,7 @@ class AdaptiveGate:
         self._verified = False                    # whether it verified drafts
         self._accepted = 0                        # draft tokens it accepted
         self._drafted = 0                         # draft rows it verified
+        self._host_s = 0.0                        # the speculator's host time in it (add_host_time)
         self._warned_measured = False
 
     def begin_step(self, num_decoding: int) -> bool:
@@ -184,8 +191,17 @@ class AdaptiveGate:
                     b.spec_rows = self.decay * b.spec_rows + (1 - self.decay) * self._drafted
                 b.spec_steps += 1
             else:
+                first = b.plain_s is None
                 b.plain_s = self._avg(b.plain_s, dt)
+                b.plain_overhead_s = self._host_s if first else (
+                    self.decay * b.plain_overhead_s + (1 - self.decay) * self._host_s)
         self._t, self._n, self._verified, self._accepted, self._drafted = now, num_decoding, False, 0, 0
+        self._host_s = 0.0
+
+    def add_host_time(self, seconds: float) -> None:
+        """The speculator's own host work this step (Speculator.propose): in a plain step it is what
+        speculating costs without a verify, so rate_ratio takes it off the plain step time."""
+        self._host_s += seconds
 
     def _avg(self, old: float | None, x: float) -> float:
         if old is None:

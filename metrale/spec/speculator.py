@@ -112,6 +112,13 @@ class Speculator:
         self.shadows = self.shadow_accepted = 0
 
     def propose(self, running: list[Sequence], states: dict, blocks) -> None:
+        clock = getattr(self.gate, "clock", None) if getattr(self.gate, "measure", False) else None
+        t0 = clock() if clock else 0.0
+        self._propose(running, states, blocks)
+        if clock:                                   # the measured gate's view of its own cost
+            self.gate.add_host_time(clock() - t0)
+
+    def _propose(self, running: list[Sequence], states: dict, blocks) -> None:
         for seq, before, k in self._pending.values():          # proposed last step, never verified
             self.committed(seq, before, k, 0)
         self._pending.clear()
