@@ -283,3 +283,26 @@ def test_measured_gate_compares_against_plain_steps_without_its_own_host_work():
     assert spec < 60
     spec0, t0 = run(0.0)
     assert spec0 > 180 and t0.rate_ratio() > 1.2
+
+
+def test_measured_gate_pauses_upkeep_that_rarely_verifies():
+    """Steps with no verify at all but 3% of their time spent in the speculator (gate calls,
+    shadows) and no verify after the first: g = 0 against h = 0.03 over each 32-step window, so the
+    speculator pauses for the bucket, longer each time (no upkeep while paused);
+    when drafts are accepted every other step (g = 0.5) it keeps going."""
+    def run(verify_every):
+        clock = FakeClock()
+        g = AdaptiveGate(2, verify_cost=0.1, probe_interval=8, clock=clock, measure_margin=0.05,
+                         measure_min_steps=4)
+        go_steps = 0
+        for step in range(256):
+            go = g.begin_step(1)
+            go_steps += go
+            if go:
+                g.add_host_time(0.0003)
+                if step % verify_every == 0:
+                    g.update("s0", 2, 1)
+            clock.t += 0.0103 if go else 0.010
+        return go_steps
+    assert run(1000) <= 170               # never verifies after the first step: pauses of 8, 16, 32 .. steps
+    assert run(2) > 240

@@ -57,6 +57,7 @@ log = logging.getLogger("metrale.spec")
 
 PRIOR_WEIGHT = 2.0            # pseudo-tokens of the drafter's prior in a sequence's acceptance estimate
 SHADOW_MAX_WAIT = 16          # most steps between a sequence's shadow drafts while they miss
+UPKEEP_WINDOW = 32            # steady steps the measured gate weighs upkeep against accepted drafts over
 
 
 @dataclass
@@ -99,6 +100,10 @@ class BucketTiming:
     backoff: int = 1
     probing: bool = False             # the next verify step is a probe after a pause
     plain_overhead_s: float = 0.0     # the speculator's own host time inside those plain steps
+    win_steps: int = 0                # the upkeep window (UPKEEP_WINDOW steady steps, every kind):
+    win_accepted: float = 0.0         #   draft tokens accepted per sequence, summed
+    win_host_s: float = 0.0           #   the speculator's host time, summed
+    win_s: float = 0.0                #   the steps' time, summed
 
     def rate_ratio(self) -> float | None:
         """Speculation's measured rate over plain decoding's (None until both are measured). Plain
@@ -153,6 +158,7 @@ class AdaptiveGate:
         self._accepted = 0                        # draft tokens it accepted
         self._drafted = 0                         # draft rows it verified
         self._host_s = 0.0                        # the speculator's host time in it (add_host_time)
+        self._active = False                      # whether the measured gate let it speculate
         self._warned_measured = False
 
     def begin_step(self, num_decoding: int) -> bool:
@@ -173,7 +179,8 @@ class AdaptiveGate:
                 self._warned_batch = True
             return False
         if self.measure and num_decoding:
-            return self._measured_go(self.timing.setdefault(_bucket(num_decoding), BucketTiming()))
+            self._active = self._measured_go(self.timing.setdefault(_bucket(num_decoding), BucketTiming()))
+            return self._active
         return True
 
     def _time_step(self, num_decoding: int) -> None:
@@ -181,6 +188,11 @@ class AdaptiveGate:
         if self._t is not None and self._n and self._n == num_decoding:
             b = self.timing.setdefault(_bucket(self._n), BucketTiming())
             dt = now - self._t
+            if self._active:                      # the upkeep window counts speculating steps only
+                b.win_steps += 1
+                b.win_accepted += self._accepted / self._n
+                b.win_host_s += self._host_s
+                b.win_s += dt
             if self._verified:
                 tokens = 1.0 + self._accepted / self._n
                 if b.spec_steps == 0 or b.probing:       # a probe measures afresh: things may have changed
@@ -196,7 +208,7 @@ class AdaptiveGate:
                 b.plain_overhead_s = self._host_s if first else (
                     self.decay * b.plain_overhead_s + (1 - self.decay) * self._host_s)
         self._t, self._n, self._verified, self._accepted, self._drafted = now, num_decoding, False, 0, 0
-        self._host_s = 0.0
+        self._host_s, self._active = 0.0, False
 
     def add_host_time(self, seconds: float) -> None:
         """The speculator's own host work this step (Speculator.propose): in a plain step it is what
@@ -215,19 +227,34 @@ class AdaptiveGate:
             return False                          # measure a plain step of this size first
         ratio = b.rate_ratio()
         win = 1.0 + self.measure_margin
-        if ratio is None or b.spec_steps < self.measure_min_steps or ratio >= win:
-            if ratio is not None and ratio >= win:
-                b.backoff = 1
+        upkeep = self._upkeep_loses(b, win)         # None between the window's decisions
+        if not upkeep and (ratio is None or b.spec_steps < self.measure_min_steps or ratio >= win):
+            if upkeep is False and (ratio is None or ratio >= win):
+                b.backoff = 1                         # a whole window that paid its way
             return True
         if not self._warned_measured:
-            log.info("speculation paused: measured %.2fx of plain decode's rate at batch %d", ratio,
-                     self._n)
+            log.info("speculation paused: %s at batch %d", "its upkeep outweighs its accepted drafts"
+                     if upkeep else f"measured {ratio:.2f}x of plain decode's rate", self._n)
             self._warned_measured = True
         b.paused_until = self.step + self.probe_interval * b.backoff
         b.backoff = min(16, b.backoff * 2)
         b.spec_steps = 1                          # the probe after the pause decides again
         b.probing = True
         return False
+
+    @staticmethod
+    def _upkeep_loses(b: BucketTiming, win: float) -> bool | None:
+        """Over the last UPKEEP_WINDOW steady steps (then the window restarts): whether the draft
+        tokens accepted per sequence and step, g, fall short of the share of time the speculator's
+        own host work took, h (times the margin). Speculating wins iff (1 + g) / (t + h t) > 1 / t,
+        i.e. g > h, whatever the verifies cost (rate_ratio weighs those): this catches the steps
+        with no verify at all, where a sequence that rarely drafts (open chat) still pays the gate,
+        its shadows and the n-gram index every step (H200, SmolLM2 B=1: ~3% of a 1.2 ms step)."""
+        if b.win_steps < UPKEEP_WINDOW:
+            return None
+        g, h = b.win_accepted / b.win_steps, (b.win_host_s / b.win_s if b.win_s > 0 else 0.0)
+        b.win_steps, b.win_accepted, b.win_host_s, b.win_s = 0, 0.0, 0.0, 0.0
+        return g < h * win
 
     def _stats(self, request_id: str) -> SeqSpecStats:
         st = self.stats.get(request_id)
