@@ -306,3 +306,22 @@ def test_measured_gate_pauses_upkeep_that_rarely_verifies():
         return go_steps
     assert run(1000) <= 170               # never verifies after the first step: pauses of 8, 16, 32 .. steps
     assert run(2) > 240
+
+
+@pytest.mark.parametrize("max_n", [1, 2, 4, 6])
+def test_ngram_index_built_a_few_tokens_at_a_time_equals_one_build(max_n):
+    """_NgramIndex.extend has two paths (a loop for a step's few tokens, zip over slices for a
+    prompt): appending in random pieces gives the same tables as one call."""
+    import random
+    import metrale.spec.drafter as D
+    rng = random.Random(max_n)
+    for _ in range(50):
+        toks = [rng.randrange(6) for _ in range(rng.randrange(1, 80))]
+        pieces, whole = D._NgramIndex(max_n), D._NgramIndex(max_n)
+        i = 0
+        while i < len(toks):
+            k = rng.randrange(1, 2 * D.SHORT_EXTEND)
+            pieces.extend(toks[i:i + k])
+            i += k
+        whole.extend(toks)                    # > SHORT_EXTEND tokens: the zip path (or short: the loop)
+        assert pieces.tables == whole.tables and pieces.toks == whole.toks

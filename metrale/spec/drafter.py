@@ -64,10 +64,16 @@ class _NgramIndex:
         toks.extend(new)
         e1 = len(toks) - 2
         if e1 - e0 < SHORT_EXTEND:                # a step's few tokens: a plain loop (zip's setup
-            tables = self.tables                  # costs ~7 us a call, a loop turn ~0.3 us)
+            tables = self.tables                  # costs ~7 us a call)
+            m = len(tables) - 1
             for e in range(e0, e1 + 1):
-                for n in range(1, min(len(tables) - 1, e + 1) + 1):
-                    tables[n][tuple(toks[e - n + 1:e + 1])] = e
+                if e + 1 >= m:                    # one list slice, the shorter n-grams its tuple's tails
+                    key = tuple(toks[e - m + 1:e + 1])
+                    for n in range(1, m + 1):
+                        tables[n][key[m - n:]] = e
+                else:
+                    for n in range(1, e + 2):
+                        tables[n][tuple(toks[e - n + 1:e + 1])] = e
             return
         for n in range(1, len(self.tables)):
             s = max(e0, n - 1)                    # the first end position with a full n-gram
