@@ -145,6 +145,14 @@ class FakeClock:
         return self.t
 
 
+def measured_gate(**kw):
+    """(gate, clock): a 2-draft gate on a fake clock with the engine's measured-gate margin (5%)
+    and minimum (4 verify steps)."""
+    clock = FakeClock()
+    return AdaptiveGate(2, verify_cost=0.1, probe_interval=8, clock=clock, measure_margin=0.05,
+                        measure_min_steps=4, **kw), clock
+
+
 def run_steps(g, clock, n, batch, plain_s, spec_s, accepted_per_seq):
     """n steps of `batch` decoding sequences; a step with speculation verifies every sequence."""
     spec_steps = 0
@@ -212,9 +220,7 @@ def test_measured_row_cost_prices_draft_rows_at_what_the_batch_pays():
     """8 sequences verify 2 drafts each (16 rows) in steps 40% slower than plain ones: a row costs
     0.4 x 8 / 16 = 0.2 plain steps a sequence. A 1-token draft of confidence 0.25 (a 1-gram n-gram
     match) passes the 0.1 constant but not the measured price; a confident 2-token draft passes both."""
-    clock = FakeClock()
-    g = AdaptiveGate(2, verify_cost=0.1, probe_interval=8, clock=clock, measure_margin=0.05, measure_min_steps=4,
-                     min_gain=1.1)                              # the engine's spec_min_gain
+    g, clock = measured_gate(min_gain=1.1)                      # the engine's spec_min_gain
     assert g.measured_row_cost(8) == 0.0                      # nothing measured yet
     run_steps(g, clock, 40, 8, plain_s=0.01, spec_s=0.014, accepted_per_seq=2)
     assert g.measured_row_cost(8) == pytest.approx(0.2, rel=0.05)
@@ -263,9 +269,7 @@ def test_measured_gate_compares_against_plain_steps_without_its_own_host_work():
     but 0.85x of a run without a speculator (7 ms a token), so speculation pauses; without that host
     work reported it goes on."""
     def run(host_s):
-        clock = FakeClock()
-        g = AdaptiveGate(2, verify_cost=0.1, probe_interval=8, clock=clock, measure_margin=0.05,
-                         measure_min_steps=4)
+        g, clock = measured_gate()
         spec = 0
         for _ in range(200):
             go = g.begin_step(8)
@@ -291,9 +295,7 @@ def test_measured_gate_pauses_upkeep_that_rarely_verifies():
     speculator pauses for the bucket, longer each time (no upkeep while paused);
     when drafts are accepted every other step (g = 0.5) it keeps going."""
     def run(verify_every):
-        clock = FakeClock()
-        g = AdaptiveGate(2, verify_cost=0.1, probe_interval=8, clock=clock, measure_margin=0.05,
-                         measure_min_steps=4)
+        g, clock = measured_gate()
         go_steps = 0
         for step in range(256):
             go = g.begin_step(1)

@@ -36,3 +36,15 @@ smollm2_ready() {
   echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/mdl/smollm2.gguf" | sha256sum -c || {
     rm -f /tmp/mdl/smollm2.gguf; return 1; }
 }
+
+# One graph-replay timing (bench.profile_graph --time-only, context 512; arguments: --model ...
+# --batch ... --override ...): its replay lines, or the error.
+ab() { timeout ${AB_LIMIT:-90} python3 -m bench.profile_graph --time-only --context 512 "$@" 2>&1 \
+    | grep -E "replay|Error|error" | cut -c1-200 | tail -3; }
+
+# gpu_tests NAME LIMIT_S PYTEST_ARGS...: the GPU tests into $OUT/tests_NAME.txt, their summary printed.
+gpu_tests() {
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 -m pytest -q -m gpu -p no:warnings "$@" > "$OUT/tests_$name.txt" 2>&1
+  grep -E "passed|failed|^E  |^FAILED|graph nodes" "$OUT/tests_$name.txt" | cut -c1-250 | tail -8
+}

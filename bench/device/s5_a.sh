@@ -11,7 +11,6 @@ timeout 150 python3 -m pytest -q -m gpu -p no:warnings -x tests/gpu/test_cuda_ba
     > $OUT/tests_b.txt 2>&1
 grep -E "passed|failed|^E  |^FAILED" $OUT/tests_b.txt | cut -c1-250 | tail -10
 stamp replays
-ab() { timeout 80 python3 -m bench.profile_graph --time-only --context 512 "$@" 2>&1 | grep -E "replay|Error|error" | cut -c1-200 | tail -3; }
 for fm in true false; do
   echo "--- decode_attention_fused_merge=$fm"
   ab --model llama-3-8b-shape --batch 1 32 --override "levers.graph_batch_sizes=[1,32]" "levers.decode_attention_fused_merge=$fm"

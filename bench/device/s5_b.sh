@@ -8,7 +8,6 @@ timeout 170 python3 -m pytest -q -m gpu -p no:warnings tests/gpu/test_fused_gemv
     -k "fused_decode or reproducible or glu or ragged or verify or prefill_logits" > $OUT/tests_b.txt 2>&1
 grep -E "passed|failed|^E  |^FAILED|graph nodes" $OUT/tests_b.txt | cut -c1-250 | tail -8
 stamp replays
-ab() { timeout 80 python3 -m bench.profile_graph --time-only --context 512 "$@" 2>&1 | grep -E "replay|Error|error" | cut -c1-200 | tail -3; }
 for pf in true false; do
   echo "--- prefetch_o_proj=$pf"
   ab --model llama-3-8b-shape --batch 1 32 --override "levers.graph_batch_sizes=[1,32]" "levers.prefetch_o_proj=$pf"

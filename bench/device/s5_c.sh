@@ -6,7 +6,6 @@ stamp tests
 timeout 90 python3 -m pytest -q -m gpu -p no:warnings -s tests/gpu/test_cublaslt_gpu.py -k autotune > $OUT/tests_c.txt 2>&1
 grep -E "passed|failed|^E  |^FAILED|autotune" $OUT/tests_c.txt | cut -c1-200 | tail -8
 stamp replays
-ab() { timeout 80 python3 -m bench.profile_graph --time-only --context 512 "$@" 2>&1 | grep -E "replay|Error|error" | cut -c1-200 | tail -3; }
 echo "--- 8B B=32, cold-L2 autotune, two backends"
 ab --model llama-3-8b-shape --batch 32 --override "levers.graph_batch_sizes=[32]"
 ab --model llama-3-8b-shape --batch 32 --override "levers.graph_batch_sizes=[32]"

@@ -9,7 +9,6 @@ timeout 200 python3 -m pytest -q -m gpu -p no:warnings -s tests/gpu/test_fused_g
     -k "merge or split_k or reproducible or fused_decode or autotune" > $OUT/tests_s6a.txt 2>&1
 grep -E "passed|failed|^E  |^FAILED|graph nodes|split" $OUT/tests_s6a.txt | cut -c1-250 | tail -10
 stamp replays
-ab() { timeout 80 python3 -m bench.profile_graph --time-only --context 512 "$@" 2>&1 | grep -E "replay|Error|error" | cut -c1-200 | tail -3; }
 for fm in false true; do
   echo "--- fuse_attention_merge=$fm"
   ab --model smollm2-135m-shape --batch 1 --override "levers.graph_batch_sizes=[1]" "levers.fuse_attention_merge=$fm"

@@ -5,11 +5,9 @@
 # run, `REPS=10 bash bench/device/s6_spec.sh` with carries .m1, .m2, .m3.
 source "$(dirname "$0")/common.sh"
 stamp tests
-timeout 240 python3 -m pytest -q -m gpu -p no:warnings tests/gpu/test_fused_gemv_gpu.py tests/gpu/test_pdl_gpu.py \
-    -k "fused_decode or reproducible or glu or trigger_mode" > $OUT/tests_s6b.txt 2>&1
-grep -E "passed|failed|^E  |^FAILED" $OUT/tests_s6b.txt | cut -c1-250 | tail -8
+gpu_tests s6b 240 tests/gpu/test_fused_gemv_gpu.py tests/gpu/test_pdl_gpu.py \
+    -k "fused_decode or reproducible or glu or trigger_mode"
 stamp replays
-ab() { timeout 90 python3 -m bench.profile_graph --time-only --context 512 "$@" 2>&1 | grep -E "replay|Error|error" | cut -c1-200 | tail -3; }
 for mode in exit late early; do
   echo "--- pdl_trigger=$mode"
   ab --model smollm2-135m-shape --batch 1 --override "levers.graph_batch_sizes=[1]" "levers.pdl_trigger=$mode"

@@ -5,10 +5,8 @@
 # models under 8 GiB. GPU test: every mode gives the same greedy tokens.
 source "$(dirname "$0")/common.sh"
 stamp tests
-timeout 200 python3 -m pytest -q -m gpu -p no:warnings tests/gpu/test_pdl_gpu.py > $OUT/tests_s6d.txt 2>&1
-grep -E "passed|failed|^E  |^FAILED" $OUT/tests_s6d.txt | cut -c1-250 | tail -6
+gpu_tests s6d 200 tests/gpu/test_pdl_gpu.py
 stamp replays
-ab() { timeout 90 python3 -m bench.profile_graph --time-only --context 512 "$@" 2>&1 | grep -E "replay|Error|error" | cut -c1-200 | tail -3; }
 for mode in late early; do
   echo "--- pdl_trigger=$mode"
   ab --model smollm2-135m-shape --batch 1 32 --override "levers.graph_batch_sizes=[1,32]" "levers.pdl_trigger=$mode"

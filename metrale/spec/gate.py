@@ -76,7 +76,6 @@ class SeqSpecStats:
     shadow_accepted: int = 0  # their tokens a verify would have accepted
     shadow_after: int = 0     # the step from which the next shadow may start (wants_shadow)
     shadow_backoff: int = 1   # steps to wait after the next missed shadow (doubles per miss, at most 16)
-    quiet: tuple | None = None  # (batch, hits, trials) at which drafts_for last refused a shadowed sequence
 
     @property
     def alpha(self) -> float:
@@ -199,14 +198,12 @@ class AdaptiveGate:
                     b.spec_s, b.spec_tokens, b.spec_rows, b.probing = dt, tokens, float(self._drafted), False
                 else:
                     b.spec_s = self._avg(b.spec_s, dt)
-                    b.spec_tokens = self.decay * b.spec_tokens + (1 - self.decay) * tokens
-                    b.spec_rows = self.decay * b.spec_rows + (1 - self.decay) * self._drafted
+                    b.spec_tokens = self._ema(b.spec_tokens, tokens)
+                    b.spec_rows = self._ema(b.spec_rows, self._drafted)
                 b.spec_steps += 1
             else:
-                first = b.plain_s is None
+                b.plain_overhead_s = self._host_s if b.plain_s is None else self._ema(b.plain_overhead_s, self._host_s)
                 b.plain_s = self._avg(b.plain_s, dt)
-                b.plain_overhead_s = self._host_s if first else (
-                    self.decay * b.plain_overhead_s + (1 - self.decay) * self._host_s)
         self._t, self._n, self._verified, self._accepted, self._drafted = now, num_decoding, False, 0, 0
         self._host_s, self._active = 0.0, False
 
@@ -215,10 +212,12 @@ class AdaptiveGate:
         speculating costs without a verify, so rate_ratio takes it off the plain step time."""
         self._host_s += seconds
 
+    def _ema(self, old: float, x: float) -> float:
+        return self.decay * old + (1 - self.decay) * x
+
     def _avg(self, old: float | None, x: float) -> float:
-        if old is None:
-            return x
-        return self.decay * old + (1 - self.decay) * min(x, 4.0 * old)
+        """A step time's average: the first sample as is, later ones clipped at 4x (idle gaps)."""
+        return x if old is None else self._ema(old, min(x, 4.0 * old))
 
     def _measured_go(self, b: BucketTiming) -> bool:
         if self.step < b.paused_until:
@@ -370,7 +369,7 @@ class AdaptiveGate:
         if n == 0 and confidences and st is not None and (self.draft_cost > 0 or self.draft_fixed > 0):
             # a paid-for draft its own confidences reject: count it as a miss (as a verify that
             # accepts nothing would), so a dear drafter does not keep drafting to drop
-            st.hits, st.trials = self.decay * st.hits, self.decay * st.trials + 1
+            self._evidence(st, len(confidences), 0)
             self._suspend_if_losing(st)
         return n
 
@@ -412,12 +411,9 @@ class AdaptiveGate:
         st.probing = False
         if not self._batch_pays() or (self.step < st.suspended_until and not self.shadow):
             return 0
-        if self.shadow and st.quiet == (self.batch, st.hits, st.trials):
-            return 0                              # refused before, no new evidence since
         k, gain = self.best_drafts(st.alpha_low(self.caution))
         probing = gain < self.min_gain
         if probing and self.shadow:
-            st.quiet = (self.batch, st.hits, st.trials)
             return 0                              # the Speculator shadows it instead (free evidence)
         k = self._verified_prefix(st, [1.0] * k, None, probing)
         if k == 0:
@@ -447,13 +443,18 @@ class AdaptiveGate:
         st.proposed += proposed
         st.accepted += accepted
         st.verifies += 1
-        st.hits = self.decay * st.hits + accepted
-        st.trials = self.decay * st.trials + accepted + (1 if accepted < proposed else 0)
+        self._evidence(st, proposed, accepted)
         if st.probing:
             st.probe_loss += max(0.0, self.block_cost(proposed) - (1.0 + accepted))
             st.probing = False
         if not self._suspend_if_losing(st) and accepted:
             st.backoff = 1
+
+    def _evidence(self, st: SeqSpecStats, proposed: int, accepted: int) -> None:
+        """A draft of `proposed` tokens of which the first `accepted` were (or would have been)
+        accepted: the decayed Beta counts take the hits and the trials (accepted + the first miss)."""
+        st.hits = self.decay * st.hits + accepted
+        st.trials = self.decay * st.trials + accepted + (1 if accepted < proposed else 0)
 
     def wants_shadow(self, request_id: str) -> bool:
         """Whether a sequence drafts_for refused should get a shadow this step: after a missed
@@ -477,8 +478,7 @@ class AdaptiveGate:
         else:                                 # misses space the next shadows out: bounded host work
             st.shadow_after = self.step + st.shadow_backoff
             st.shadow_backoff = min(SHADOW_MAX_WAIT, 2 * st.shadow_backoff)
-        st.hits = self.decay * st.hits + accepted
-        st.trials = self.decay * st.trials + accepted + (1 if accepted < proposed else 0)
+        self._evidence(st, proposed, accepted)
 
     def release(self, request_id: str) -> None:
         self.stats.pop(request_id, None)

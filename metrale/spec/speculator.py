@@ -326,7 +326,7 @@ def make_speculator(cfg, backend, model_config, load_draft_backend) -> Speculato
                         probe_interval=lv.spec_probe_interval, max_batch=lv.spec_max_batch,
                         ema_decay=lv.spec_ema_decay, measure=_measured_gate(lv.spec_measured_gate, backend),
                         measure_margin=lv.spec_measured_margin, measure_min_steps=lv.spec_measured_min_steps,
-                        shadow=bool(getattr(lv, "spec_shadow", True)))
+                        shadow=lv.spec_shadow)
     log.info("speculative decoding: %s, up to %d drafts", drafter.name, spec.num_drafts)
     return Speculator(drafter, num_drafts=spec.num_drafts, gate=gate, min_confidence=lv.spec_min_confidence,
                       max_rows=getattr(backend, "max_rows", None))
