@@ -1,0 +1,108 @@
+"""Where a served step's time goes: the library's stream() beside the HTTP server on one engine.
+
+    python -m bench.serve_profile device=cuda model=smollm2-135m-shape [--tokens 256] [--clients 1 64]
+
+Runs, on one engine: `Engine.stream` in the main thread and in a worker thread, then the
+in-process server with N streaming clients, timing every `Engine.poll` of the engine loop and
+the gaps between them; with --profile, cProfile of the loop thread (top functions printed).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import pstats
+import threading
+import time
+
+import numpy as np
+
+from metrale.sampling.params import SamplingParams
+
+
+def _params(tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+
+
+def library_stream(engine, tokens: int) -> float:
+    t0 = time.perf_counter()
+    n = sum(len(d.token_ids) for d in engine.stream("the quick brown fox", _params(tokens)))
+    return n / (time.perf_counter() - t0)
+
+
+def in_thread(fn, *args):
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("v", fn(*args)))
+    t.start()
+    t.join()
+    return box["v"]
+
+
+def instrument(engine, log: list) -> None:
+    poll = engine.poll
+
+    def timed():
+        t0 = time.perf_counter()
+        out = poll()
+        log.append((t0, time.perf_counter()))
+        return out
+    engine.poll = timed
+
+
+def served(engine, clients: int, tokens: int, profile: bool) -> dict:
+    from bench.loadtest import run_load
+    from metrale.server import ServerThread, create_app
+    app = create_app(engine)
+    log: list = []
+    instrument(engine, log)
+    prof = cProfile.Profile() if profile else None
+    if prof is not None:
+        loop = app.state.engine_loop
+        run = loop._run
+        loop._run = lambda: (prof.enable(), run(), prof.disable())
+    srv = ServerThread(app).start()
+    try:
+        stats, wall = asyncio.run(run_load(srv.url, app.state.server.model_name, clients=clients,
+                                           duration=2.0, requests=clients, max_tokens=tokens,
+                                           prompt_words=4, api_key=None))
+    finally:
+        srv.stop()
+        engine.poll = type(engine).poll.__get__(engine)
+    polls = np.array([b - a for a, b in log]) * 1e3
+    gaps = np.array([log[i + 1][0] - log[i][1] for i in range(len(log) - 1)]) * 1e3
+    out = {"clients": clients, "tok_s": stats.tokens / wall, "steps": len(log),
+           "poll_ms_p50": float(np.median(polls)) if len(polls) else 0.0,
+           "gap_ms_p50": float(np.median(gaps)) if len(gaps) else 0.0,
+           "itl_ms_p50": float(np.median(stats.itl)) * 1e3 if stats.itl else 0.0, "errors": len(stats.errors)}
+    if prof is not None:
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+        out["profile"] = s.getvalue()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args(argv)
+    from metrale.engine import Engine
+    engine = Engine(overrides=args.overrides)
+    library_stream(engine, 16)                       # warm-up
+    print(f"library stream, main thread:   {library_stream(engine, args.tokens):8.1f} tok/s")
+    print(f"library stream, worker thread: {in_thread(library_stream, engine, args.tokens):8.1f} tok/s")
+    for clients in args.clients:
+        r = served(engine, clients, args.tokens, args.profile and clients == args.clients[0])
+        print(f"served, {clients} clients: {r['tok_s']:8.1f} tok/s, {r['steps']} steps, poll p50 "
+              f"{r['poll_ms_p50']:.3f} ms, gap between polls p50 {r['gap_ms_p50']:.3f} ms, "
+              f"ITL p50 {r['itl_ms_p50']:.3f} ms, errors {r['errors']}")
+        if "profile" in r:
+            print(r["profile"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
