@@ -5,10 +5,12 @@
 # else the working tree runs.
 set -u
 t0=$(date +%s); stamp() { echo "=== $1 at $(( $(date +%s) - t0 )) s"; }
-if [ ! -d /tmp/site/hydra ] && ls .whl/*.whl >/dev/null 2>&1; then
+whl_id=$(ls .whl 2>/dev/null | md5sum | cut -c1-12)
+if [ ! -f /tmp/site/.whl_$whl_id ] && ls .whl/*.whl >/dev/null 2>&1; then
   stamp install
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --no-build-isolation \
       --target /tmp/site .whl/*.whl .whl/*.tar.gz >/dev/null || exit 1
+  touch /tmp/site/.whl_$whl_id
 fi
 if [ -f .snap/src.tar.gz ]; then
   rm -rf /tmp/src && mkdir -p /tmp/src && tar xzf .snap/src.tar.gz -C /tmp/src || exit 5
