@@ -172,7 +172,7 @@ def start_local(args, overrides: list[str]):
         from metrale.engine import Engine
         engine = Engine(overrides=overrides)
     app = create_app(engine)
-    return ServerThread(app).start(), app.state.server.model_name
+    return ServerThread(app, loop=args.uvicorn_loop).start(), app.state.server.model_name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="engine settings key=value (in-process server only)")
     p.add_argument("--fake", action="store_true", help="in-process server around the fake engine (tests/fake_model.py)")
     p.add_argument("--fake-step-ms", type=float, default=0.0, help="sleep this long in each fake forward")
+    p.add_argument("--uvicorn-loop", default="auto", help="the in-process server's event loop: auto|asyncio|uvloop")
     p.add_argument("--url", help="an already running server (default: start one in this process)")
     p.add_argument("--model", help="model id to send (default: the in-process server's)")
     p.add_argument("--api-key")

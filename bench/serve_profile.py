@@ -5,6 +5,11 @@
 Runs, on one engine: `Engine.stream` in the main thread and in a worker thread, then the
 in-process server with N streaming clients, timing every `Engine.poll` of the engine loop and
 the gaps between them; with --profile, cProfile of the loop thread (top functions printed).
+
+    python -m bench.serve_profile --serve OUT.txt serve device=cuda ...
+
+runs `python -m metrale serve ...` itself (uvicorn in the main thread, as users run it) with the
+loop thread's polls timed and profiled; the report is written to OUT.txt when the server stops.
 """
 from __future__ import annotations
 
@@ -82,7 +87,45 @@ def served(engine, clients: int, tokens: int, profile: bool) -> dict:
     return out
 
 
+def report(log: list, prof: cProfile.Profile | None) -> str:
+    polls = np.array([b - a for a, b in log]) * 1e3
+    gaps = np.array([log[i + 1][0] - log[i][1] for i in range(len(log) - 1)]) * 1e3
+    lines = [f"{len(log)} polls; poll ms p50 {np.median(polls) if len(polls) else 0:.3f} p90 "
+             f"{np.percentile(polls, 90) if len(polls) else 0:.3f}; gap ms p50 {np.median(gaps) if len(gaps) else 0:.3f} "
+             f"p90 {np.percentile(gaps, 90) if len(gaps) else 0:.3f}"]
+    if prof is not None:
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
+        lines.append(s.getvalue())
+    return "\n".join(lines)
+
+
+def serve_profiled(out_path: str, argv: list[str]) -> int:
+    """`python -m metrale serve argv` with the engine loop's polls timed and profiled."""
+    from metrale.server import loop as loop_mod
+    from metrale.server.serve import main as serve_main
+    log: list = []
+    prof = cProfile.Profile()
+    run = loop_mod.EngineLoop._run
+
+    def profiled(self):
+        instrument(self.engine, log)
+        prof.enable()
+        try:
+            run(self)
+        finally:
+            prof.disable()
+            with open(out_path, "w") as f:
+                f.write(report(log, prof))
+    loop_mod.EngineLoop._run = profiled
+    return serve_main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import sys
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--serve"]:
+        return serve_profiled(argv[1], argv[3:] if argv[2:3] == ["serve"] else argv[2:])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*")
     p.add_argument("--tokens", type=int, default=256)

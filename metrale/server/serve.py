@@ -51,14 +51,15 @@ class ServerThread:
             OpenAI(base_url=srv.url + "/v1", api_key="none")
     """
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, grace_s: float | None = None):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, grace_s: float | None = None,
+                 loop: str = "auto"):
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
         server = app.state.server
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, loop=loop)
         grace = server.scfg.shutdown_grace_s if grace_s is None else grace_s
         self.server = MetraleServer(config, app.state.engine_loop, grace)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
