@@ -172,7 +172,7 @@ def start_local(args, overrides: list[str]):
         from metrale.engine import Engine
         engine = Engine(overrides=overrides)
     app = create_app(engine)
-    return ServerThread(app, loop=args.uvicorn_loop).start(), app.state.server.model_name
+    return ServerThread(app, port=args.listen or 0, loop=args.uvicorn_loop).start(), app.state.server.model_name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fake", action="store_true", help="in-process server around the fake engine (tests/fake_model.py)")
     p.add_argument("--fake-step-ms", type=float, default=0.0, help="sleep this long in each fake forward")
     p.add_argument("--uvicorn-loop", default="auto", help="the in-process server's event loop: auto|asyncio|uvloop")
+    p.add_argument("--listen", type=int, help="only serve (fake or real engine) on this port until interrupted; "
+                   "another process's --url drives it, so client and server do not share a GIL")
     p.add_argument("--url", help="an already running server (default: start one in this process)")
     p.add_argument("--model", help="model id to send (default: the in-process server's)")
     p.add_argument("--api-key")
@@ -195,6 +197,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.url and (args.fake or args.overrides):
         p.error("--url talks to a running server; --fake and settings start one here")
     srv = None
+    if args.listen:
+        srv, model = start_local(args, args.overrides)
+        print(f"serving {model} at {srv.url}", flush=True)
+        try:
+            while srv.thread.is_alive():
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+        srv.stop()
+        return 0
     if args.url:
         base, model = args.url, args.model or "default"
     else:

@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any, AsyncIterator
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -131,6 +132,17 @@ class Run:
                         raise ClientGone()
             finally:
                 getter.cancel()
+        return self._account(delta)
+
+    async def next_batch(self) -> list[tuple[int, StreamDelta]]:
+        """The next delta and every other one already queued, each choice's consecutive deltas
+        merged into one: a stream that falls a few steps behind catches up in one event each."""
+        ready = [self._account(await self.sink.get())]
+        while not self.sink.empty():
+            ready.append(self._account(self.sink.get_nowait()))
+        return _coalesce(ready)
+
+    def _account(self, delta: StreamDelta) -> tuple[int, StreamDelta]:
         rid = delta.request_id
         self.completion_tokens += len(delta.token_ids)
         if delta.finished:
@@ -147,6 +159,24 @@ class Run:
         for rid in self.unfinished:
             self.loop.abort(rid)
         self.unfinished.clear()
+
+
+def _coalesce(ready: list[tuple[int, StreamDelta]]) -> list[tuple[int, StreamDelta]]:
+    """Merges each choice's consecutive deltas (text, tokens, logprobs; the last finish reason)
+    in the order choices first appear; an error delta is never merged into another."""
+    out: list[tuple[int, StreamDelta]] = []
+    last: dict[int, int] = {}              # choice -> its delta in `out` that later ones join
+    for c, d in ready:
+        at = last.get(c)
+        if at is None or _error_reason(d.finish_reason):
+            last[c] = len(out)
+            out.append((c, d))
+            continue
+        prev = out[at][1]
+        lps = None if prev.logprobs is None and d.logprobs is None else (prev.logprobs or []) + (d.logprobs or [])
+        out[at] = (c, StreamDelta(d.request_id, prev.text + d.text,
+                                  np.concatenate([prev.token_ids, d.token_ids]), d.finish_reason, d.index, lps))
+    return out
 
 
 class _SSE(StreamingResponse):
@@ -304,14 +334,14 @@ class Server:
             if text:
                 yield chunk(c, text)
         while run.unfinished:
-            c, delta = await run.next()
-            if _error_reason(delta.finish_reason):
-                yield _event(_server_error(delta.finish_reason).body())
-                continue
-            if lps[c] is not None:        # held-back text: its tokens go with the next chunk
-                lps[c].add(delta.token_ids, delta.logprobs or [])
-            if delta.text or delta.finished:
-                yield chunk(c, delta.text, delta.finish_reason)
+            for c, delta in await run.next_batch():
+                if _error_reason(delta.finish_reason):
+                    yield _event(_server_error(delta.finish_reason).body())
+                    continue
+                if lps[c] is not None:        # held-back text: its tokens go with the next chunk
+                    lps[c].add(delta.token_ids, delta.logprobs or [])
+                if delta.text or delta.finished:
+                    yield chunk(c, delta.text, delta.finish_reason)
         if include_usage:
             yield _event({**head, "choices": [], "usage": run.usage()})
         yield "data: [DONE]\n\n"
@@ -380,23 +410,25 @@ class Server:
         for c in range(len(parsers)):
             yield chunk(c, {"role": "assistant", "content": ""})
         n_calls = [0] * len(parsers)
-        while run.unfinished:
-            c, delta = await run.next()
-            if _error_reason(delta.finish_reason):
-                yield _event(_server_error(delta.finish_reason).body())
-                break
-            if top is not None:
-                pending[c] += chat_content(delta.token_ids, delta.logprobs or [], top, self.token_text)
-            events = parsers[c].feed(delta.text) + (parsers[c].finish() if delta.finished else [])
-            for kind, value in events:
-                if kind == "tool_call":
-                    yield chunk(c, {"tool_calls": [value.to_openai(n_calls[c])]})
-                    n_calls[c] += 1
-                else:
-                    yield chunk(c, {"reasoning_content" if kind == "reasoning" else "content": value})
-            if delta.finished:
-                reason = delta.finish_reason
-                yield chunk(c, {}, "tool_calls" if n_calls[c] and reason == "stop" else reason)
+        failed = False
+        while run.unfinished and not failed:
+            for c, delta in await run.next_batch():
+                if _error_reason(delta.finish_reason):
+                    yield _event(_server_error(delta.finish_reason).body())
+                    failed = True
+                    break
+                if top is not None:
+                    pending[c] += chat_content(delta.token_ids, delta.logprobs or [], top, self.token_text)
+                events = parsers[c].feed(delta.text) + (parsers[c].finish() if delta.finished else [])
+                for kind, value in events:
+                    if kind == "tool_call":
+                        yield chunk(c, {"tool_calls": [value.to_openai(n_calls[c])]})
+                        n_calls[c] += 1
+                    else:
+                        yield chunk(c, {"reasoning_content" if kind == "reasoning" else "content": value})
+                if delta.finished:
+                    reason = delta.finish_reason
+                    yield chunk(c, {}, "tool_calls" if n_calls[c] and reason == "stop" else reason)
         if include_usage:
             yield _event({**head, "choices": [], "usage": run.usage()})
         yield "data: [DONE]\n\n"
