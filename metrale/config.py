@@ -133,6 +133,10 @@ class ServerConfig:
     shutdown_grace_s: float = 10.0       # on SIGINT/SIGTERM, in-flight requests get this long, then abort
     parse_reasoning: bool = True         # chat: text inside <think>...</think> goes to reasoning_content
     access_log: bool = False
+    api_key_file: Optional[str] = None   # a file holding the API key (also: env METRALE_API_KEY); keeps it out of `ps`
+    max_json_depth: int = 64             # request bodies nesting arrays/objects deeper get 400
+    read_timeout_s: float = 30.0         # a request body not received within this gets 408
+    allow_client_chat_template: bool = False   # let requests send their own Jinja chat template
 
 
 @dataclass

@@ -52,3 +52,92 @@ def test_a_stream_behind_the_engine_gets_all_its_text_in_fewer_events():
     assert [int(t) for t in re.findall(r"<(\d+)>", text)] == want
     assert events[-1]["choices"][0]["finish_reason"] == "length"
     assert len(events) < n
+
+
+# ------------------------------------------------------------ the cost of a request is bounded first
+import socket
+
+import pytest
+
+from metrale.server.serve import api_key
+
+
+@pytest.fixture(scope="module")
+def srv():
+    engine = fake_engine(num_blocks=512, **{"server.read_timeout_s": 0.5, "scheduler.max_num_seqs": 8})
+    with ServerThread(create_app(engine)) as s:
+        s.engine = engine
+        yield s
+
+
+def _post(srv, body, path="/v1/completions"):
+    return httpx.post(srv.url + path, json=body, timeout=30)
+
+
+def test_unknown_model_is_404(srv):
+    r = _post(srv, {"model": "gpt-9", "prompt": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_max_tokens_past_the_context_is_400(srv):
+    r = _post(srv, {"prompt": "hi", "max_tokens": 10**6})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "max_tokens" and "maximum context length is 4096" in err["message"]
+
+
+def test_huge_n_is_refused_before_any_work(srv):
+    t0 = time.monotonic()
+    r = _post(srv, {"prompt": ["a", "b", "c", "d"], "n": 100_000_000, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    assert "exceed scheduler.max_num_seqs (8)" in r.json()["error"]["message"]
+    r = _post(srv, {"prompt": ["a", "b", "c"], "n": 3, "max_tokens": 2})      # 9 sequences > 8
+    assert r.status_code == 400
+    assert time.monotonic() - t0 < 5
+    assert httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_deeply_nested_body_is_400(srv):
+    deep = "[" * 100_000 + "]" * 100_000
+    r = httpx.post(srv.url + "/v1/chat/completions", timeout=30, headers={"Content-Type": "application/json"},
+                   content=('{"messages": [{"role": "user", "content": "hi"}], "tools": ' + deep + '}').encode())
+    assert r.status_code == 400 and "max_json_depth" in r.json()["error"]["message"]
+    shallow_but_deep = {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}
+    node = shallow_but_deep["response_format"]["json_schema"]["schema"]
+    for _ in range(100):
+        node["items"] = {}
+        node = node["items"]
+    assert _post(srv, shallow_but_deep).status_code == 400
+
+
+def test_client_chat_templates_are_off_by_default(srv):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "chat_template_kwargs": {"chat_template": "{% for i in range(10**9) %}x{% endfor %}"}}
+    r = _post(srv, body, "/v1/chat/completions")
+    assert r.status_code == 400 and "allow_client_chat_template" in r.json()["error"]["message"]
+
+
+def test_a_half_sent_body_times_out_with_408(srv):
+    with socket.create_connection((srv.host, srv.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"prompt\":")
+        reply = s.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:80]
+    assert _post(srv, {"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_openapi_schema_is_served(srv):
+    r = httpx.get(srv.url + "/openapi.json")
+    assert r.status_code == 200 and "/v1/chat/completions" in r.json()["paths"]
+
+
+def test_api_key_sources(tmp_path):
+    f = tmp_path / "key"
+    f.write_text("sk-file\n")
+    assert api_key("sk-cli", str(f), "sk-env") == "sk-cli"
+    assert api_key(None, str(f), "sk-env") == "sk-file"
+    assert api_key(None, None, "sk-env") == "sk-env"
+    assert api_key(None, None, None) is None
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(OSError):
+        api_key(None, str(tmp_path / "empty"), None)

@@ -31,8 +31,8 @@ from metrale.server.metrics import Metrics
 from metrale.server.parsing import (ChatOutputParser, ParsedChat, inline_tools, template_knows_tools,
                                     with_system_text)
 from metrale.server.protocol import (ApiError, ApiRequest, Fields, bad, chat_messages,
-                                     chat_tools, completion_prompts, engine_error, sampling_request,
-                                     structured_param)
+                                     chat_tools, completion_prompts, engine_error, json_depth_exceeds,
+                                     sampling_request, structured_param)
 
 log = logging.getLogger("metrale.server")
 
@@ -220,6 +220,35 @@ class Server:
 
     # -------------------------------------------------------------------------- helpers
     async def read_json(self, request: Request) -> dict:
+        raw = await self.read_body(request)
+        try:
+            body = json.loads(raw)
+        except RecursionError:
+            raise bad(None, f"request body nests deeper than server.max_json_depth ({self.scfg.max_json_depth})") from None
+        except ValueError as exc:
+            raise bad(None, f"request body is not valid JSON: {exc}") from None
+        if json_depth_exceeds(body, self.scfg.max_json_depth):
+            raise bad(None, f"request body nests deeper than server.max_json_depth ({self.scfg.max_json_depth})")
+        if not isinstance(body, dict):
+            raise bad(None, "request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise bad("model", f"model: expected a string, got {json.dumps(model)[:60]}")
+        if model is not None and model not in self.aliases:
+            raise ApiError(404, f"The model '{model}' does not exist; available: {self.model_name}", "model",
+                           code="model_not_found")
+        return body
+
+    async def read_body(self, request: Request) -> bytes:
+        """The raw body, within server.max_body_bytes and server.read_timeout_s (a client that
+        stops sending mid-body gets 408, not a connection held forever)."""
+        try:
+            return await asyncio.wait_for(self._read_limited(request), self.scfg.read_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within server.read_timeout_s "
+                                f"({self.scfg.read_timeout_s} s)", None) from None
+
+    async def _read_limited(self, request: Request) -> bytes:
         limit = self.scfg.max_body_bytes
         too_big = ApiError(413, f"request body is larger than server.max_body_bytes ({limit} bytes)", None)
         length = request.headers.get("content-length", "")
@@ -231,18 +260,7 @@ class Server:
             if size > limit:
                 raise too_big
             chunks.append(chunk)
-        try:
-            body = json.loads(b"".join(chunks))
-        except ValueError as exc:
-            raise bad(None, f"request body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise bad(None, "request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            raise bad("model", f"model: expected a string, got {json.dumps(model)[:60]}")
-        if model is not None and model not in self.aliases:
-            raise bad("model", f"model: '{model}' is not served here; available: {self.model_name}")
-        return body
+        return b"".join(chunks)
 
     def check_structured(self, req: ApiRequest) -> None:
         param = structured_param(req.params)
@@ -257,6 +275,11 @@ class Server:
         spec = chat_tools(body)
         kwargs = Fields(body).dict("chat_template_kwargs") or {}
         kwargs = {k: v for k, v in kwargs.items() if k not in ("messages", "tools", "add_generation_prompt")}
+        if (body.get("chat_template") is not None or "chat_template" in kwargs) and not self.scfg.allow_client_chat_template:
+            raise bad("chat_template", "chat_template: templates sent by clients are off on this server "
+                                       "(server.allow_client_chat_template=false)")
+        if body.get("chat_template") is not None:
+            kwargs["chat_template"] = Fields(body).str("chat_template")
         try:
             if spec.tools is not None and template_knows_tools(tok):
                 text = tok.apply_chat_template(with_system_text(messages, spec.instruction),
@@ -267,6 +290,37 @@ class Server:
         except Exception as exc:   # jinja's TemplateError, raise_exception(...), missing fields
             raise bad("messages", f"messages: the chat template refused them: {exc}") from None
         return text, spec, text.rstrip().endswith("<think>")
+
+    async def admit(self, prompts: list, req: ApiRequest, *, chat: bool) -> list[list[int]]:
+        """Checks a request's whole cost before any work: sequences against the scheduler, the
+        sampling fields, each prompt (tokenized on a worker thread: neither the HTTP loop nor the
+        engine loop waits for it) and prompt + max_tokens against the context. Returns the prompts'
+        token ids."""
+        params, engine = req.params, self.engine
+        k = params.best_of or params.n
+        limit = engine.scheduler.max_num_seqs
+        if k * len(prompts) > limit:
+            what = "best_of" if params.best_of else "n"
+            raise bad(what, f"{what}: {len(prompts)} prompt(s) x {k} = {k * len(prompts)} sequences exceed "
+                            f"scheduler.max_num_seqs ({limit})")
+        try:
+            params.validate(engine.model_config.vocab_size)
+            ids = await asyncio.to_thread(lambda: [engine.encode_prompt(p) for p in prompts])
+        except InvalidRequestError as exc:
+            raise engine_error(str(exc), chat=chat, renames=req.renames) from None
+        for prompt_ids in ids:
+            if len(prompt_ids) >= engine.max_model_len:
+                raise bad("messages" if chat else "prompt", f"{'messages' if chat else 'prompt'}: {len(prompt_ids)} "
+                          f"tokens do not fit the context of {engine.max_model_len} tokens")
+        if params.max_tokens is not None:
+            for prompt_ids in ids:
+                total = len(prompt_ids) + params.max_tokens
+                if total > engine.max_model_len:
+                    raise bad(req.renames.get("max_tokens", "max_tokens"),
+                              f"This model's maximum context length is {engine.max_model_len} tokens. However, you "
+                              f"requested {total} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens} in "
+                              f"the completion). Please reduce the prompt or the completion length.")
+        return ids
 
     def chat_prompt(self, text: str) -> str | list[int]:
         """The rendered conversation as the engine takes it: token ids when the template wrote a
@@ -289,8 +343,9 @@ class Server:
             raise bad("suffix", "suffix: not supported")
         rid = f"cmpl-{uuid.uuid4().hex}"
         n = req.params.n
+        ids = await self.admit(prompts, req, chat=False)
         run = Run(self.loop, rid, len(prompts), n)
-        await run.start(prompts, req, chat=False, arrival=arrival)
+        await run.start(ids, req, chat=False, arrival=arrival)
         echoes = [self._prompt_text(p) if echo else "" for p in prompts]
         echoes = [echoes[c // n] for c in range(run.num_choices)]           # per choice
         lps = [CompletionLogprobs(self.token_text, len(e)) if req.params.logprobs is not None else None
@@ -353,12 +408,13 @@ class Server:
         messages = chat_messages(body)
         req = sampling_request(body, chat=True, default_max_tokens=None)
         self.check_structured(req)
-        prompt, spec, in_think = self.render_chat(messages, body)
+        prompt, spec, in_think = await asyncio.to_thread(self.render_chat, messages, body)
         if spec.require and hasattr(req.params, "require_tool_call"):
             req.params.require_tool_call = True      # the engine forces the tool-call start token
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        ids = await self.admit([self.chat_prompt(prompt)], req, chat=True)
         run = Run(self.loop, rid, 1, req.params.n)
-        await run.start([self.chat_prompt(prompt)], req, chat=True, arrival=arrival)
+        await run.start(ids, req, chat=True, arrival=arrival)
         parsers = [ChatOutputParser(reasoning=self.scfg.parse_reasoning, tools=spec.parse, in_reasoning=in_think)
                    for _ in range(run.num_choices)]
         top = req.params.logprobs                    # None: no logprobs asked
@@ -454,7 +510,7 @@ def create_app(engine, cfg=None) -> FastAPI:
         finally:
             await server.loop.drain(0.0)
 
-    app = FastAPI(title="metrale", version="0.1.0", lifespan=lifespan, openapi_url=None,
+    app = FastAPI(title="metrale", version="0.1.0", lifespan=lifespan, openapi_url="/openapi.json",
                   docs_url=None, redoc_url=None)
     app.state.server = server
     app.state.engine_loop = server.loop

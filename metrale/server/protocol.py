@@ -28,6 +28,19 @@ def bad(param: str | None, message: str) -> ApiError:
     return ApiError(400, message, param)
 
 
+def json_depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether a parsed JSON value nests more than `limit` arrays/objects deep (iterative: a deep
+    body cannot overflow the stack here)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return False
+
+
 # ---------------------------------------------------------------------------- field checks
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)

@@ -4,8 +4,10 @@ Examples:
   python -m metrale serve
   python -m metrale serve model=/path/to/model.gguf server.port=8080 server.api_key=sk-local
   python -m metrale serve server.host=0.0.0.0 scheduler.max_num_seqs=64 --cfg job
-Settings: every setting of `python -m metrale` plus server.* (host, port, api_key,
-served_model_name, max_body_bytes, shutdown_grace_s, parse_reasoning, access_log); see docs/server.md.
+Settings: every setting of `python -m metrale` plus server.* (host, port, api_key, api_key_file,
+served_model_name, max_body_bytes, max_json_depth, read_timeout_s, allow_client_chat_template,
+shutdown_grace_s, parse_reasoning, access_log); see docs/server.md. The API key can also come from
+the METRALE_API_KEY environment variable.
 
 Shutdown (SIGINT/SIGTERM): the listening socket closes, in-flight requests get
 server.shutdown_grace_s seconds to finish, the rest end with finish_reason "abort", then exit.
@@ -13,6 +15,7 @@ server.shutdown_grace_s seconds to finish, the rest end with finish_reason "abor
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import sys
 import threading
@@ -103,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"bad setting: server.port must be in [0, 65535], got {s.port}")
     if s.max_body_bytes < 1 or s.shutdown_grace_s < 0:
         return _fail("bad setting: server.max_body_bytes must be >= 1 and server.shutdown_grace_s >= 0")
+    try:
+        cfg.server.api_key = api_key(s.api_key, s.api_key_file, os.environ.get("METRALE_API_KEY"))
+    except OSError as exc:
+        return _fail(f"bad setting: server.api_key_file: {exc}")
     level = str(cfg.log_level).upper()
     logging.basicConfig(level=getattr(logging, level, logging.WARNING),
                         format="%(levelname)s %(name)s: %(message)s")
@@ -122,6 +129,20 @@ def main(argv: list[str] | None = None) -> int:
                             access_log=s.access_log, lifespan="on", timeout_graceful_shutdown=5)
     MetraleServer(config, app.state.engine_loop, s.shutdown_grace_s).run()
     return 0
+
+
+def api_key(given: str | None, path: str | None, env: str | None) -> str | None:
+    """The API key: server.api_key, else the first line of server.api_key_file, else the
+    METRALE_API_KEY environment variable (the last two keep it out of the process list)."""
+    if given:
+        return given
+    if path:
+        with open(path, encoding="utf-8") as f:
+            key = f.readline().strip()
+        if not key:
+            raise OSError(f"{path} holds no key")
+        return key
+    return env or None
 
 
 def _uvicorn_level(level: str) -> str:
