@@ -1,7 +1,8 @@
 """Rotary position embedding, in place on q [T, Hq, hd] and k [T, Hk, hd].
 
 cos/sin tables are float32 [max_pos, rot/2] (rot = rotary dims, usually head_dim; with
-rot < head_dim only the first rot dims rotate). Pair i (i < rot/2) is
+rot < head_dim only the first rot dims rotate), built with every scaling by the engine's one RoPE
+module (metrale.models.rope: Rope.tables). Pair i (i < rot/2) is
   interleaved=True  (GGUF / llama.cpp layout): (x[2i], x[2i+1])
   interleaved=False (HF layout, rotate_half):   (x[i], x[i + rot/2])
 and becomes (x0*c - x1*s, x1*c + x0*s) with c, s = cos/sin[positions[t], i].
@@ -9,8 +10,6 @@ One block per token; threads stride over (head, pair).
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 from numba import cuda
@@ -58,49 +57,12 @@ def _rope_kernel(q, k, positions, cos, sin, interleaved):
 
 def rope_inplace(q, k, positions, cos, sin, interleaved: bool, stream=0) -> None:
     """q: float32 [T, Hq, hd]; k: float32 [T, Hk, hd] (any strides); positions: int32 [T];
-    cos, sin: float32 [max_pos, rot/2] from rope_tables(rot, ...)."""
+    cos, sin: float32 [max_pos, rot/2] (metrale.models.rope.Rope.tables)."""
     if q.shape[0] == 0:
         return
     if 2 * cos.shape[1] > q.shape[2]:
         raise ValueError(f"rope: table width {cos.shape[1]} does not fit head_dim {q.shape[2]}")
     _rope_kernel[q.shape[0], THREADS, stream](q, k, positions, cos, sin, bool(interleaved))
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> np.ndarray:
-    """Inverse frequencies (float64, [head_dim/2]); scaling: HF rope_scaling dict or None.
-
-    Supported rope types: "default", "linear" (factor), "llama3" (factor, low_freq_factor,
-    high_freq_factor, original_max_position_embeddings).
-    """
-    inv = 1.0 / (float(theta) ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    if not scaling:
-        return inv
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return inv
-    factor = float(scaling["factor"])
-    if kind == "linear":
-        return inv / factor
-    if kind == "llama3":
-        low = float(scaling.get("low_freq_factor", 1.0))
-        high = float(scaling.get("high_freq_factor", 4.0))
-        old_len = float(scaling["original_max_position_embeddings"])
-        low_wavelen = old_len / low
-        high_wavelen = old_len / high
-        wavelen = 2.0 * math.pi / inv
-        out = np.where(wavelen > low_wavelen, inv / factor, inv)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1.0 - smooth) * out / factor + smooth * out
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return np.where(medium, smoothed, out)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
-
-
-def rope_tables(head_dim: int, max_pos: int, theta: float, scaling: dict | None = None):
-    """(cos, sin), float32 [max_pos, head_dim/2], computed in float64."""
-    inv = rope_inv_freq(head_dim, theta, scaling)
-    ang = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
 def rope_ref(q, k, positions, cos, sin, interleaved: bool):

@@ -108,11 +108,13 @@ def test_variants_run_and_chunk(tmp_path, overrides):
 
 
 def test_yarn_rope(ckpt):
+    from metrale.models.rope import model_rope
     c = deepseek_model_config(json.loads((ckpt / "config.json").read_text()))
-    inv, cos_scale, scale = DS.deepseek_rope(c)
+    rope, scale = model_rope(c), DS.deepseek_softmax_scale(c)
     plain = 1.0 / 10000.0 ** (np.arange(0, 8, 2) / 8)
+    inv = rope.inv_freq
     assert inv[0] == plain[0] and np.isclose(inv[-1], plain[-1] / 4.0)    # extrapolated / interpolated
-    assert cos_scale == 1.0                                                # mscale == mscale_all_dim
+    assert rope.attention_factor == 1.0                                    # mscale == mscale_all_dim
     assert np.isclose(scale, 24 ** -0.5 * (0.1 * np.log(4.0) + 1.0) ** 2)
 
 

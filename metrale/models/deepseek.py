@@ -21,7 +21,6 @@ no tokens).
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -31,6 +30,7 @@ from kernels_numba.moe import RouteConfig, route_ref
 from metrale.models.config import ModelConfig
 from metrale.models.llama import Ops
 from metrale.models.loader import WeightStream
+from metrale.models.rope import model_rope, rope_type, yarn_mscale
 from metrale.parallel.ep import combine_slots
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.numpy_backend import NumpyOps, apply_rope
@@ -60,40 +60,18 @@ def deepseek_forward(ops: DeepseekOps, w: dict[str, Tensor], config: ModelConfig
     return ops.linear(h, w.get("lm_head", w["embed"]))
 
 
-# ------------------------------------------------------------------------------- RoPE (YaRN)
+# ------------------------------------------------------------------------------- softmax scale
 
-def _yarn_mscale(factor: float, mscale: float) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def deepseek_rope(config: ModelConfig) -> tuple[np.ndarray, float, float]:
-    """(inv_freq [rope/2] float64, cos/sin multiplier, softmax scale) with DeepSeek's YaRN
-    rope_scaling (type yarn: factor, original_max_position_embeddings, beta_fast/slow, mscale,
-    mscale_all_dim) or plain RoPE."""
-    dim, base = config.qk_rope_head_dim, config.rope_theta
-    inv_freq = 1.0 / base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-    scale = (config.qk_nope_head_dim + dim) ** -0.5
+def deepseek_softmax_scale(config: ModelConfig) -> float:
+    """1/sqrt(qk_nope + qk_rope), times yarn_mscale(factor, mscale_all_dim)^2 when a scaled RoPE
+    sets mscale_all_dim (transformers' DeepseekV2/V3 yarn_apply_mscale). The cos/sin side of YaRN is
+    metrale.models.rope's attention_factor."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
     s = (config.extra or {}).get("rope_scaling") or {}
-    if s.get("type", s.get("rope_type")) != "yarn":
-        return inv_freq, 1.0, scale
-    factor = float(s["factor"])
-    orig = float(s.get("original_max_position_embeddings", 4096))
-
-    def corr_dim(rot: float) -> float:
-        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
-
-    low = max(math.floor(corr_dim(float(s.get("beta_fast", 32)))), 0)
-    high = min(math.ceil(corr_dim(float(s.get("beta_slow", 1)))), dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
-    keep = 1.0 - ramp                              # 1: extrapolate (high frequencies), 0: interpolate
-    inv_freq = inv_freq / factor * (1.0 - keep) + inv_freq * keep
-    all_dim = float(s.get("mscale_all_dim", 0) or 0)
-    cos_scale = _yarn_mscale(factor, float(s.get("mscale", 1))) / _yarn_mscale(factor, all_dim)
-    if all_dim:
-        scale *= _yarn_mscale(factor, all_dim) ** 2
-    return inv_freq, cos_scale, scale
+    all_dim = float(s.get("mscale_all_dim") or 0)
+    if rope_type(s) != "default" and all_dim:
+        scale *= yarn_mscale(float(s["factor"]), all_dim) ** 2
+    return scale
 
 
 # ------------------------------------------------------------------------------- NumPy experts
@@ -202,7 +180,7 @@ class DeepseekBackend:
         items = weights.items() if isinstance(weights, dict) else weights
         self.weights = {name: np.ascontiguousarray(a, dtype=self.dtype) for name, a in items}
         self.latent_cache = np.zeros((config.num_layers, num_blocks, block_size, config.latent_dim), self.dtype)
-        self.inv_freq, self.rope_mscale, self.softmax_scale = deepseek_rope(config)
+        self.rope, self.softmax_scale = model_rope(config), deepseek_softmax_scale(config)
         self.route_cfg = route_config(config) if config.is_moe else None
         local = config.n_routed_experts if ep is None else ep.num_local
         for i in range(config.num_layers):
@@ -212,8 +190,7 @@ class DeepseekBackend:
                 raise ValueError(f"layer {i}: {have} experts loaded, this rank needs {local}")
 
     def rope_for(self, batch: ForwardBatch) -> tuple[np.ndarray, np.ndarray]:
-        angles = batch.positions.astype(np.float64)[:, None] * self.inv_freq[None, :]
-        return np.cos(angles) * self.rope_mscale, np.sin(angles) * self.rope_mscale
+        return self.rope.cos_sin(batch.positions)
 
     def moe(self, h: np.ndarray, w: dict, p: str) -> np.ndarray:
         """Routed experts (local or expert-parallel) + shared experts of one MoE layer."""

@@ -22,6 +22,7 @@ import numpy as np
 
 from kernels_numba.gdn import gdn_segment_ref, rms_norm_gated_ref, state_norm_clamp_ref
 from metrale.models.config import ModelConfig
+from metrale.models.rope import hf_rope_settings
 
 HYBRID_TYPES = ("qwen3_next", "metrale_hybrid")
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -47,6 +48,7 @@ def hybrid_model_config(cfg: dict, name: str = "") -> ModelConfig:
         raise ValueError(f"{name or arch}: mixture-of-experts layers ({len(moe)} of {n}) are not supported "
                          "yet; only dense-MLP hybrid checkpoints load")
     rope = cfg.get("rope_parameters") or {}
+    theta, scaling = hf_rope_settings(cfg, name or arch)
     heads = int(cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
     partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor"))
@@ -58,13 +60,13 @@ def hybrid_model_config(cfg: dict, name: str = "") -> ModelConfig:
         intermediate_size=int(cfg["intermediate_size"]), num_layers=n, num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads", heads)), head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+        rope_theta=theta,
         max_position=int(cfg.get("max_position_embeddings", 8192)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", False)), qk_norm=qwen or bool(cfg.get("qk_norm", False)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
-        name=name, extra={"rope_scaling": cfg.get("rope_scaling"), "norm_offset": qwen},
+        name=name, extra={"rope_scaling": scaling, "norm_offset": qwen},
         layer_types=tuple(types),
         linear_num_key_heads=int(cfg["linear_num_key_heads"]),
         linear_num_value_heads=int(cfg["linear_num_value_heads"]),

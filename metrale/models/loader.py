@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from metrale.models.config import ModelConfig
+from metrale.models.rope import check_rope_scaling, hf_rope_settings, model_rope, yarn_mscale
 
 WeightStream = Iterator[tuple[str, np.ndarray]]
 
@@ -46,6 +47,7 @@ def gguf_model_config(fields: dict, name: str = "") -> ModelConfig:
         num_heads=heads, num_kv_heads=int(g("attention.head_count_kv", heads)), head_dim=head_dim,
         rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(g("rope.freq_base", 10000.0)),
+        extra={"rope_scaling": gguf_rope_scaling(fields, arch, name or str(fields.get("general.name", "")))},
         # llama.cpp's converter permutes Q/K of llama models for its adjacent-pair RoPE;
         # qwen2/qwen3 GGUFs keep the half-split (NEOX) layout.
         rope_interleaved=(arch == "llama"),
@@ -56,6 +58,32 @@ def gguf_model_config(fields: dict, name: str = "") -> ModelConfig:
         eos_token_ids=(int(eos),) if eos is not None else (),
         name=name or str(fields.get("general.name", "")),
     )
+
+
+def gguf_rope_scaling(fields: dict, arch: str, where: str = "") -> dict | None:
+    """The HF rope_scaling dict of llama.cpp's `<arch>.rope.scaling.*` keys (type none | linear | yarn,
+    factor, original_context_length, yarn_beta_fast/slow, attn_factor) or the older
+    `<arch>.rope.scale_linear`. llama.cpp multiplies attn_factor into YaRN's own 0.1 ln(factor) + 1."""
+    g = lambda key: fields.get(f"{arch}.rope.{key}")  # noqa: E731
+    kind, factor = g("scaling.type"), g("scaling.factor")
+    if kind is None and g("scale_linear"):
+        kind, factor = "linear", g("scale_linear")
+    kind = str(kind or "none")
+    if kind == "none":
+        return None
+    if kind not in ("linear", "yarn"):
+        return check_rope_scaling({"rope_type": kind}, where)       # raises, naming the type
+    scaling: dict = {"rope_type": kind, "factor": float(factor if factor is not None else 1.0)}
+    if kind == "yarn":
+        if g("scaling.original_context_length"):
+            scaling["original_max_position_embeddings"] = int(g("scaling.original_context_length"))
+        for key, hf_key in (("scaling.yarn_beta_fast", "beta_fast"), ("scaling.yarn_beta_slow", "beta_slow")):
+            if g(key) is not None:
+                scaling[hf_key] = float(g(key))
+        attn = g("scaling.attn_factor") or g("scaling.yarn_attn_factor")
+        if attn is not None and float(attn) != 1.0:
+            scaling["attention_factor"] = float(attn) * yarn_mscale(scaling["factor"])
+    return check_rope_scaling(scaling, where)
 
 
 _GGUF_LAYER = {"attn_norm": "attn_norm", "attn_output": "o", "ffn_norm": "mlp_norm",
@@ -77,6 +105,10 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict, Callable[[], WeightStream]
     tensors = {t.name: t for t in reader.tensors}
     if "output.weight" in tensors:
         config = _replace(config, tie_word_embeddings=False)
+    if "rope_freqs.weight" in tensors:       # Llama-3.x: llama3 scaling as per-frequency divisors
+        factors = _dequantize(tensors["rope_freqs.weight"]).astype(np.float64).reshape(-1)
+        config = _replace(config, extra={**config.extra, "rope_freq_factors": factors})
+        model_rope(config)                   # refuses a factor count that does not fit the rotary dim
     if "token_embd.weight" not in tensors:
         raise ValueError(f"{path}: no token_embd.weight tensor")
 
@@ -119,17 +151,18 @@ def hf_model_config(cfg: dict, name: str = "") -> ModelConfig:
     heads = int(cfg["num_attention_heads"])
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    theta, rope_scaling = hf_rope_settings(cfg, name or arch)
     return ModelConfig(
         architecture=arch, vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
         intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
         num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
         head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta,
         rope_interleaved=False, max_position=int(cfg.get("max_position_embeddings", 8192)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")), qk_norm=(arch == "qwen3"),
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, name=name,
-        extra={"rope_scaling": cfg.get("rope_scaling")},
+        extra={"rope_scaling": rope_scaling},
     )
 
 
@@ -259,15 +292,16 @@ def deepseek_model_config(cfg: dict, name: str = "") -> ModelConfig:
         scaling = 1.0
     n_routed = int(cfg.get("n_routed_experts") or 0)
     q_lora = cfg.get("q_lora_rank")
+    theta, rope_scaling = hf_rope_settings(cfg, name or arch)
     return ModelConfig(
         architecture=arch, vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
         intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
         num_heads=int(cfg["num_attention_heads"]), num_kv_heads=1, head_dim=nope + rope,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta,
         rope_interleaved=True, max_position=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, name=name,
-        extra={"rope_scaling": cfg.get("rope_scaling")},
+        extra={"rope_scaling": rope_scaling},
         q_lora_rank=int(q_lora) if q_lora else None, kv_lora_rank=int(cfg["kv_lora_rank"]),
         qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=int(cfg["v_head_dim"]),
         n_routed_experts=n_routed, num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),

@@ -21,10 +21,10 @@ from kernels_numba import (activation, argmax, attention, convert, embedding, fl
                            qkv, rmsnorm)
 from kernels_numba.bf16 import to_bf16_bits
 from kernels_numba.init import fill_normal_bf16
-from kernels_numba.rope import rope_tables
 from metrale.models.config import ModelConfig
 from metrale.models.llama import llama_forward
 from metrale.models.loader import WeightStream
+from metrale.models.rope import model_rope, model_rotary_dim
 from metrale.runtime.batch import ForwardBatch, Segment, build_batch
 from metrale.runtime.cuda import CudaGraph, DevicePool, Stream, cu, free_device_memory, kv_pool_bytes
 from metrale.runtime.cuda.buckets import MAX_MIXED_GRAPHS, mixed_bucket, padding, token_ladder
@@ -447,8 +447,8 @@ class CudaBackend:
         self.v_cache64 = self.v_cache.view(np.uint64)
 
     def _rope_host_tables(self) -> tuple[np.ndarray, np.ndarray]:
-        c = self.config
-        return rope_tables(c.head_dim, self.max_model_len, c.rope_theta, (c.extra or {}).get("rope_scaling"))
+        """float32 cos/sin [max_model_len, rotary dims / 2] of the model's RoPE, its scaling included."""
+        return model_rope(self.config).tables(self.max_model_len)
 
     def _capture_ladder(self) -> None:
         """Capture the decode graph of every ladder size at the first context bucket now (this also
@@ -553,8 +553,9 @@ class CudaBackend:
             plan["x_bf16"] = ((T, widest), np.uint16)
             plan["blas_workspace"] = ((WORKSPACE_BYTES,), np.uint8)
         plan["norm_ss"] = ((2 * c.num_layers + 2,), np.uint64)    # carried RMSNorm sums, fixed point (gemm.SS_SCALE)
-        plan["cos"] = ((self.max_model_len, c.head_dim // 2), np.float32)
-        plan["sin"] = ((self.max_model_len, c.head_dim // 2), np.float32)
+        half = model_rotary_dim(c) // 2                          # partial RoPE: the rotated dims only
+        plan["cos"] = ((self.max_model_len, half), np.float32)
+        plan["sin"] = ((self.max_model_len, half), np.float32)
         return plan
 
     def _activation_bytes(self) -> int:

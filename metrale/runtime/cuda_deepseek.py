@@ -34,7 +34,7 @@ from kernels_numba.bf16 import to_bf16_bits
 from kernels_numba.init import fill_normal_bf16
 from kernels_numba.rope import rope_inplace
 from metrale.models.config import ModelConfig
-from metrale.models.deepseek import deepseek_forward, deepseek_rope, route_config
+from metrale.models.deepseek import deepseek_forward, deepseek_softmax_scale, route_config
 from metrale.models.loader import WeightStream
 from metrale.runtime.cuda_backend import CudaBackend, CudaOps, Geometry, _ptr
 
@@ -235,7 +235,7 @@ class DeepseekCudaBackend(CudaBackend):
         self.ep = ep
         self.num_local_experts = (ep.num_local if ep is not None else config.n_routed_experts) if config.is_moe else 0
         self.route_cfg = route_config(config) if config.is_moe else None
-        self.inv_freq, self.rope_mscale, self.softmax_scale = deepseek_rope(config)
+        self.softmax_scale = deepseek_softmax_scale(config)
         if ep is not None and bool(cfg.levers.cuda_graphs):   # the exchange syncs with the host
             cfg = OmegaConf.merge(cfg, {"levers": {"cuda_graphs": False}})
         super().__init__(config, weights, cfg=cfg, random_seed=random_seed)
@@ -264,10 +264,6 @@ class DeepseekCudaBackend(CudaBackend):
         self.latent_cache = self.pool.alloc("kv", (c.num_layers, num_blocks, self.block_size, c.latent_dim), np.uint16)
         device_memset(self.latent_cache, 0, self.latent_cache.nbytes)   # graph padding rows read block 0
         self.latent_cache32 = self.latent_cache.view(np.uint32)
-
-    def _rope_host_tables(self) -> tuple[np.ndarray, np.ndarray]:
-        angles = np.arange(self.max_model_len, dtype=np.float64)[:, None] * self.inv_freq[None, :]
-        return np.cos(angles) * self.rope_mscale, np.sin(angles) * self.rope_mscale
 
     def _weight_bytes(self) -> int:
         c = self.config

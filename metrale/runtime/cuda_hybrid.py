@@ -27,7 +27,6 @@ from kernels_numba.flash_prefill import flash_config
 from kernels_numba.gdn import (causal_conv1d, gdn_chunked, gdn_recurrent, record_trail, rms_norm_gated,
                                sigmoid_mul, state_norm_clamp)
 from kernels_numba.init import fill_normal_bf16
-from kernels_numba.rope import rope_tables
 from metrale.models.config import ModelConfig
 from metrale.models.llama import llama_forward
 from metrale.models.loader import WeightStream
@@ -107,13 +106,6 @@ class HybridCudaBackend(CudaBackend):
     def _gemm_dims(self) -> list[tuple[str, int]]:
         return super()._gemm_dims() + check_hybrid_shapes(self.config)
 
-    def _rotary_dim(self) -> int:
-        return self.config.rotary_dim or self.config.head_dim
-
-    def _rope_host_tables(self) -> tuple[np.ndarray, np.ndarray]:
-        c = self.config
-        return rope_tables(self._rotary_dim(), self.max_model_len, c.rope_theta, (c.extra or {}).get("rope_scaling"))
-
     def _weight_bytes(self) -> int:
         c = self.config
         per_gdn = c.linear_conv_dim * c.linear_conv_kernel_dim * 4 + (2 * c.linear_num_value_heads
@@ -137,9 +129,6 @@ class HybridCudaBackend(CudaBackend):
         if "x_bf16" in plan:     # cuBLASLt's bf16 input also stages the o projection's [T, value_dim]
             (rows, widest), dt = plan["x_bf16"]
             plan["x_bf16"] = ((rows, max(widest, c.linear_value_dim, c.q_size)), dt)
-        rot = self._rotary_dim()
-        plan["cos"] = ((self.max_model_len, rot // 2), np.float32)
-        plan["sin"] = ((self.max_model_len, rot // 2), np.float32)
         return plan
 
     def _activation_bytes(self) -> int:

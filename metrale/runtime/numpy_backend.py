@@ -10,28 +10,8 @@ import numpy as np
 from metrale.models.config import ModelConfig
 from metrale.models.llama import llama_forward
 from metrale.models.loader import WeightStream
+from metrale.models.rope import model_rope
 from metrale.runtime.batch import ForwardBatch
-
-
-def rope_cos_sin(config: ModelConfig, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    rot = config.rotary_dim or config.head_dim      # partial RoPE rotates the first rot dims
-    half = rot // 2
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(half, dtype=np.float64) * 2.0 / rot))
-    scaling = (config.extra or {}).get("rope_scaling") or {}
-    if scaling.get("rope_type", scaling.get("type")) == "llama3":
-        inv_freq = _llama3_scaling(inv_freq, scaling)
-    angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
-    return np.cos(angles), np.sin(angles)
-
-
-def _llama3_scaling(inv_freq: np.ndarray, s: dict) -> np.ndarray:
-    factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
-    old_len = s.get("original_max_position_embeddings", 8192)
-    wavelen = 2 * np.pi / inv_freq
-    smooth = (old_len / wavelen - low) / (high - low)
-    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-    return np.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
@@ -160,6 +140,7 @@ class NumpyBackend:
             raise ValueError(f"levers.numpy_dtype must be float32 or float64, not '{dtype}'")
         self.config, self.block_size, self.num_blocks = config, block_size, num_blocks
         self.dtype = np.dtype(dtype)
+        self.rope = model_rope(config)
         self.weights = {name: np.ascontiguousarray(a, dtype=self.dtype) for name, a in weights}
         shape = (config.num_kv_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.k_cache = np.zeros(shape, dtype=self.dtype)
@@ -172,7 +153,7 @@ class NumpyBackend:
                                         state_norm_bound=state_norm_bound)
 
     def rope_for(self, batch: ForwardBatch) -> tuple[np.ndarray, np.ndarray]:
-        return rope_cos_sin(self.config, batch.positions)
+        return self.rope.cos_sin(batch.positions)
 
     def forward(self, batch: ForwardBatch, num_layers: int | None = None, return_hidden: bool = False):
         with np.errstate(over="ignore"):

@@ -48,8 +48,9 @@ import numpy as np
 
 from metrale.models.config import ModelConfig
 from metrale.models.llama import llama_forward
+from metrale.models.rope import model_rope
 from metrale.runtime.batch import ForwardBatch, Segment, build_batch
-from metrale.runtime.numpy_backend import NumpyOps, apply_rope, rope_cos_sin
+from metrale.runtime.numpy_backend import NumpyOps, apply_rope
 from metrale.scheduler.sequence import Sequence
 from metrale.spec import assets
 from metrale.spec.drafter import Draft
@@ -122,6 +123,7 @@ class DFlashModel:
             raise ValueError(f"DFlash drafter: fc must be [{D}, {len(self.target_layers) * D}] "
                              f"for {len(self.target_layers)} target layers, got {list(weights['fc'].shape)}")
         self.config = dataclasses.replace(config, num_layers=num_layers, layer_types=(), attn_output_gate=False)
+        self.rope = model_rope(self.config)
         self.num_layers, self.trained_block_size = num_layers, block_size
         self.block_size, self.num_blocks, self.dtype = pool_block_size, num_blocks, np.dtype(dtype)
         self.weights = {n: np.ascontiguousarray(a, dtype=self.dtype) for n, a in weights.items()}
@@ -134,7 +136,7 @@ class DFlashModel:
         self.projected_rows = 0           # positions projected so far (catch_up and write_context)
 
     def rope_for(self, batch: ForwardBatch):
-        return rope_cos_sin(self.config, batch.positions)
+        return self.rope.cos_sin(batch.positions)
 
     def context_kv(self, rows: list[np.ndarray], positions: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
         """(k, v) per drafter layer, [T, kv heads, head_dim] each, of the context features of T
@@ -144,7 +146,7 @@ class DFlashModel:
     def _project(self, cat: np.ndarray, positions: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
         c, w = self.config, self.weights
         feat = _norm(cat @ w["fc"].T, w["hidden_norm"], c.rms_norm_eps)
-        cos, sin = rope_cos_sin(c, positions)
+        cos, sin = self.rope.cos_sin(positions)
         out = []
         for i in range(self.num_layers):
             p = f"layers.{i}."

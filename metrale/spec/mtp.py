@@ -34,8 +34,9 @@ from pathlib import Path
 import numpy as np
 
 from metrale.models.config import ModelConfig
+from metrale.models.rope import model_rope
 from metrale.runtime.batch import ForwardBatch, Segment, build_batch
-from metrale.runtime.numpy_backend import NumpyOps, rope_cos_sin
+from metrale.runtime.numpy_backend import NumpyOps
 from metrale.scheduler.sequence import Sequence
 from metrale.spec import assets
 from metrale.spec.drafter import Draft
@@ -83,6 +84,7 @@ class MtpHead:
         if missing:
             raise ValueError(f"MTP head: missing weights {', '.join(missing)}")
         self.config = dataclasses.replace(config, num_layers=1)
+        self.rope = model_rope(self.config)
         self.block_size, self.num_blocks, self.dtype = block_size, num_blocks, np.dtype(dtype)
         self.weights = {n: np.ascontiguousarray(a, dtype=self.dtype) for n, a in weights.items()}
         shape = (1, num_blocks, block_size, config.num_kv_heads, config.head_dim)
@@ -90,7 +92,7 @@ class MtpHead:
         self.v_cache = np.zeros(shape, dtype=self.dtype)
 
     def rope_for(self, batch: ForwardBatch):
-        return rope_cos_sin(self.config, batch.positions)
+        return self.rope.cos_sin(batch.positions)
 
     def forward(self, batch: ForwardBatch, hidden: np.ndarray, lo: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """hidden [T, D]: one row per token of the batch; lo [S]: each segment's window start.

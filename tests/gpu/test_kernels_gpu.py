@@ -10,6 +10,7 @@ from numba import cuda
 
 from kernels_numba import activation, argmax, attention, embedding, kv_cache, rmsnorm, rope
 from kernels_numba.bf16 import bf16_to_f32, f32_to_bf16, from_bf16_bits, to_bf16_bits
+from metrale.models.rope import build_rope
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda.is_available(), reason="needs a CUDA GPU")]
@@ -109,7 +110,7 @@ def test_rms_norm_per_head_strided_view(shape):
 def test_rope(shape, interleaved):
     rng = np.random.default_rng(4)
     T, hq, hk, hd = 64, shape["hq"], shape["hk"], shape["hd"]
-    cos, sin = rope.rope_tables(hd, 8192, shape["theta"], shape["scaling"])
+    cos, sin = build_rope(hd, shape["theta"], shape["scaling"], 8192).tables(8192)
     q, k = rnd(rng, T, hq, hd), rnd(rng, T, hk, hd)
     pos = np.sort(rng.integers(0, 8192, T)).astype(np.int32)
     pos[-1] = 8191

@@ -54,11 +54,10 @@ class SimBackend:
         self._views = {}
         self.num_local_experts = ep.num_local if ep is not None else config.n_routed_experts
         self.route_cfg = DS.route_config(config)
-        self.inv_freq, self.rope_mscale, self.softmax_scale = DS.deepseek_rope(config)
+        self.softmax_scale = DS.deepseek_softmax_scale(config)
         plan = activation_plan(config, 8, 8, MAX_LEN, self.num_local_experts, 0 if ep is None else ep.comm.world_size)
         self.act = {k: cuda.to_device(np.zeros(shape, dt)) for k, (shape, dt) in plan.items()}
-        cos, sin = DeepseekCudaBackend._rope_host_tables(SimpleNamespace(max_model_len=MAX_LEN, inv_freq=self.inv_freq,
-                                                                         rope_mscale=self.rope_mscale))
+        cos, sin = DeepseekCudaBackend._rope_host_tables(SimpleNamespace(config=config, max_model_len=MAX_LEN))
         self.cos, self.sin = cuda.to_device(cos.astype(np.float32)), cuda.to_device(sin.astype(np.float32))
         self.attn_scratch = self.act["attn_scratch"]
         a = self.act

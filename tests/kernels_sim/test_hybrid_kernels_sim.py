@@ -9,7 +9,7 @@ from kernels_numba.bf16 import from_bf16_bits
 from kernels_numba.gdn import (causal_conv1d, gdn_chunked, gdn_recurrent, gdn_segment_ref, record_trail,
                                record_trail_ref, sigmoid_mul, sigmoid_mul_ref)
 from kernels_numba.qkv import qkv_rope_store, qkv_rope_store_ref
-from kernels_numba.rope import rope_tables
+from metrale.models.rope import build_rope
 from metrale.runtime.cuda.state_pool import pass_arrays, split_passes
 
 TOL = dict(rtol=2e-4, atol=2e-4)
@@ -47,7 +47,7 @@ def test_partial_rope_qkv_store(interleaved):
     T, hq, hk, hd, rot = 3, 2, 1, 16, 8
     qkv = rng.standard_normal((T, (hq + 2 * hk) * hd)).astype(np.float32)
     positions, slots = np.array([0, 3, 7], np.int32), np.array([0, 5, 2], np.int32)
-    cos, sin = rope_tables(rot, 16, 10000.0)
+    cos, sin = build_rope(rot, 10000.0).tables(16)
     qn, kn = (1 + 0.1 * rng.standard_normal((2, hd))).astype(np.float32)
     kc, vc = np.zeros((2, 4, hk, hd), np.uint16), np.zeros((2, 4, hk, hd), np.uint16)
     q_ref = qkv_rope_store_ref(qkv, positions, cos, sin, slots, hq, hk, hd, kc, vc, interleaved=interleaved,

@@ -5,7 +5,7 @@ from numba import cuda
 
 from kernels_numba.bf16 import from_bf16_bits
 from kernels_numba.qkv import gather_rows, gather_rows_ref, qkv_rope_store, qkv_rope_store_ref
-from kernels_numba.rope import rope_tables
+from metrale.models.rope import build_rope
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
@@ -16,7 +16,7 @@ def test_qkv_rope_store(interleaved, qk_norm):
     qkv = rng.standard_normal((T, (hq + 2 * hk) * hd)).astype(np.float32)
     positions = np.array([0, 5, 9], dtype=np.int32)
     slots = np.array([1, 6, -1], dtype=np.int32)
-    cos, sin = rope_tables(hd, 16, 10000.0)
+    cos, sin = build_rope(hd, 10000.0).tables(16)
     qn = (1 + 0.1 * rng.standard_normal(hd)).astype(np.float32) if qk_norm else None
     kn = (1 + 0.1 * rng.standard_normal(hd)).astype(np.float32) if qk_norm else None
     kc = np.full((nb, bs, hk, hd), 7, np.uint16)

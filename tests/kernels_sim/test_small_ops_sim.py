@@ -9,7 +9,8 @@ from kernels_numba.bf16 import to_bf16_bits
 from kernels_numba.embedding import embedding_gather, embedding_gather_ref
 from kernels_numba.kv_cache import store_kv, store_kv_ref
 from kernels_numba.rmsnorm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
-from kernels_numba.rope import rope_inplace, rope_inv_freq, rope_ref, rope_tables
+from kernels_numba.rope import rope_inplace, rope_ref
+from metrale.models.rope import build_rope
 
 
 def test_embedding_gather():
@@ -55,7 +56,7 @@ def test_add_rms_norm():
 def test_rope(interleaved):
     rng = np.random.default_rng(3)
     T, hq, hk, hd = 3, 3, 1, 16
-    cos, sin = rope_tables(hd, 64, 10000.0)
+    cos, sin = build_rope(hd, 10000.0).tables(64)
     q = rng.standard_normal((T, hq, hd)).astype(np.float32)
     k = rng.standard_normal((T, hk, hd)).astype(np.float32)
     pos = np.array([0, 17, 63], np.int32)
@@ -63,27 +64,6 @@ def test_rope(interleaved):
     rope_inplace(q, k, pos, cos, sin, interleaved)
     np.testing.assert_allclose(q, q_ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(k, k_ref, rtol=1e-5, atol=1e-5)
-
-
-def test_rope_tables_llama3_scaling():
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
-    hd, theta = 128, 500000.0
-    inv = 1.0 / theta ** (np.arange(0, hd, 2) / hd)
-    want = []
-    for f in inv:  # Meta's reference (llama3 apply_scaling), element by element
-        wavelen = 2 * np.pi / f
-        if wavelen < 8192 / 4.0:
-            want.append(f)
-        elif wavelen > 8192 / 1.0:
-            want.append(f / 8.0)
-        else:
-            smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
-            want.append((1 - smooth) * f / 8.0 + smooth * f)
-    np.testing.assert_allclose(rope_inv_freq(hd, theta, scaling), want, rtol=1e-12)
-    cos, sin = rope_tables(hd, 50, theta, scaling)
-    assert cos.shape == (50, 64) and cos.dtype == np.float32 and sin.dtype == np.float32
-    np.testing.assert_allclose(sin[49], np.sin(49 * np.array(want)), rtol=1e-6, atol=1e-7)
 
 
 def test_silu_mul():
