@@ -327,6 +327,22 @@ class Tokenizer:
         """
         return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_as_data(self, text: str) -> list[int]:
+        """Token ids of `text` with special-token text (`<|im_start|>`) encoded as the plain characters
+        it is made of, never as the control token: what a chat message's content must become."""
+        return self._data_tokenizer.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _data_tokenizer(self) -> _HFTokenizer:
+        copy = _HFTokenizer.from_str(self._tk.to_str())
+        copy.encode_special_tokens = True
+        return copy
+
+    @functools.cached_property
+    def special_token_texts(self) -> tuple[str, ...]:
+        """The text of every special token (what must not pass from content into a prompt as control)."""
+        return tuple(t for t in (self._tk.id_to_token(i) for i in sorted(self.special_token_ids)) if t)
+
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
         return [e.ids for e in self._tk.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from metrale.outputs import StreamDelta
 from metrale.sampling.params import InvalidRequestError
 from metrale.server.logprobs import CompletionLogprobs, TokenText, chat_content
+from metrale.server.chat_input import encode_masked, mask_special_text
 from metrale.server.loop import EngineLoop, ServerDraining
 from metrale.server.metrics import Metrics
 from metrale.server.parsing import (ChatOutputParser, ParsedChat, inline_tools, template_knows_tools,
@@ -268,11 +269,29 @@ class Server:
             raise bad(param, f"{param}: structured output (json_schema, regex, grammar, choice) is not "
                              f"supported by this engine yet")
 
-    def render_chat(self, messages: list[dict], body: dict) -> tuple[str, Any, bool]:
-        """Messages -> the prompt text, the tool spec, and whether the prompt leaves the model
-        inside <think>."""
+    def render_chat(self, messages: list[dict], body: dict) -> tuple[str | list[int], Any, bool]:
+        """Messages -> the prompt (text, or ids when content holds special-token text: chat_input.py),
+        the tool spec, and whether the prompt leaves the model inside <think>."""
         tok = self.engine.tokenizer
         spec = chat_tools(body)
+        originals: list[str] = []
+        specials = getattr(tok, "special_token_texts", ())
+        if specials:
+            messages = mask_special_text(messages, specials, originals)
+            spec.tools = mask_special_text(spec.tools, specials, originals)
+        text = self._render(tok, messages, spec, body)
+        in_think = text.rstrip().endswith("<think>")
+        if not originals:
+            return self.chat_prompt(text), spec, in_think
+        bos = getattr(tok, "bos_token", None)
+        head = [] if bos and text.startswith(bos) else tok.encode("", add_special_tokens=True)
+        ids = encode_masked(text, originals, tok.encode, tok.encode_as_data)
+        if ids is None:
+            raise bad("messages", "messages: this chat template does not keep message text apart from its markup, "
+                                  "so text holding special tokens cannot be sent as content")
+        return head + ids, spec, in_think
+
+    def _render(self, tok, messages: list[dict], spec, body: dict) -> str:
         kwargs = Fields(body).dict("chat_template_kwargs") or {}
         kwargs = {k: v for k, v in kwargs.items() if k not in ("messages", "tools", "add_generation_prompt")}
         if (body.get("chat_template") is not None or "chat_template" in kwargs) and not self.scfg.allow_client_chat_template:
@@ -289,7 +308,7 @@ class Server:
                                                add_generation_prompt=True, **kwargs)
         except Exception as exc:   # jinja's TemplateError, raise_exception(...), missing fields
             raise bad("messages", f"messages: the chat template refused them: {exc}") from None
-        return text, spec, text.rstrip().endswith("<think>")
+        return text
 
     async def admit(self, prompts: list, req: ApiRequest, *, chat: bool) -> list[list[int]]:
         """Checks a request's whole cost before any work: sequences against the scheduler, the
@@ -412,7 +431,7 @@ class Server:
         if spec.require and hasattr(req.params, "require_tool_call"):
             req.params.require_tool_call = True      # the engine forces the tool-call start token
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        ids = await self.admit([self.chat_prompt(prompt)], req, chat=True)
+        ids = await self.admit([prompt], req, chat=True)
         run = Run(self.loop, rid, 1, req.params.n)
         await run.start(ids, req, chat=True, arrival=arrival)
         parsers = [ChatOutputParser(reasoning=self.scfg.parse_reasoning, tools=spec.parse, in_reasoning=in_think)
