@@ -55,7 +55,8 @@ def write_hf_dir(path, weights) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "c0", "bos_token": "b0"}))
 
 
-def write_gguf(path, weights) -> None:
+def write_gguf(path, weights, extra=None) -> None:
+    """extra(writer), when given, adds metadata or tensors before the file is written."""
     import gguf
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(2); w.add_context_length(128); w.add_embedding_length(32)
@@ -78,6 +79,8 @@ def write_gguf(path, weights) -> None:
         elif "k_proj" in hf_name:
             tensor = llama_cpp_permute(tensor, 2)
         w.add_tensor(names[hf_name], np.ascontiguousarray(tensor))
+    if extra is not None:
+        extra(w)
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
 
 

@@ -79,16 +79,16 @@ def check_rope_scaling(scaling: dict | None, where: str = "") -> dict | None:
 def hf_rope_settings(cfg: dict, where: str = "") -> tuple[float, dict | None]:
     """(rope_theta, checked scaling) of a config.json in either layout: transformers 5 keeps them in a
     `rope_parameters` block (rope_theta, rope_type, factor, ...), older files at the top level
-    (`rope_theta`, `rope_scaling`). Top-level values win where both are present."""
-    params = cfg.get("rope_parameters") or {}
-    if params and not any(k in params for k in ("rope_type", "type", "rope_theta", "factor")):
-        raise ValueError(f"{where or 'config'}: rope_parameters per layer type ({', '.join(params)}) are not supported")
-    theta = cfg.get("rope_theta")
+    (`rope_theta`, `rope_scaling`). Precedence as transformers': a legacy rope_scaling dict replaces
+    the block, and the block's rope_theta wins over a top-level one."""
+    block = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if block and not any(k in block for k in ("rope_type", "type", "rope_theta", "factor")):
+        raise ValueError(f"{where or 'config'}: rope_parameters per layer type ({', '.join(block)}) are not supported")
+    theta = block.get("rope_theta")
     if theta is None:
-        theta = params.get("rope_theta", DEFAULT_THETA)
-    scaling = cfg.get("rope_scaling") or {k: v for k, v in params.items()
-                                            if k not in ("rope_theta", "partial_rotary_factor")}
-    return float(theta), check_rope_scaling(scaling, where)
+        theta = cfg.get("rope_theta")
+    scaling = {k: v for k, v in block.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    return float(theta if theta is not None else DEFAULT_THETA), check_rope_scaling(scaling, where)
 
 
 # ---------------------------------------------------------------------- inverse frequencies
