@@ -202,3 +202,11 @@ def test_gguf_unknown_scaling_type_is_refused(tmp_path, weights):
     write_gguf(tmp_path / "m.gguf", weights, longrope)
     with pytest.raises(ValueError, match="rope_scaling type 'longrope' is not supported"):
         load_gguf(tmp_path / "m.gguf")
+
+
+def test_gguf_factor_without_a_type_is_linear_as_in_llama_cpp():
+    from metrale.models.loader import gguf_rope_scaling
+    assert gguf_rope_scaling({"llama.rope.scaling.factor": 4.0}, "llama") == {"rope_type": "linear", "factor": 4.0}
+    assert gguf_rope_scaling({"llama.rope.scale_linear": 2.0}, "llama") == {"rope_type": "linear", "factor": 2.0}
+    assert gguf_rope_scaling({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0}, "llama") is None
+    assert gguf_rope_scaling({}, "llama") is None

@@ -63,12 +63,13 @@ def gguf_model_config(fields: dict, name: str = "") -> ModelConfig:
 def gguf_rope_scaling(fields: dict, arch: str, where: str = "") -> dict | None:
     """The HF rope_scaling dict of llama.cpp's `<arch>.rope.scaling.*` keys (type none | linear | yarn,
     factor, original_context_length, yarn_beta_fast/slow, attn_factor) or the older
-    `<arch>.rope.scale_linear`. llama.cpp multiplies attn_factor into YaRN's own 0.1 ln(factor) + 1."""
+    `<arch>.rope.scale_linear`. As in llama.cpp, a factor without a type is linear, and attn_factor
+    multiplies YaRN's own 0.1 ln(factor) + 1."""
     g = lambda key: fields.get(f"{arch}.rope.{key}")  # noqa: E731
-    kind, factor = g("scaling.type"), g("scaling.factor")
-    if kind is None and g("scale_linear"):
-        kind, factor = "linear", g("scale_linear")
-    kind = str(kind or "none")
+    kind, factor = g("scaling.type"), g("scaling.factor") or g("scale_linear")
+    if kind is None:
+        kind = "linear" if factor and float(factor) != 1.0 else "none"
+    kind = str(kind)
     if kind == "none":
         return None
     if kind not in ("linear", "yarn"):
