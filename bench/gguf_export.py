@@ -177,9 +177,32 @@ def _add_model_metadata(w, config: ModelConfig, dtype: str, fields: dict[str, tu
     w.add_uint32(f"{a}.attention.value_length", config.head_dim)
     w.add_uint32(f"{a}.rope.dimension_count", config.head_dim)
     w.add_float32(f"{a}.rope.freq_base", float(config.rope_theta))
+    _add_rope_scaling(w, config)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", float(config.rms_norm_eps))
     w.add_uint32("general.file_type", FILE_TYPE[dtype])
     w.add_uint32("general.quantization_version", 2)
+
+
+def _add_rope_scaling(w, config: ModelConfig) -> None:
+    """llama.cpp's rope.scaling.* keys for linear and yarn; other scalings are refused, not dropped."""
+    import gguf
+    a, s = config.architecture, (config.extra or {}).get("rope_scaling") or {}
+    kind = s.get("rope_type", "default")
+    if (config.extra or {}).get("rope_freq_factors") is not None or kind not in ("default", "linear", "yarn"):
+        raise ValueError(f"GGUF export: rope scaling '{kind}' (or rope_freqs) is not exported; "
+                         "supported: default, linear, yarn")
+    if kind == "default":
+        return
+    w.add_string(f"{a}.rope.scaling.type", gguf.RopeScalingType(kind).value)
+    w.add_float32(f"{a}.rope.scaling.factor", float(s["factor"]))
+    if kind == "yarn":
+        w.add_uint32(f"{a}.rope.scaling.original_context_length",
+                     int(s.get("original_max_position_embeddings") or config.max_position))
+        for key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if s.get(hf_key) is not None:
+                w.add_float32(f"{a}.rope.scaling.{key}", float(s[hf_key]))
+        if s.get("attention_factor") is not None or s.get("mscale") or s.get("truncate") is False:
+            raise ValueError("GGUF export: yarn attention_factor / mscale / truncate are not exported")
 
 
 def _check_tokenizer(config: ModelConfig, fields: dict[str, tuple]) -> None:

@@ -210,3 +210,25 @@ def test_gguf_factor_without_a_type_is_linear_as_in_llama_cpp():
     assert gguf_rope_scaling({"llama.rope.scale_linear": 2.0}, "llama") == {"rope_type": "linear", "factor": 2.0}
     assert gguf_rope_scaling({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0}, "llama") is None
     assert gguf_rope_scaling({}, "llama") is None
+
+
+@pytest.mark.parametrize("scaling", [{"rope_type": "linear", "factor": 4.0},
+                                     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                      "beta_fast": 16.0, "beta_slow": 2.0}])
+def test_gguf_export_writes_the_scaling_back(tmp_path, scaling):
+    from dataclasses import replace
+    from bench import gguf_export as ge
+    from metrale.models.loader import random_weights
+    from test_gguf_export import TINY, export
+    config = replace(TINY, extra={"rope_scaling": scaling})
+    back, _, _ = load_gguf(export(tmp_path, config, list(random_weights(config, seed=3)), ge.F32))
+    assert back.extra["rope_scaling"] == scaling
+
+
+def test_gguf_export_refuses_what_it_cannot_write(tmp_path):
+    from dataclasses import replace
+    from bench import gguf_export as ge
+    from test_gguf_export import TINY, export
+    config = replace(TINY, extra={"rope_scaling": {"rope_type": "llama3", **LLAMA3}})
+    with pytest.raises(ValueError, match="rope scaling 'llama3'"):
+        export(tmp_path, config, [], ge.F32)
