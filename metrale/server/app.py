@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP API: `create_app(engine, cfg)` builds a FastAPI app around an Engine.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics. Handlers check the body (protocol.py), submit requests to the EngineLoop and turn
-the StreamDeltas they get back into OpenAI responses or SSE chunks. A request whose client goes
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/messages (Anthropic,
+anthropic_api.py), POST /v1/responses (OpenAI Responses, responses_api.py), POST /tokenize,
+POST /detokenize, GET /v1/models, GET /health, GET /metrics, GET /openapi.json. Handlers check
+the body (protocol.py), submit requests to the EngineLoop and turn the StreamDeltas they get back
+into responses or SSE events. A request whose client goes
 away is aborted (its KV blocks are freed). The app holds no engine state of its own.
 """
 from __future__ import annotations
@@ -15,7 +17,7 @@ import secrets
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
 import numpy as np
@@ -26,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from metrale.outputs import StreamDelta
 from metrale.sampling.params import InvalidRequestError
 from metrale.server.logprobs import CompletionLogprobs, TokenText, chat_content
+from metrale.server import anthropic_api, responses_api
 from metrale.server.chat_input import encode_masked, mask_special_text
 from metrale.server.loop import EngineLoop, ServerDraining
 from metrale.server.metrics import Metrics
@@ -61,7 +64,10 @@ class _Auth:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] != "/health":
-            given = dict(scope.get("headers") or ()).get(b"authorization", b"")
+            headers = dict(scope.get("headers") or ())
+            given = headers.get(b"authorization", b"")
+            if b"x-api-key" in headers:                  # Anthropic clients send the key this way
+                given = b"Bearer " + headers[b"x-api-key"]
             if not secrets.compare_digest(given, self.expected):
                 err = ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
                                None, code="invalid_api_key")
@@ -178,6 +184,14 @@ def _coalesce(ready: list[tuple[int, StreamDelta]]) -> list[tuple[int, StreamDel
         out[at] = (c, StreamDelta(d.request_id, prev.text + d.text,
                                   np.concatenate([prev.token_ids, d.token_ids]), d.finish_reason, d.index, lps))
     return out
+
+
+@dataclass
+class ChatRun:
+    """A started chat request: its engine requests, settings and one output parser a choice."""
+    run: Run
+    req: ApiRequest
+    parsers: list[ChatOutputParser]
 
 
 class _SSE(StreamingResponse):
@@ -421,21 +435,61 @@ class Server:
         yield "data: [DONE]\n\n"
 
     # ----------------------------------------------------------------------------- chat
-    async def chat(self, request: Request):
-        arrival = time.perf_counter()
-        body = await self.read_json(request)
+    async def start_chat(self, body: dict, rid: str, arrival: float) -> "ChatRun":
+        """A chat-shaped request (OpenAI chat body; the Anthropic and Responses routes convert
+        theirs to one) checked, rendered, admitted and started."""
         messages = chat_messages(body)
         req = sampling_request(body, chat=True, default_max_tokens=None)
         self.check_structured(req)
         prompt, spec, in_think = await asyncio.to_thread(self.render_chat, messages, body)
         if spec.require and hasattr(req.params, "require_tool_call"):
             req.params.require_tool_call = True      # the engine forces the tool-call start token
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
         ids = await self.admit([prompt], req, chat=True)
         run = Run(self.loop, rid, 1, req.params.n)
         await run.start(ids, req, chat=True, arrival=arrival)
         parsers = [ChatOutputParser(reasoning=self.scfg.parse_reasoning, tools=spec.parse, in_reasoning=in_think)
                    for _ in range(run.num_choices)]
+        return ChatRun(run, req, parsers)
+
+    async def chat_outputs(self, cr: "ChatRun", request: Request) -> tuple[list[ParsedChat], list[str | None]]:
+        """Every choice's whole answer (content, reasoning, tool calls) and finish reason; an
+        engine error is a 500."""
+        outs = [ParsedChat() for _ in cr.parsers]
+        reasons: list[str | None] = [None] * cr.run.num_choices
+        try:
+            while cr.run.unfinished:
+                c, delta = await cr.run.next(request)
+                outs[c].add(cr.parsers[c].feed(delta.text))
+                reasons[c] = delta.finish_reason or reasons[c]
+        finally:
+            cr.run.close()
+        for reason in reasons:
+            if _error_reason(reason):
+                raise _server_error(reason)
+        for out, parser in zip(outs, cr.parsers):
+            out.add(parser.finish())
+        return outs, reasons
+
+    async def chat_events(self, cr: "ChatRun") -> AsyncIterator[tuple[int, str, Any]]:
+        """(choice, kind, value) as the answer streams: kinds 'reasoning' / 'content' (text),
+        'tool_call' (a ToolCall), 'finish' (the reason), 'error' (a message; nothing follows)."""
+        while cr.run.unfinished:
+            for c, delta in await cr.run.next_batch():
+                if _error_reason(delta.finish_reason):
+                    yield c, "error", delta.finish_reason.removeprefix("error: ")
+                    return
+                parser = cr.parsers[c]
+                for kind, value in parser.feed(delta.text) + (parser.finish() if delta.finished else []):
+                    yield c, kind, value
+                if delta.finished:
+                    yield c, "finish", delta.finish_reason
+
+    async def chat(self, request: Request):
+        arrival = time.perf_counter()
+        body = await self.read_json(request)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        cr = await self.start_chat(body, rid, arrival)
+        run, req, parsers = cr.run, cr.req, cr.parsers
         top = req.params.logprobs                    # None: no logprobs asked
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}
         if req.stream:
@@ -509,6 +563,32 @@ class Server:
         yield "data: [DONE]\n\n"
 
     # ---------------------------------------------------------------------------- other
+    async def tokenize(self, request: Request) -> dict:
+        """vLLM's /tokenize: a prompt (or chat messages, rendered) -> its token ids."""
+        body = await self.read_json(request)
+        if body.get("messages") is not None:
+            prompt, _, _ = await asyncio.to_thread(self.render_chat, chat_messages(body), body)
+        else:
+            prompt = Fields(body).str("prompt")
+            if prompt is None:
+                raise bad("prompt", "prompt: is required (or messages)")
+        if isinstance(prompt, str):
+            special = Fields(body).bool("add_special_tokens", True)
+            ids = await asyncio.to_thread(self.engine.tokenizer.encode, prompt, special)
+        else:
+            ids = prompt
+        return {"tokens": list(ids), "count": len(ids), "max_model_len": self.engine.max_model_len}
+
+    async def detokenize(self, request: Request) -> dict:
+        body = await self.read_json(request)
+        ids = Fields(body).int_list("tokens")
+        if ids is None:
+            raise bad("tokens", "tokens: is required (an array of token ids)")
+        vocab = self.engine.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise bad("tokens", f"tokens: ids must lie in [0, {vocab})")
+        return {"prompt": await asyncio.to_thread(self.engine.tokenizer.decode, ids, False)}
+
     def models(self) -> dict:
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "metrale",
                 "root": str(self.cfg.model), "max_model_len": self.engine.max_model_len}
@@ -560,6 +640,22 @@ def create_app(engine, cfg=None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await server.chat(request)
+
+    @app.post("/v1/messages")
+    async def anthropic_messages(request: Request):
+        return await anthropic_api.messages(server, request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await responses_api.responses(server, request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await server.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await server.detokenize(request)
 
     @app.get("/v1/models")
     async def models():
