@@ -68,6 +68,9 @@ class FakeTokenizer:
     def incremental_decoder(self, prompt_ids=(), skip_special_tokens=True):
         return _Decoder()
 
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return "".join(f"<{int(t)}>" for t in ids)
+
     def apply_chat_template(self, messages, add_generation_prompt=True):
         return "".join(m["content"] for m in messages)
 
