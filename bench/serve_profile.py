@@ -102,7 +102,7 @@ def report(log: list, prof: cProfile.Profile | None) -> str:
 
 def serve_profiled(out_path: str, argv: list[str]) -> int:
     """`python -m metrale serve argv` with the engine loop's polls timed and profiled."""
-    from metrale.server import loop as loop_mod
+    from metrale import driver as loop_mod
     from metrale.server.serve import main as serve_main
     log: list = []
     prof = cProfile.Profile()

@@ -30,8 +30,8 @@ from metrale.sampling.params import InvalidRequestError
 from metrale.server.logprobs import CompletionLogprobs, TokenText, chat_content
 from metrale.server import anthropic_api, responses_api
 from metrale.server.chat_input import encode_masked, mask_special_text
-from metrale.server.loop import EngineLoop, ServerDraining
-from metrale.server.metrics import Metrics
+from metrale.driver import EngineLoop, ServerDraining
+from metrale.metrics import Metrics
 from metrale.server.parsing import (ChatOutputParser, ParsedChat, inline_tools, template_knows_tools,
                                     with_system_text)
 from metrale.server.protocol import (ApiError, ApiRequest, Fields, bad, chat_messages,

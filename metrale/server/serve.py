@@ -23,7 +23,7 @@ import time
 
 import uvicorn
 
-from metrale.server.loop import EngineLoop
+from metrale.driver import EngineLoop
 
 USAGE = __doc__
 

@@ -1,31 +1,34 @@
-"""EngineLoop: the one thread that drives the engine for the HTTP server.
+"""EngineLoop: the one thread that drives an engine for concurrent callers (the HTTP server,
+and `Engine.stream` / `astream` / `generate` while it runs).
 
-HTTP handlers never touch the engine. They send commands (add, abort, stop) through a
-thread-safe queue; the loop thread applies them between steps, calls `engine.poll()` (one step)
-while any request is unfinished, and hands each StreamDelta to the asyncio.Queue of the handler
-that owns the request (`call_soon_threadsafe`). With no work it blocks on the command queue.
+Callers never touch the engine. They send commands (add, abort, stop) through a thread-safe
+queue; the loop thread applies them between steps, calls `engine.poll()` (one step) while any
+request is unfinished, and hands each StreamDelta to the sink of the caller that owns the
+request: an asyncio.Queue (delivered on its event loop with `call_soon_threadsafe`, one wake-up a
+step) or a queue.SimpleQueue (a thread's). With no work it blocks on the command queue.
 Invariants: every completion of a request the loop accepted (n of them; `index` tells them apart)
-gets exactly one finished delta (its finish reason, 'abort', or 'error: <why>'), so no handler
+gets exactly one finished delta (its finish reason, 'abort', or 'error: <why>'), so no caller
 waits forever; the loop thread is the only caller of the engine while it runs.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
 from metrale.outputs import StreamDelta
-from metrale.server.metrics import Metrics, finish_label
+from metrale.metrics import Metrics, finish_label
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 
-log = logging.getLogger("metrale.server")
+log = logging.getLogger("metrale")
 
 
 class ServerDraining(RuntimeError):
@@ -34,9 +37,10 @@ class ServerDraining(RuntimeError):
 
 @dataclass
 class _Live:
-    """What the loop knows about one request it runs."""
-    aloop: asyncio.AbstractEventLoop
-    sink: asyncio.Queue
+    """What the loop knows about one request it runs: its sink is an asyncio.Queue of `aloop`,
+    or (aloop None) a thread's queue.SimpleQueue."""
+    aloop: asyncio.AbstractEventLoop | None
+    sink: Any
     arrival: float
     open: set[int]                        # completions not finished yet (indexes)
     last_token: float | None = None
@@ -81,6 +85,16 @@ class EngineLoop:
         except asyncio.CancelledError:
             self.abort(request_id)
             raise
+
+    def submit(self, request_id: str, prompt, params, sink: queue.SimpleQueue) -> int:
+        """`add` for a thread: blocks until the loop took (or refused) the request; its deltas
+        arrive in `sink`."""
+        if not self.accepting or not self.alive:
+            raise ServerDraining("the engine loop is not running")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        live = _Live(None, sink, time.perf_counter(), set(range(getattr(params, "n", 1))))
+        self._commands.put(("add", request_id, prompt, params, live, done))
+        return done.result()
 
     def abort(self, request_id: str) -> None:
         """Aborts a request if it still runs (no-op otherwise); its KV blocks are freed."""
@@ -201,7 +215,10 @@ class EngineLoop:
                         m.latency.observe(now - live.arrival)
                 batches.setdefault(live.aloop, []).append((live.sink, delta))
         for aloop, items in batches.items():
-            _call(aloop, _deliver, items)
+            if aloop is None:
+                _deliver(items)            # thread sinks: queue.SimpleQueue is thread-safe
+            else:
+                _call(aloop, _deliver, items)
 
     def _update_gauges(self) -> None:
         sched, blocks = self.engine.scheduler, self.engine.blocks
@@ -225,15 +242,18 @@ def _deliver(items: list[tuple[asyncio.Queue, StreamDelta]]) -> None:
         sink.put_nowait(delta)
 
 
-def _settle(fut: asyncio.Future, value, exc: BaseException | None) -> None:
+def _settle(fut, value, exc: BaseException | None) -> None:
     if not fut.done():
         fut.set_exception(exc) if exc is not None else fut.set_result(value)
 
 
-def _resolve(aloop: asyncio.AbstractEventLoop, fut: asyncio.Future, *, value=None,
+def _resolve(aloop: asyncio.AbstractEventLoop | None, fut, *, value=None,
              exc: BaseException | None = None) -> None:
-    """Settles a handler's future on its own event loop."""
-    _call(aloop, _settle, fut, value, exc)
+    """Settles a caller's future: on its own event loop, or (a thread's) here."""
+    if aloop is None:
+        _settle(fut, value, exc)
+    else:
+        _call(aloop, _settle, fut, value, exc)
 
 
 def _call(aloop: asyncio.AbstractEventLoop, fn, *args) -> None:
