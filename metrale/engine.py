@@ -29,7 +29,7 @@ from metrale.runtime.batch import Segment, build_batch
 from metrale.sampling import fanout
 from metrale.sampling.params import InvalidRequestError, SamplingParams
 from metrale.sampling.sampler import Drawn, Sampler
-from metrale.scheduler.scheduler import Scheduler
+from metrale.scheduler.scheduler import ScheduledSeq, Scheduler
 from metrale.scheduler.sequence import Sequence
 from metrale.settings import compose, to_overrides
 from metrale.spec.speculator import make_speculator
@@ -275,18 +275,49 @@ class Engine:
 
     # ---------------------------------------------------------------------- step
     def step(self) -> list[StreamDelta]:
+        """Schedules and runs one step. A failure inside it ends only the requests that cause it
+        (the 'error: <why>' finish reason): a draw that fails is retried row by row on the same
+        logits; a forward that fails is re-run on halves of the step's sequences until the failing
+        ones stand alone (dense models; a hybrid model's recurrent states advance in the forward,
+        so there the whole step's requests end). The others produce their tokens normally."""
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.requests, self.blocks)
         plan = self.scheduler.schedule()
         deltas = [self._finish_delta(seq.request_id, seq.finish_reason) for seq in plan.preempted]
-        if not plan.scheduled:
-            return deltas
-        logits = [s.needs_logits for s in plan.scheduled]       # read once: the sequences change below
-        sampling = [s for s, lg in zip(plan.scheduled, logits) if lg]
+        if plan.scheduled:
+            deltas += self._run_isolating(plan.scheduled)
+        return deltas
+
+    def _run_isolating(self, scheduled: list[ScheduledSeq]) -> list[StreamDelta]:
+        """_run, bisecting the sequences on a failed forward until the failing ones are alone."""
+        try:
+            return self._run(scheduled)
+        except _StepFailed as failed:
+            log.error("a step of %d sequences failed: %s", len(scheduled), failed.reason)
+            if len(scheduled) == 1 or not failed.rerunnable:
+                return self._fail(scheduled, failed.reason)
+            mid = len(scheduled) // 2
+            return self._run_isolating(scheduled[:mid]) + self._run_isolating(scheduled[mid:])
+
+    def _fail(self, scheduled: list[ScheduledSeq], reason: str) -> list[StreamDelta]:
+        deltas = []
+        for s in scheduled:
+            if s.seq.request_id in self.requests:
+                self.scheduler.finish(s.seq, reason)
+                deltas.append(self._finish_delta(s.seq.request_id, reason))
+        return deltas
+
+    def _run(self, scheduled: list[ScheduledSeq]) -> list[StreamDelta]:
+        """One forward over `scheduled`, then sampling and postprocessing. Raises _StepFailed (with
+        no sequence advanced) when the forward fails; a row whose draw or postprocessing fails ends
+        with its error and the others go on."""
+        deltas: list[StreamDelta] = []
+        logits = [s.needs_logits for s in scheduled]       # read once: the sequences change below
+        sampling = [s for s, lg in zip(scheduled, logits) if lg]
         states = [self.requests[s.seq.request_id] for s in sampling]
         segments, checkpoints = [], {}
         try:
-            for s, lg in zip(plan.scheduled, logits):
+            for s, lg in zip(scheduled, logits):
                 slot = self._state_slot(s.seq)
                 ckpt = self._checkpoint(s.seq, slot) if s.draft and slot >= 0 else -1
                 if ckpt >= 0:
@@ -301,10 +332,7 @@ class Engine:
             log.exception("building the step failed")
             for slot, ckpt in checkpoints.values():
                 self.state_slots.release(ckpt)
-            for s in plan.scheduled:
-                self.scheduler.finish(s.seq, f"error: {type(exc).__name__}: {exc}")
-                deltas.append(self._finish_delta(s.seq.request_id, s.seq.finish_reason))
-            return deltas
+            return self._fail(scheduled, _error_reason(exc))
         batch = build_batch(segments, self.blocks.block_size)
         if self.step_log is not None:         # bench/run_all.py: the KV+weight bandwidth bound
             self.step_log.append((len(batch.token_ids), sum(g.start_pos + len(g.token_ids) for g in segments)))
@@ -313,56 +341,66 @@ class Engine:
             if verifying:
                 emitted = self._forward_and_verify(batch, sampling, states)
             else:
-                emitted = [[int(t)] for t in self._forward_and_sample(batch, states)]
-        except Exception as exc:  # a failed step ends its requests with the reason, never silently
+                emitted = self._forward_and_sample(batch, states)
+        except Exception as exc:  # nothing advanced yet: the caller re-runs the sequences apart
             log.exception("forward failed")
-            for s in plan.scheduled:
-                self.scheduler.finish(s.seq, f"error: {type(exc).__name__}: {exc}")
-                deltas.append(self._finish_delta(s.seq.request_id, s.seq.finish_reason))
-            return deltas
+            for slot, ckpt in checkpoints.values():
+                self.state_slots.release(ckpt)
+            raise _StepFailed(_error_reason(exc), rerunnable=self.state_slots is None) from exc
         if self.speculator is not None and self.speculator.needs_hidden:
-            self.speculator.drafter.observe(sampling, emitted, self.backend.take_hidden())
+            self.speculator.drafter.observe(sampling, [[] if isinstance(t, Exception) else t for t in emitted],
+                                            self.backend.take_hidden())
         if checkpoints:     # hybrid verify blocks: keep the recurrent state after the accepted tokens
             for s, tokens in zip(sampling, emitted):
                 if id(s.seq) in checkpoints:
                     slot, ckpt = checkpoints[id(s.seq)]
-                    accepted = len(tokens) - 1
+                    accepted = len(tokens) - 1 if not isinstance(tokens, Exception) else 0
                     if accepted == len(s.draft):
                         self.state_slots.release(ckpt)
                     else:
                         self.state_slots.rollback(slot, ckpt, 1 + accepted)
         if self.snapshots is not None:
-            self._take_snapshots(plan.scheduled)
+            self._take_snapshots(scheduled)
         self.stats["steps"] += 1
-        for s, lg in zip(plan.scheduled, logits):
+        for s, lg in zip(scheduled, logits):
             if not lg:
                 s.seq.num_computed_tokens += s.num_tokens
                 self.blocks.commit_full_blocks(s.seq)
         for s, state, tokens in zip(sampling, states, emitted):
-            seq = s.seq
-            before = seq.num_tokens
-            # K/V is right for the chunk's real tokens and for the drafts that were accepted
-            seq.num_computed_tokens += s.num_tokens - len(s.draft) + (len(tokens) - 1 if s.draft else 0)
-            reason = None
-            for token in tokens:
-                if verifying:     # drawn, not yet accepted: advance sampling as plain decoding would
-                    state.sampling.accept(*token)
-                    token = token.token
-                reason = state.append(int(token))
-                self.stats["generated_tokens"] += 1
-                if reason is not None:
-                    break
-            if s.draft:
-                self.speculator.committed(seq, before, len(s.draft), len(tokens) - 1)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                deltas.append(self._finish_delta(seq.request_id, reason))
+            if isinstance(tokens, Exception):       # its draw failed (logged there): it alone ends
+                deltas += self._fail([s], _error_reason(tokens))
                 continue
-            self.blocks.commit_full_blocks(seq)
-            if s.draft:
-                self.blocks.trim(seq)
-            deltas.append(state.delta(None))
+            try:
+                deltas.append(self._postprocess(s, state, tokens, verifying))
+            except Exception as exc:                # its stop check or detokenizing failed
+                log.exception("request %s failed", s.seq.request_id)
+                deltas += self._fail([s], _error_reason(exc))
         return deltas
+
+    def _postprocess(self, s: ScheduledSeq, state: RequestState, tokens: list, verifying: bool) -> StreamDelta:
+        """Advances one sampled sequence by its emitted tokens; its delta (finished or not)."""
+        seq = s.seq
+        before = seq.num_tokens
+        # K/V is right for the chunk's real tokens and for the drafts that were accepted
+        seq.num_computed_tokens += s.num_tokens - len(s.draft) + (len(tokens) - 1 if s.draft else 0)
+        reason = None
+        for token in tokens:
+            if verifying:     # drawn, not yet accepted: advance sampling as plain decoding would
+                state.sampling.accept(*token)
+                token = token.token
+            reason = state.append(int(token))
+            self.stats["generated_tokens"] += 1
+            if reason is not None:
+                break
+        if s.draft:
+            self.speculator.committed(seq, before, len(s.draft), len(tokens) - 1)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            return self._finish_delta(seq.request_id, reason)
+        self.blocks.commit_full_blocks(seq)
+        if s.draft:
+            self.blocks.trim(seq)
+        return state.delta(None)
 
     def _forward_and_verify(self, batch, sampling, states: list[RequestState]) -> list[list[Drawn]]:
         """A step with verify blocks (metrale/spec/speculator.py): row j of a block is sampled as
@@ -480,20 +518,44 @@ class Engine:
         if group.request_id in self._collect:
             self._collect[group.request_id] = parent
 
-    def _forward_and_sample(self, batch, states: list[RequestState]) -> np.ndarray:
-        """One forward, then the sampling pipeline (metrale/sampling/sampler.py). Grammar bitmasks
-        are computed on the CPU while the forward runs; all-greedy plain steps take the argmax path."""
+    def _forward_and_sample(self, batch, states: list[RequestState]) -> list[list[int] | Exception]:
+        """One forward, then the sampling pipeline (metrale/sampling/sampler.py): per row, its token
+        (a list of one) or the exception its draw raised. Grammar bitmasks are computed on the CPU
+        while the forward runs; all-greedy plain steps take the argmax path."""
         if not states:
             self.backend.forward(batch)
-            return np.zeros(0, dtype=np.int32)
+            return []
         if self.sampler.plain_greedy(states):
-            return self.sampler.accept_greedy(states, self.backend.forward_greedy(batch))
+            tokens = self.backend.forward_greedy(batch)
+            return [self._accept(st, Drawn(int(t))) for st, t in zip(states, tokens)]
         self.sampler.start_masks(states)
         try:
             logits = self.sampler.forward(self.backend, batch, states)
         finally:
             masks = self.sampler.finish_masks()
-        return self.sampler.sample(logits, states, masks)
+        try:
+            drawn, _ = self.sampler.draw(logits, states, masks)
+        except Exception:               # some row cannot be drawn: draw each alone on the same logits
+            drawn = [self._draw_row(logits, masks, r, st) for r, st in enumerate(states)]
+        return [d if isinstance(d, Exception) else self._accept(st, d) for st, d in zip(states, drawn)]
+
+    def _draw_row(self, logits, masks, r: int, state: RequestState) -> Drawn | Exception:
+        try:
+            row_mask = masks[r:r + 1] if masks is not None else None
+            return self.sampler.draw(logits[r:r + 1], [state], row_mask)[0][0]
+        except Exception as exc:
+            log.exception("sampling request %s failed", state.seq.request_id)
+            return exc
+
+    @staticmethod
+    def _accept(state: RequestState, drawn: Drawn) -> list[int] | Exception:
+        """Advances the row's SamplingState by its drawn token (once: the draws above advance none)."""
+        try:
+            state.sampling.accept(*drawn)
+        except Exception as exc:
+            log.exception("sampling request %s failed", state.seq.request_id)
+            return exc
+        return [drawn.token]
 
     # ------------------------------------------------------------ convenience API
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -558,6 +620,19 @@ class Engine:
 
     def memory_report(self) -> dict:
         return self.backend.memory_report()
+
+
+class _StepFailed(Exception):
+    """A forward failed before any sequence advanced; rerunnable: its sequences may run again apart
+    (dense KV is rewritten with the same values; recurrent states would advance twice)."""
+
+    def __init__(self, reason: str, rerunnable: bool):
+        super().__init__(reason)
+        self.reason, self.rerunnable = reason, rerunnable
+
+
+def _error_reason(exc: BaseException) -> str:
+    return f"error: {type(exc).__name__}: {exc}"
 
 
 def _refuse_hybrid_spec(method: str) -> None:

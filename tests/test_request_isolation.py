@@ -129,3 +129,143 @@ def test_tiny_temperature_is_greedy():
     out = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=1e-300), use_tqdm=False)[0]
     assert list(out.token_ids) == reference_continuation([5, 6, 7], 5)
     assert math.isfinite(out.metrics["latency"])
+
+
+# ------------------------------------------------------------ failures inside a step
+
+POISON = 95          # a token whose presence in a forward makes the poisoned backend raise
+STEP_PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [7, 8, 9], [30, 31, 32, 33, 34], [40, 41, 42, 43, 44, 45, 46, 47]]
+
+
+def step_params() -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=9, temperature=0.0),
+            SamplingParams(max_tokens=7, temperature=0.9, seed=11, ignore_eos=True),
+            SamplingParams(max_tokens=12, temperature=0.7, top_k=5, seed=5, logprobs=2),
+            SamplingParams(max_tokens=10, temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5)]
+
+
+def _engine(**settings):
+    return fake_engine(num_blocks=96, block_size=4, **{"scheduler.max_num_batched_tokens": 8, **settings})
+
+
+def _alone(**settings):
+    return _engine(**settings).generate(STEP_PROMPTS, step_params(), use_tqdm=False)
+
+
+def _with_bad(eng, bad_prompt, bad_params, at: int = 2):
+    prompts, params = list(STEP_PROMPTS), step_params()
+    prompts.insert(at, bad_prompt)
+    params.insert(at, bad_params)
+    outs = eng.generate(prompts, params, use_tqdm=False)
+    return outs.pop(at), outs
+
+
+def _assert_same(outs, alone):
+    for o, a in zip(outs, alone):
+        assert o.finish_reason == a.finish_reason
+        np.testing.assert_array_equal(o.token_ids, a.token_ids)
+        if a.logprobs is not None:
+            assert o.logprobs == a.logprobs
+
+
+def test_a_draw_that_overflows_ends_only_its_request():
+    """top_k set past int32 after validation: the int32 overflow happens inside the step's draw."""
+    eng = _engine()
+    bad = SamplingParams(max_tokens=6, temperature=1.0)
+    rid = eng.add_request([50, 51, 52], bad)
+    bad.top_k = 2**31
+    outs = eng.generate(STEP_PROMPTS, step_params(), use_tqdm=False)
+    _assert_same(outs, _alone())
+    assert not eng.is_running(rid) and eng.stats["steps"] > 0
+    eng.blocks.check_no_leaks([])
+
+
+class PoisonBackend:
+    """Wraps a backend: a forward whose tokens include POISON raises."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.failures = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _check(self, batch):
+        if (np.asarray(batch.token_ids) == POISON).any():
+            self.failures += 1
+            raise RuntimeError("poisoned forward")
+
+    def forward(self, batch):
+        self._check(batch)
+        return self.inner.forward(batch)
+
+    def forward_greedy(self, batch):
+        self._check(batch)
+        return self.inner.forward_greedy(batch)
+
+
+@pytest.mark.parametrize("settings", [{}, {"levers.no_mix": True}, {"scheduler.max_num_batched_tokens": 64},
+                                      {"spec.method": "ngram", "spec.num_drafts": 3}])
+def test_a_failing_forward_ends_only_its_request(settings):
+    eng = _engine(**settings)
+    eng.backend = PoisonBackend(eng.backend)
+    eng.sampler.device = None
+    bad, outs = _with_bad(eng, [60, 61, POISON, 62, 63, 64], SamplingParams(max_tokens=5, temperature=0.0))
+    assert bad.finish_reason == "error: RuntimeError: poisoned forward" and len(bad.token_ids) == 0
+    assert eng.backend.failures > 0
+    _assert_same(outs, _alone(**settings))
+    eng.blocks.check_no_leaks([])
+
+
+def test_a_request_that_turns_bad_mid_decode_ends_alone():
+    """It emits POISON's neighbour only later: the forward fails once it is decoding beside others."""
+    eng = _engine()
+    eng.backend = PoisonBackend(eng.backend)
+    prompt = [70, 71, 72]
+    good = eng.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)[0]
+    POISONED = int(good.token_ids[1])
+    eng2 = _engine()
+    eng2.backend = PoisonBackend(eng2.backend)
+    eng2.backend._check = lambda batch: _raise_on(eng2.backend, batch, POISONED, len(prompt) + 1)
+    bad, outs = _with_bad(eng2, prompt, SamplingParams(max_tokens=6, temperature=0.0), at=0)
+    assert bad.finish_reason.startswith("error: RuntimeError") and list(bad.token_ids) == list(good.token_ids[:2])
+    _assert_same(outs, _alone())
+    eng2.blocks.check_no_leaks([])
+
+
+def _raise_on(backend, batch, token: int, position: int) -> None:
+    hit = (np.asarray(batch.token_ids) == token) & (np.asarray(batch.positions) == position)
+    if hit.any():
+        backend.failures += 1
+        raise RuntimeError("poisoned forward")
+
+
+def test_a_sampler_that_raises_for_one_request_spares_the_others():
+    eng = _engine()
+    draw = eng.sampler.draw
+
+    def draw_or_raise(logits, states, masks=None):
+        if any(st.params.extra.get("explode") for st in states):
+            raise ValueError("attempt to get argmax of an empty sequence")
+        return draw(logits, states, masks)
+
+    eng.sampler.draw = draw_or_raise
+    bad, outs = _with_bad(eng, [80, 81, 82, 83, 84], SamplingParams(max_tokens=5, temperature=0.5,
+                                                                   extra={"explode": True}))
+    assert bad.finish_reason == "error: ValueError: attempt to get argmax of an empty sequence"
+    _assert_same(outs, _alone())
+    eng.blocks.check_no_leaks([])
+
+
+def test_a_stop_check_that_raises_ends_only_its_request():
+    eng = _engine()
+    rid = eng.add_request([90, 91, 92], SamplingParams(max_tokens=5, temperature=0.0))
+
+    def broken(token):
+        raise TypeError("TextInputSequence must be str")
+
+    eng.requests[rid].append = broken
+    outs = eng.generate(STEP_PROMPTS, step_params(), use_tqdm=False)
+    _assert_same(outs, _alone())
+    assert not eng.is_running(rid)
+    eng.blocks.check_no_leaks([])
