@@ -25,6 +25,32 @@ def _embedding_gather_kernel(table, ids, out):
         out[t, d] = bf16_to_f32(table[tok, d]) if valid else np.float32(0.0)
 
 
+@cuda.jit
+def _embedding_feed_kernel(table, ids, src, prev, out):
+    grid_wait()
+    grid_trigger()
+    t = cuda.blockIdx.x
+    tok = prev[src[t]] if src[t] >= 0 else ids[t]
+    valid = tok >= 0 and tok < table.shape[0]
+    for d in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
+        out[t, d] = bf16_to_f32(table[tok, d]) if valid else np.float32(0.0)
+    if cuda.threadIdx.x == 0 and src[t] >= 0:
+        ids[t] = tok          # the step's token ids as the host would have written them
+
+
+def embedding_feed(table, ids, src, prev, out, stream=0) -> None:
+    """embedding_gather where src[t] >= 0 takes token t from prev[src[t]] (the previous step's
+    sampled ids, still on the device) and writes it into ids[t]: the host runs a step ahead."""
+    if ids.shape[0] == 0:
+        return
+    _embedding_feed_kernel[ids.shape[0], THREADS, stream](table, ids, src, prev, out)
+
+
+def embedding_feed_ref(table: np.ndarray, ids: np.ndarray, src: np.ndarray, prev: np.ndarray) -> np.ndarray:
+    ids = np.where(np.asarray(src) >= 0, np.asarray(prev)[np.maximum(src, 0)], ids)
+    return embedding_gather_ref(table, ids)
+
+
 def embedding_gather(table, ids, out, stream=0) -> None:
     """out[t, :] = f32(table[ids[t], :]). table: uint16 [V, D]; ids: int32 [T]; out: float32 [T, D]."""
     if ids.shape[0] == 0:

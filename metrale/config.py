@@ -16,6 +16,8 @@ class Levers:
     """Tuning and bisecting knobs. Each is a typed field; presets live in conf/lever/."""
     no_mix: bool = False                 # run prefill chunks and decode rows in separate forwards
     cuda_graphs: bool = True             # replay decode steps as CUDA graphs
+    overlap: bool = True                 # the host runs a step ahead: plain greedy decode steps are queued
+                                         # before the last one's tokens are read (false: the synchronous loop)
     mixed_graphs: bool = True            # CUDA: replay prefill and mixed steps too, padded to bucketed
                                          # geometries (metrale/runtime/cuda/buckets.py; docs/runtime.md)
     # decode batch sizes captured as CUDA graphs (a batch is padded to the next size)

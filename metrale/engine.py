@@ -24,6 +24,7 @@ import numpy as np
 from metrale.cache.block_manager import BlockManager
 from metrale.models.config import ModelConfig
 from metrale.outputs import RequestOutput, StreamDelta
+from metrale.overlap import AheadLoop
 from metrale.request import RequestState
 from metrale.runtime.batch import Segment, build_batch
 from metrale.sampling import fanout
@@ -122,6 +123,9 @@ class Engine:
         self._groups: dict[str, _Group] = {}                  # requests with n > 1 / best_of > 1
         self._hidden: set[str] = set()                        # best_of candidates whose deltas poll() drops
         self._outbox: list[StreamDelta] = []                  # completions of finished best_of groups
+        # levers.overlap: plain greedy decode runs a step ahead (metrale/overlap.py); backends say
+        # whether they can feed a step's ids to the next on the device
+        self.ahead = AheadLoop(self) if cfg.levers.overlap and getattr(self.backend, "supports_overlap", False) else None
 
     def _load_draft_backend(self, model: str):
         from metrale.models.load import load_draft_backend
@@ -280,6 +284,8 @@ class Engine:
         logits; a forward that fails is re-run on halves of the step's sequences until the failing
         ones stand alone (dense models; a hybrid model's recurrent states advance in the forward,
         so there the whole step's requests end). The others produce their tokens normally."""
+        if self.ahead is not None and self.ahead.inflight is not None:
+            return self.ahead.advance()          # the next step was queued before this one was read
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.requests, self.blocks)
         plan = self.scheduler.schedule()
@@ -337,6 +343,12 @@ class Engine:
         if self.step_log is not None:         # bench/run_all.py: the KV+weight bandwidth bound
             self.step_log.append((len(batch.token_ids), sum(g.start_pos + len(g.token_ids) for g in segments)))
         verifying = any(s.draft for s in sampling)
+        if self.ahead is not None and not verifying and self.ahead.eligible(scheduled, states):
+            try:
+                return self.ahead.start([s.seq for s in scheduled], batch)
+            except Exception as exc:             # the launch failed: nothing advanced
+                log.exception("forward failed")
+                raise _StepFailed(_error_reason(exc), rerunnable=True) from exc
         try:
             if verifying:
                 emitted = self._forward_and_verify(batch, sampling, states)

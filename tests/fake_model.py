@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from metrale.models.config import ModelConfig
+from metrale.runtime.backend import ReadyTokens, feed_tokens
 from metrale.settings import compose
 
 VOCAB = 97
@@ -53,6 +54,12 @@ class FakeBackend:
 
     def forward_greedy(self, batch) -> np.ndarray:
         return np.argmax(self.forward(batch), axis=-1).astype(np.int32)
+
+    supports_overlap = True
+
+    def launch_greedy(self, batch, prev=None, token_src=None):
+        feed_tokens(batch, prev, token_src)
+        return ReadyTokens(self.forward_greedy(batch))
 
     def memory_report(self) -> dict:
         return {}

@@ -26,6 +26,7 @@ def test_small_kernels():
     from kernels_numba import activation, argmax, embedding, kv_cache, rmsnorm, rope
 
     ptx_of(embedding._embedding_gather_kernel, (U16_2, I32_1, F32_2))
+    ptx_of(embedding._embedding_feed_kernel, (U16_2, I32_1, I32_1, I32_1, F32_2))
     for k, sig in [(rmsnorm._rms_norm_2d, (F32_2A, F32_1, F32, F32_2A)),
                    (rmsnorm._rms_norm_3d, (F32_3A, F32_1, F32, F32_3A)),
                    (rmsnorm._add_rms_norm_2d, (F32_2, F32_2, F32_1, F32, F32_2))]:

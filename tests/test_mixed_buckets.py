@@ -65,13 +65,15 @@ def host_upload(batch, g):
     m = cb.MetaBuffers.__new__(cb.MetaBuffers)
     max_tokens, max_seqs, max_blocks = 4096, 256, 64
     sizes = {"token_ids": max_tokens, "positions": max_tokens, "slot_mapping": max_tokens, "token_seq": max_tokens,
-             "seq_query_start": max_seqs + 1, "context_lens": max_seqs, "logits_indices": max_seqs}
+             "seq_query_start": max_seqs + 1, "context_lens": max_seqs, "logits_indices": max_seqs,
+             "token_src": max_tokens}
     m.offsets, off = {}, 0
     for name in cb.MetaBuffers.FIELDS:
         m.offsets[name] = off
         off += -(-sizes[name] // 32) * 32
     m.table_offset, m.max_blocks = off, max_blocks
-    m.host = np.full(off + max_seqs * max_blocks, 12345, np.int32)
+    m.hosts = [np.full(off + max_seqs * max_blocks, 12345, np.int32) for _ in range(2)]
+    m.host = m.hosts[1]         # upload writes the other one first
     m.device = None
     orig_cu, orig_ptr = cb.cu, cb._ptr
     cb.cu, cb._ptr = (lambda *a: None), (lambda a: 0)

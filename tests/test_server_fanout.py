@@ -22,7 +22,12 @@ def client(srv) -> openai.OpenAI:
 
 
 def ids_of(tokens):
-    return [int(t.removeprefix("token_id:")) for t in tokens]
+    return [tid(t) for t in tokens]
+
+
+def tid(text: str) -> int:
+    """A token id back from its text: the fake tokenizer decodes id N as "<N>"."""
+    return int(text.removeprefix("token_id:").strip("<>"))
 
 
 def params(**kw):
@@ -59,7 +64,7 @@ def test_completions_n_and_logprobs(spread):
         lp = c.logprobs
         assert ids_of(lp.tokens) == o.token_ids.tolist()
         assert lp.token_logprobs == [e[t] for e, t in zip(o.logprobs, o.token_ids.tolist())]
-        assert [{int(k.removeprefix("token_id:")): v for k, v in d.items()} for d in lp.top_logprobs] == o.logprobs
+        assert [{tid(k): v for k, v in d.items()} for d in lp.top_logprobs] == o.logprobs
         assert lp.text_offset == np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]).tolist()
     assert out.usage.completion_tokens == 10 and out.usage.prompt_tokens == len(PROMPT)
 
@@ -100,7 +105,7 @@ def test_chat_n_and_logprobs(spread):
         assert [i.logprob for i in items] == [e[t] for e, t in zip(o.logprobs, o.token_ids.tolist())]
         for i, e in zip(items, o.logprobs):
             top = sorted(e.items(), key=lambda kv: -kv[1])[:2]
-            assert [(int(x.token.removeprefix("token_id:")), x.logprob) for x in i.top_logprobs] == top
+            assert [(tid(x.token), x.logprob) for x in i.top_logprobs] == top
             assert bytes(i.bytes).decode() == i.token
     assert out.usage.completion_tokens == 10
 

@@ -26,7 +26,7 @@ from metrale.models.llama import llama_forward
 from metrale.models.loader import WeightStream
 from metrale.models.rope import model_rope, model_rotary_dim
 from metrale.runtime.batch import ForwardBatch, Segment, build_batch
-from metrale.runtime.cuda import CudaGraph, DevicePool, Stream, cu, free_device_memory, kv_pool_bytes
+from metrale.runtime.cuda import CudaGraph, DevicePool, Event, Stream, cu, free_device_memory, kv_pool_bytes
 from metrale.runtime.cuda.buckets import MAX_MIXED_GRAPHS, mixed_bucket, padding, token_ladder
 
 log = logging.getLogger("metrale.cuda")
@@ -50,18 +50,29 @@ class Geometry:
     mixed: bool = False               # a bucketed prefill/mixed step (levers.mixed_graphs; buckets.py)
 
 
+class PendingTokens:
+    """A launched greedy step's sampled ids: `tokens()` waits for its event and copies them out."""
+
+    def __init__(self, host: np.ndarray, event) -> None:
+        self.host, self.event, self.rows = host, event, 0
+
+    def tokens(self) -> np.ndarray:
+        self.event.synchronize()
+        return self.host[:self.rows].copy()
+
+
 class MetaBuffers:
     """The step metadata: one pinned host buffer, one device buffer, int32 views at fixed offsets.
     block_tables come last so a step copies only the prefix it uses, in one cuMemcpyHtoDAsync
     (Numba's copy_to_device costs tens of microseconds of Python per call)."""
 
     FIELDS = ("token_ids", "positions", "slot_mapping", "token_seq", "seq_query_start", "context_lens",
-              "logits_indices")
+              "logits_indices", "token_src")
 
     def __init__(self, pool: DevicePool, max_tokens: int, max_seqs: int, max_rows: int, max_blocks: int):
         sizes = {"token_ids": max_tokens, "positions": max_tokens, "slot_mapping": max_tokens,
                  "token_seq": max_tokens, "seq_query_start": max_seqs + 1, "context_lens": max_seqs,
-                 "logits_indices": max_rows}
+                 "logits_indices": max_rows, "token_src": max_tokens}
         self.offsets, off = {}, 0
         for name in self.FIELDS:
             self.offsets[name] = off
@@ -69,7 +80,10 @@ class MetaBuffers:
         self.table_offset = off
         self.max_blocks = max_blocks
         total = off + max_seqs * max_blocks
-        self.host = cuda.pinned_array(total, dtype=np.int32)
+        # two pinned staging buffers, used in turn: with the host a step ahead, step N+1's metadata
+        # is written while step N's copy may still wait on the stream
+        self.hosts = [cuda.pinned_array(total, dtype=np.int32) for _ in range(2)]
+        self.host = self.hosts[0]
         self.device = pool.alloc("activations", total, np.int32)
         self.arange = np.arange(max_tokens + max_seqs + max_rows + 2, dtype=np.int32)
         self._views: dict = {}      # (name, n) -> device view: a Numba slice costs tens of microseconds
@@ -94,10 +108,13 @@ class MetaBuffers:
         if size > n:
             self.host[o + n:o + size] = pad if np.isscalar(pad) else pad[:size - n]
 
-    def upload(self, batch: ForwardBatch, g: Geometry, stream: Stream) -> None:
+    def upload(self, batch: ForwardBatch, g: Geometry, stream: Stream, token_src: np.ndarray | None = None) -> None:
         """Write the batch padded to geometry g (padding tokens: slot -1, position 0, in padding
-        segments of one token, or of up to g.max_query_len tokens in a mixed geometry; buckets.padding)."""
+        segments of one token, or of up to g.max_query_len tokens in a mixed geometry; buckets.padding).
+        token_src[t] >= 0: token t is the previous step's sampled row token_src[t] (embedding_feed)."""
+        self.host = self.hosts[1] if self.host is self.hosts[0] else self.hosts[0]
         T, S, R = batch.num_tokens, batch.num_seqs, len(batch.logits_indices)
+        self._put("token_src", token_src if token_src is not None else np.zeros(0, np.int32), g.tokens, -1)
         self._put("token_ids", batch.token_ids, g.tokens, 0)
         self._put("positions", batch.positions, g.tokens, 0)
         self._put("slot_mapping", batch.slot_mapping, g.tokens, -1)
@@ -133,6 +150,7 @@ class CudaOps:
         self.slot_mapping, self.token_seq = m.view("slot_mapping", g.tokens), m.view("token_seq", g.tokens)
         self.seq_query_start = m.view("seq_query_start", g.seqs + 1)
         self.logits_indices = m.view("logits_indices", g.rows)
+        self.token_src = m.view("token_src", g.tokens)
         self.block_tables = m.tables(g.seqs)
         self._ss_used = 0            # norm_ss slots taken this step (carried RMSNorm sums)
         self._resid_ss = None        # the slot holding sum(residual^2), while it is current
@@ -143,7 +161,10 @@ class CudaOps:
 
     def embed(self, weight):
         out = self._buf("residual")
-        embedding.embedding_gather(weight, self.token_ids, out, stream=self.s)
+        if self.b.overlap:      # fed rows take their token from the last step's argmax (host a step ahead)
+            embedding.embedding_feed(weight, self.token_ids, self.token_src, self.b.act["argmax"], out, stream=self.s)
+        else:
+            embedding.embedding_gather(weight, self.token_ids, out, stream=self.s)
         self._resid_ss = None
         if self._carry_norm():       # the step's sums start at zero (a memset node in the graph)
             ss = self.b.act["norm_ss"]
@@ -359,6 +380,9 @@ class CudaBackend:
         # PDL is process-wide (it wraps Numba's launcher); the last backend built decides
         self.pdl = pdl.enable(bool(getattr(levers, "pdl", True)))
         self.use_graphs = bool(levers.cuda_graphs)
+        # the host a step ahead (engine: levers.overlap) needs the feeding embedding of the dense forward
+        self.overlap = bool(levers.overlap) and type(self)._run is CudaBackend._run
+        self.supports_overlap = self.overlap
         self.graph_sizes = sorted(int(s) for s in levers.graph_batch_sizes)
         # prefill and mixed steps replayed from bucketed graphs: the dense forward only (the hybrid
         # and MLA families keep per-step state or context-sized launches in those steps)
@@ -406,6 +430,8 @@ class CudaBackend:
         self._mixed_lru: dict[Geometry, None] = {}      # mixed geometries in self.graphs, oldest first
         self.mixed_stats = {"captures": 0, "replays": 0, "evictions": 0, "eager_steps": 0}
         self._argmax_host = cuda.pinned_array(self.max_rows, dtype=np.int32)
+        self._ahead = [PendingTokens(cuda.pinned_array(self.max_rows, dtype=np.int32), Event(timing=False))
+                       for _ in range(2)]     # launch_greedy's results, used in turn
         cuda.synchronize()
         if self.use_graphs:
             self._capture_ladder()
@@ -639,16 +665,17 @@ class CudaBackend:
             self.mixed_stats["eager_steps"] += 1
         return Geometry(T, S, R, max_ctx, batch.max_query_len, num_layers), False
 
-    def _upload(self, batch: ForwardBatch, g: Geometry) -> None:
-        self.meta.upload(batch, g, self.stream)
+    def _upload(self, batch: ForwardBatch, g: Geometry, token_src: np.ndarray | None = None) -> None:
+        self.meta.upload(batch, g, self.stream, token_src)
 
     def _run(self, g: Geometry) -> None:
         logits = llama_forward(CudaOps(self, g), self.weights, self.config, g.num_layers)
         argmax.argmax_rows(logits, self.act["argmax"][:g.rows], self.act["argmax_work"], stream=self.stream.numba)
 
-    def _execute(self, batch: ForwardBatch, num_layers: int | None = None) -> Geometry:
+    def _execute(self, batch: ForwardBatch, num_layers: int | None = None,
+                 token_src: np.ndarray | None = None) -> Geometry:
         g, graphed = self._geometry(batch, num_layers)
-        self._upload(batch, g)
+        self._upload(batch, g, token_src)
         if not graphed:
             self._run(g)
         elif g in self.graphs:
@@ -699,6 +726,21 @@ class CudaBackend:
         self._execute(batch, num_layers)
         R = len(batch.logits_indices)
         return self._fetch(self.act["argmax"], self._argmax_host[:R]).copy()
+
+    def launch_greedy(self, batch: ForwardBatch, prev: "PendingTokens | None" = None,
+                      token_src: np.ndarray | None = None) -> "PendingTokens":
+        """forward_greedy without waiting: the step is queued and its argmax copied to pinned memory
+        behind an event. token_src[t] >= 0 feeds token t from row token_src[t] of `prev`, which
+        must be the step launched just before (its ids are still in the argmax buffer)."""
+        if token_src is not None and not self.overlap:
+            raise RuntimeError("launch_greedy with fed tokens needs levers.overlap (the embedding that feeds them)")
+        self._execute(batch, token_src=token_src)
+        R = len(batch.logits_indices)
+        slot = self._ahead[1] if prev is self._ahead[0] else self._ahead[0]
+        cu("cuMemcpyDtoHAsync", slot.host.ctypes.data, _ptr(self.act["argmax"]), R * 4, self.stream.handle)
+        slot.event.record(self.stream)
+        slot.rows = R
+        return slot
 
     def hidden_rows(self, rows: int) -> np.ndarray:
         """The last forward's hidden rows before the final norm, [rows, hidden], to the host."""

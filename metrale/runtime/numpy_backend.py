@@ -11,6 +11,7 @@ from metrale.models.config import ModelConfig
 from metrale.models.llama import llama_forward
 from metrale.models.loader import WeightStream
 from metrale.models.rope import model_rope
+from metrale.runtime.backend import ReadyTokens, feed_tokens
 from metrale.runtime.batch import ForwardBatch
 
 
@@ -162,6 +163,12 @@ class NumpyBackend:
 
     def forward_greedy(self, batch: ForwardBatch, num_layers: int | None = None) -> np.ndarray:
         return np.argmax(self.forward(batch, num_layers), axis=-1).astype(np.int32)
+
+    supports_overlap = False     # it computes at once: running ahead would hide nothing (tests build AheadLoop)
+
+    def launch_greedy(self, batch: ForwardBatch, prev=None, token_src: np.ndarray | None = None) -> ReadyTokens:
+        feed_tokens(batch, prev, token_src)
+        return ReadyTokens(self.forward_greedy(batch))
 
     def memory_report(self) -> dict:
         return {"weights_bytes": sum(a.nbytes for a in self.weights.values()),

@@ -6,7 +6,7 @@ from numba import cuda
 from kernels_numba.activation import silu_mul, silu_mul_ref
 from kernels_numba.argmax import argmax_rows, argmax_rows_ref
 from kernels_numba.bf16 import to_bf16_bits
-from kernels_numba.embedding import embedding_gather, embedding_gather_ref
+from kernels_numba.embedding import embedding_feed, embedding_feed_ref, embedding_gather, embedding_gather_ref
 from kernels_numba.kv_cache import store_kv, store_kv_ref
 from kernels_numba.rmsnorm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 from kernels_numba.rope import rope_inplace, rope_ref
@@ -107,3 +107,16 @@ def test_argmax_rows():
         argmax_rows(logits, out, work)
         np.testing.assert_array_equal(out, argmax_rows_ref(logits))
         assert not work.any()
+
+
+def test_embedding_feed_takes_fed_tokens_from_the_previous_step():
+    rng = np.random.default_rng(3)
+    table = rng.integers(0, 2**15, size=(50, 16)).astype(np.uint16)
+    ids = np.array([0, 7, 0, 3], dtype=np.int32)
+    src = np.array([2, -1, 0, -1], dtype=np.int32)
+    prev = np.array([11, 49, 5], dtype=np.int32)
+    out = np.zeros((4, 16), np.float32)
+    d_ids = ids.copy()
+    embedding_feed(table, d_ids, src, prev, out)
+    np.testing.assert_array_equal(out, embedding_feed_ref(table, ids, src, prev))
+    np.testing.assert_array_equal(d_ids, [5, 7, 11, 3])

@@ -1,0 +1,108 @@
+"""The host a step ahead of the device (levers.overlap).
+
+While the device runs decode step N, the engine queues step N+1: each row's next input token is
+step N's sampled id, fed on the device (`Backend.launch_greedy(token_src=...)`, the CUDA
+embedding reads it from the argmax buffer), and the host knows everything else about the row in
+advance (its position, its next KV slot). Only then does it wait for step N's ids and run the
+stop checks, streaming and finishing a step late. A row that finished at step N has one extra
+token computed at N+1: it is never emitted, and its KV write lands past the sequence's committed
+blocks (a freed block is reused only by later steps of the same stream).
+
+Only plain greedy decode steps run ahead: no speculation, no recurrent state, no host-side
+logits work (penalties, grammar, logprobs, sampling), nothing waiting for admission. Any other
+step first drains the one in flight and runs synchronously.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from metrale.outputs import StreamDelta
+from metrale.runtime.batch import Segment, build_batch
+from metrale.scheduler.scheduler import ScheduledSeq
+from metrale.scheduler.sequence import Sequence
+
+
+@dataclass
+class Inflight:
+    """A launched decode step whose ids the host has not read yet."""
+    seqs: list[Sequence]
+    handle: object                     # Backend.launch_greedy's result
+
+
+class AheadLoop:
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.inflight: Inflight | None = None
+        self.steps_ahead = 0           # steps queued before the previous one was read (stats)
+
+    # ------------------------------------------------------------------ eligibility
+    def eligible(self, scheduled, states) -> bool:
+        """A step of plain greedy decode rows (ScheduledSeqs) that can start running ahead."""
+        e = self.engine
+        return (e.speculator is None and e.state_slots is None and not e.scheduler.waiting
+                and len(states) == len(scheduled) and all(s.num_tokens == 1 and not s.draft for s in scheduled)
+                and e.sampler.plain_greedy(states))
+
+    def _continues(self, seq: Sequence) -> bool:
+        """Whether seq gets a row in the step after its pending one: running, and its pending token
+        cannot end it by length (max_tokens, the context)."""
+        e = self.engine
+        if seq.is_finished or seq.request_id not in e.requests:
+            return False
+        n_out = len(seq.output_token_ids) + 1
+        max_tokens = seq.params.max_tokens
+        return (max_tokens is None or n_out < max_tokens) and seq.num_tokens + 1 < e.max_model_len
+
+    # ------------------------------------------------------------------ the loop
+    def start(self, seqs: list[Sequence], batch) -> list[StreamDelta]:
+        """Launches a decode step (the plan the engine just scheduled), then advances."""
+        self.inflight = Inflight(seqs, self.engine.backend.launch_greedy(batch))
+        return self.advance()
+
+    def advance(self) -> list[StreamDelta]:
+        """Queues the next step if it can run ahead, then reads and commits the one in flight."""
+        e, cur = self.engine, self.inflight
+        nxt = None
+        rows = [(i, s) for i, s in enumerate(cur.seqs) if self._continues(s)]
+        # every continuing row runs ahead, or none does (a row left out would wait for the drain)
+        if rows and not e.scheduler.waiting and all(e.blocks.grow(s, s.num_tokens + 1) for _, s in rows):
+            nxt = self._launch(rows, cur)
+            self.steps_ahead += 1
+        tokens = cur.handle.tokens()
+        self.inflight = nxt
+        return self._commit(cur.seqs, tokens)
+
+    def drain(self) -> list[StreamDelta]:
+        """Reads and commits the step in flight, queueing nothing after it."""
+        cur, self.inflight = self.inflight, None
+        return self._commit(cur.seqs, cur.handle.tokens()) if cur is not None else []
+
+    def _launch(self, rows: list[tuple[int, Sequence]], cur: Inflight) -> Inflight:
+        """The step after `cur`: each row's input is its sequence's pending token (at position
+        num_tokens, not yet known to the host), fed from cur's row."""
+        e = self.engine
+        segments = [Segment(np.zeros(1, np.int32), s.num_tokens, np.asarray(s.block_table, dtype=np.int32))
+                    for _, s in rows]
+        batch = build_batch(segments, e.blocks.block_size)
+        if e.step_log is not None:
+            e.step_log.append((len(rows), int(batch.context_lens.sum())))
+        src = np.fromiter((i for i, _ in rows), dtype=np.int32, count=len(rows))
+        return Inflight([s for _, s in rows], e.backend.launch_greedy(batch, cur.handle, src))
+
+    def _commit(self, seqs: list[Sequence], tokens: np.ndarray) -> list[StreamDelta]:
+        """A decode step's ids, as the synchronous loop commits them; rows of sequences that
+        ended meanwhile (finished a step earlier, aborted) are dropped."""
+        e = self.engine
+        deltas = []
+        e.stats["steps"] += 1
+        for seq, token in zip(seqs, tokens):
+            state = e.requests.get(seq.request_id)
+            if state is None or state.seq is not seq or seq.is_finished:
+                continue
+            try:
+                deltas.append(e._postprocess(ScheduledSeq(seq, 1), state, [int(token)], False))
+            except Exception as exc:             # its stop check or detokenizing failed: it alone ends
+                deltas += e._fail([ScheduledSeq(seq, 1)], f"error: {type(exc).__name__}: {exc}")
+        return deltas

@@ -1,0 +1,86 @@
+"""The host a step ahead (levers.overlap): the same greedy tokens as the synchronous loop, for
+every request, through arrivals, finishes, stop tokens, aborts and preemption; no KV block leaks;
+and the loop really runs ahead."""
+import numpy as np
+import pytest
+
+from fake_model import EOS, fake_engine
+from metrale import SamplingParams
+from metrale.overlap import AheadLoop
+
+
+def _run(overlap: bool, seed: int, num_blocks: int = 256):
+    """A random workload stepped by hand: requests arrive between steps, a few are aborted."""
+    rng = np.random.default_rng(seed)
+    e = fake_engine(num_blocks=num_blocks, **{"levers.overlap": overlap, "scheduler.max_num_seqs": 8})
+    prompts = [[int(t) for t in rng.integers(1, 60, rng.integers(2, 12))] for _ in range(12)]
+    lens = [int(x) for x in rng.integers(1, 40, len(prompts))]
+    stop = {i: [int(rng.integers(1, 60))] for i in range(len(prompts)) if i % 3 == 0}
+    abort_at = {int(rng.integers(0, len(prompts))): int(rng.integers(1, 30))}
+    outs, pending, step = {}, list(range(len(prompts))), 0
+    while pending or e.has_unfinished():
+        if pending and (step % 3 == 0 or not e.has_unfinished()):
+            i = pending.pop(0)
+            sp = SamplingParams(max_tokens=lens[i], temperature=0.0, stop_token_ids=stop.get(i))
+            e.add_request(prompts[i], sp, request_id=f"r{i}")
+        for i, at in abort_at.items():
+            if step == at and e.is_running(f"r{i}"):
+                e.abort(f"r{i}")
+        for d in e.poll():
+            o = outs.setdefault(d.request_id, [[], None])
+            o[0] += [int(t) for t in d.token_ids]
+            o[1] = d.finish_reason or o[1]
+        step += 1
+        assert step < 5000
+    e.blocks.check_no_leaks([])
+    return outs, e, {f"r{i}" for i in abort_at}
+
+
+def _same(ahead, sync, aborted):
+    """Equal outputs; an aborted request's tokens (cut when the abort came, which the loop ahead
+    reaches a step later in tokens) need only agree as far as both got."""
+    assert ahead.keys() == sync.keys()
+    for rid in sync:
+        if rid in aborted:
+            a, b = ahead[rid][0], sync[rid][0]
+            assert a[:len(b)] == b[:len(a)]
+        else:
+            assert ahead[rid] == sync[rid], rid
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_same_tokens_as_the_synchronous_loop(seed):
+    sync, _, aborted = _run(False, seed)
+    ahead, e, _ = _run(True, seed)
+    _same(ahead, sync, aborted)
+    assert e.ahead.steps_ahead > 0
+
+
+def test_preemption_under_a_small_pool_is_the_same():
+    sync, e_sync, aborted = _run(False, 7, num_blocks=24)
+    ahead, e, _ = _run(True, 7, num_blocks=24)
+    _same(ahead, sync, aborted)
+    assert e.scheduler.num_preemptions > 0 and e.ahead.steps_ahead > 0
+
+
+def test_the_extra_token_of_a_finished_row_is_never_emitted():
+    e = fake_engine(num_blocks=64, **{"levers.overlap": True})
+    out = e.generate([[5, 6, 7]], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 9 and out.finish_reason == "length"
+    eos = e.generate([[5, 6, 7]], SamplingParams(max_tokens=50, temperature=0.0, stop_token_ids=[int(out.token_ids[3])]))[0]
+    assert list(eos.token_ids) == list(out.token_ids[:4]) and eos.finish_reason == "stop"
+
+
+def test_real_model_greedy_equal(smollm2):
+    """The real SmolLM2 on the NumPy backend: the same ids with the loop ahead and without."""
+    prompts = ["The capital of France is", "def add(a, b):", "1, 2, 3,"]
+    sp = SamplingParams(max_tokens=12, temperature=0.0)
+    assert smollm2.ahead is None                   # the NumPy backend computes at once: no gain, off
+    want = [o.token_ids.tolist() for o in smollm2.generate(prompts, sp)]
+    smollm2.ahead = AheadLoop(smollm2)
+    try:
+        got = [o.token_ids.tolist() for o in smollm2.generate(prompts, sp)]
+        assert smollm2.ahead.steps_ahead > 0
+    finally:
+        smollm2.ahead = None
+    assert got == want
