@@ -232,3 +232,14 @@ def test_gguf_export_refuses_what_it_cannot_write(tmp_path):
     config = replace(TINY, extra={"rope_scaling": {"rope_type": "llama3", **LLAMA3}})
     with pytest.raises(ValueError, match="rope scaling 'llama3'"):
         export(tmp_path, config, [], ge.F32)
+
+
+def test_shape_presets_may_carry_a_scaling():
+    from metrale.models.loader import random_model_config
+    preset = {"architecture": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
+              "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "rope_theta": 500000.0, "max_position": 128}
+    assert random_model_config(preset, "p").extra["rope_scaling"] is None
+    c = random_model_config({**preset, "rope_scaling": {"type": "linear", "factor": 2.0}}, "p")
+    assert c.extra["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+    with pytest.raises(ValueError, match="p: rope_scaling type 'su'"):
+        random_model_config({**preset, "rope_scaling": {"type": "su"}}, "p")

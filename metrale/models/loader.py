@@ -234,7 +234,8 @@ def random_model_config(preset: dict, name: str) -> ModelConfig:
         return hybrid_model_config(preset, name)
     keys = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
             "num_kv_heads", "head_dim", "rope_theta", "tie_word_embeddings", "max_position")
-    return ModelConfig(**{k: preset[k] for k in keys if k in preset}, name=name)
+    scaling = check_rope_scaling(dict(preset["rope_scaling"]) if preset.get("rope_scaling") else None, name)
+    return ModelConfig(**{k: preset[k] for k in keys if k in preset}, name=name, extra={"rope_scaling": scaling})
 
 
 def random_weights(config: ModelConfig, seed: int = 0) -> WeightStream:
