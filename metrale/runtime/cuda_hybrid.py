@@ -223,9 +223,9 @@ class HybridCudaBackend(CudaBackend):
         self._graphed = graphed
         return g, graphed
 
-    def _upload(self, batch: ForwardBatch, g: Geometry) -> None:
+    def _upload(self, batch: ForwardBatch, g: Geometry, token_src: np.ndarray | None = None) -> None:
         self.states.before_forward(batch, g.seqs, self._graphed)
-        super()._upload(batch, g)
+        super()._upload(batch, g, token_src)
 
     def _run(self, g: Geometry) -> None:
         logits = llama_forward(HybridCudaOps(self, g), self.weights, self.config, g.num_layers)

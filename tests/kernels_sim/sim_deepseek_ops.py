@@ -31,6 +31,7 @@ class SimMeta:
     def __init__(self, batch, max_blocks: int):
         self.a = {name: cuda.to_device(np.ascontiguousarray(getattr(batch, name), np.int32))
                   for name in ("token_ids", "positions", "slot_mapping", "token_seq", "seq_query_start", "logits_indices")}
+        self.a["token_src"] = cuda.to_device(np.full(batch.num_tokens, -1, np.int32))
         tables = np.zeros((batch.num_seqs, max_blocks), np.int32)
         tables[:, :batch.block_tables.shape[1]] = batch.block_tables
         self.t = cuda.to_device(tables)
@@ -48,6 +49,7 @@ class SimBackend:
     _copy_host_rows = DeepseekCudaBackend._copy_host_rows
     view = CudaBackend.view
     _cached = CudaBackend._cached
+    overlap = False                  # the plain embedding (no tokens fed from a previous step)
 
     def __init__(self, config, host_weights: dict, ep=None):
         self.config, self.ep, self.block_size = config, ep, BS
