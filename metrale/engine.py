@@ -81,6 +81,9 @@ class Engine:
         self.blocks = BlockManager(self.backend.num_blocks, bs, prefix_caching)
         self.max_model_len = min(self.model_config.max_position,
                                  cfg.scheduler.max_model_len or self.model_config.max_position)
+        # the most tokens one sequence can hold: max_tokens=None ends with 'length' here, as vLLM's
+        # runs to max_model_len (which vLLM refuses to set above what the KV pool holds)
+        self.context_len = min(self.max_model_len, self.blocks.num_blocks * bs)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.scheduler.max_num_seqs,
                                    max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
                                    no_mix=cfg.levers.no_mix, preempt_mode=cfg.levers.preempt_mode)
@@ -164,7 +167,9 @@ class Engine:
                     request_id: str | None = None, chat: bool = False) -> str:
         """Queues a request; returns its id. n > 1 / best_of > 1 runs best_of (default n) child
         requests `f"{id}-{j}"` with seeds derived from params.seed (sampling/fanout.py); the
-        first computes the prompt and the others start once it has, reusing its KV blocks."""
+        first computes the prompt and the others start once it has, reusing its KV blocks.
+        max_tokens=None generates up to the context: `context_len`, the smaller of max_model_len
+        and the KV pool's tokens (then 'length'), so one sequence never needs more than the pool."""
         params = params or self.default_params()
         params.validate(self.model_config.vocab_size)
         k = params.best_of or params.n
@@ -218,7 +223,7 @@ class Engine:
     def _add_sequence(self, ids: list[int], params: SamplingParams, request_id: str, prompt: str | None,
                       queue: bool = True) -> RequestState:
         seq = Sequence(list(ids), params, request_id=request_id, prompt=prompt)
-        state = self.requests[seq.request_id] = RequestState(seq, self.tokenizer, self.eos_ids, self.max_model_len,
+        state = self.requests[seq.request_id] = RequestState(seq, self.tokenizer, self.eos_ids, self.context_len,
                                                              text_at_end=self._text_at_end)
         if queue:
             self.scheduler.add(seq)

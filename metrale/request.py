@@ -1,7 +1,8 @@
 """RequestState: one request's sequence plus its detokenizer and stop logic.
 
 Finish reasons: 'stop' (EOS, a stop token or a stop string), 'length' (max_tokens or the
-context), 'abort', or 'error: <why>'. Text that could be the start of a stop string is held
+context: max_model_len, or the whole KV pool where that is smaller, as Engine.context_len),
+'abort', or 'error: <why>'. Text that could be the start of a stop string is held
 back from the stream until it is known not to be one.
 """
 from __future__ import annotations

@@ -3,8 +3,10 @@
 One step = a list of (sequence, number of tokens to compute). Running sequences go first
 (decode rows and unfinished prefill chunks, oldest first), then waiting sequences are admitted
 while budget, sequence slots and blocks remain. A prefill chunk that does not finish the prompt
-ends on a block boundary. When blocks run out, the running sequence holding the most blocks is
-preempted: requeued for recompute (default) or finished with an error (levers.preempt_mode).
+ends on a block boundary. When blocks run out, the newest running sequence not yet in the step
+is preempted (vLLM's policy; it may be the one growing): requeued for recompute (default) or
+finished with an error (levers.preempt_mode). So the oldest running sequence always advances and
+preemption cannot livelock: no sequence outgrows the pool (Engine.context_len caps it).
 The scheduler never touches device memory.
 """
 from __future__ import annotations
@@ -95,16 +97,27 @@ class Scheduler:
             self.waiting.appendleft(victim)
 
     def schedule(self) -> StepPlan:
+        """This step's work. With levers.no_mix a step is all prefill (running chunks, then
+        admissions) or, when no prefill can run (no chunk fits, no sequence slot or blocks for a
+        waiting one), all decode: decodes are never held back by prefills that cannot start."""
+        if not self.no_mix:
+            return self._schedule(decodes=True, prefills=True)
+        plan = self._schedule(decodes=False, prefills=True)
+        if plan.scheduled:
+            return plan
+        decode = self._schedule(decodes=True, prefills=False)
+        decode.preempted[:0] = plan.preempted
+        return decode
+
+    def _schedule(self, *, decodes: bool, prefills: bool) -> StepPlan:
         plan = StepPlan()
         budget = self.budget
-        prefill_pending = any(s.num_uncomputed > 1 for s in self.running) or bool(self.waiting)
-        decode_allowed = not (self.no_mix and prefill_pending)
         gone: set[int] = set()                 # ids preempted in this loop (a set: `in self.running` was O(B))
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if id(seq) in gone:                # preempted earlier in this loop
                 continue
             is_decode = seq.num_uncomputed == 1
-            if (is_decode and not decode_allowed) or budget == 0:
+            if not (decodes if is_decode else prefills) or budget == 0:
                 continue
             draft = seq.draft_tokens[:budget - 1] if is_decode else []
             n = 1 + len(draft) if is_decode else self._chunk(seq, budget)
@@ -115,7 +128,7 @@ class Scheduler:
             while not self.blocks.grow(seq, seq.num_computed_tokens + n):
                 scheduled = {id(s.seq) for s in plan.scheduled}
                 victims = [s for s in self.running if id(s) not in scheduled] or [seq]
-                victim = max(victims, key=lambda s: (len(s.block_table), s.arrival))
+                victim = max(victims, key=lambda s: s.arrival)
                 self._preempt(victim, plan)
                 gone.add(id(victim))
                 if victim is seq:
@@ -123,10 +136,10 @@ class Scheduler:
             if id(seq) not in gone:
                 plan.scheduled.append(ScheduledSeq(seq, n, draft))
                 budget -= n
-        # admit waiting sequences
-        mixing_ok = not (self.no_mix and any(s.seq.num_uncomputed == 1 for s in plan.scheduled))
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and mixing_ok:
+        while prefills and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if id(seq) in gone:            # preempted in this step: readmitting it would only thrash
+                break
             if not seq.block_table:
                 self.blocks.allocate_prefix(seq)
             n = self._chunk(seq, budget)
