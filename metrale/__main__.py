@@ -5,6 +5,8 @@ Examples:
   python -m metrale sampling.temperature=0.7 sampling.seed=1 levers.no_mix=true
   python -m metrale model=/path/to/model.gguf device=cpu --cfg job
   python -m metrale serve server.port=8000     (the OpenAI-compatible HTTP server; serve --help)
+  python -m metrale bench=decode -m levers.numpy_dtype=float32,float64 model=tiny-shape device=cpu
+                                              (a lever sweep, one bench record a point: bench/sweep_cli.py)
 Errors in settings or requests print one line and exit with status 2, never a traceback.
 """
 from __future__ import annotations
@@ -21,6 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "serve":
         from metrale.server.serve import main as serve
         return serve(argv[1:])
+    if any(a.startswith(("bench=", "+sweep=")) for a in argv):   # a lever sweep (bench/sweep_cli.py)
+        try:
+            from bench.sweep_cli import main as sweep
+        except ImportError:
+            return _fail("bench=...: run from a metrale checkout (the bench/ package holds the harness)")
+        return sweep(argv)
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0
