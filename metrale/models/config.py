@@ -43,6 +43,11 @@ class ModelConfig:
     linear_conv_kernel_dim: int = 4
     rotary_dim: int = 0              # partial RoPE: rotate the first rotary_dim dims; 0 = head_dim
     attn_output_gate: bool = False   # Qwen3-Next: attention output * sigmoid(gate projection)
+    # Sliding-window attention (Mistral, Qwen2/3 with use_sliding_window): a query at position p
+    # sees keys in (p - sliding_window, p]. sliding_layers[i] says whether layer i has the window
+    # (() = every layer); 0 = full attention everywhere.
+    sliding_window: int = 0
+    sliding_layers: tuple[bool, ...] = ()
     # ---- DeepSeek-V2/V3 (docs/deepseek.md); all optional, the defaults mean "not used"
     # MLA: kv_lora_rank > 0 turns it on; the latent cache holds kv_lora_rank + qk_rope_head_dim
     # values per token and layer (num_kv_heads = 1, head_dim = qk_nope_head_dim + qk_rope_head_dim).
@@ -65,6 +70,24 @@ class ModelConfig:
     topk_group: int = 1
     norm_topk_prob: bool = False
     routed_scaling_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0, got {self.sliding_window}")
+        if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
+            raise ValueError(f"sliding_layers has {len(self.sliding_layers)} entries for {self.num_layers} layers")
+        if self.sliding_window and self.is_hybrid:   # kv_layer(i) != i there; no hybrid family has a window
+            raise ValueError("sliding_window is not supported in hybrid (Gated DeltaNet) models")
+
+    def layer_window(self, layer: int) -> int:
+        """The attention window of layer `layer` (0 = full causal attention)."""
+        if not self.sliding_window or (self.sliding_layers and not self.sliding_layers[layer]):
+            return 0
+        return self.sliding_window
+
+    @property
+    def has_sliding_window(self) -> bool:
+        return any(self.layer_window(i) for i in range(self.num_layers))
 
     @property
     def is_mla(self) -> bool:
@@ -171,3 +194,13 @@ class ModelConfig:
         if self.is_mla:
             return self.num_layers * self.latent_dim * dtype_bytes
         return 2 * self.num_kv_layers * self.kv_size * dtype_bytes
+
+
+def refuse_window_beyond(config: ModelConfig, max_model_len: int, backend: str = "cuda") -> None:
+    """Backends without windowed kernels run full causal attention, which equals sliding-window
+    attention only while the context fits the window: refuse a max_model_len past the smallest window."""
+    windows = [config.layer_window(i) for i in range(config.num_layers) if config.layer_window(i)]
+    if windows and min(windows) < max_model_len:
+        raise ValueError(f"{config.name or config.architecture}: sliding_window={min(windows)} is smaller than "
+                         f"max_model_len={max_model_len} and the {backend} backend has no windowed attention; "
+                         f"set scheduler.max_model_len={min(windows)} or use device=cpu")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import time
 
-from metrale.models.config import ModelConfig
+from metrale.models.config import ModelConfig, refuse_window_beyond
 from metrale.models.loader import load_gguf, load_hf_dir, random_model_config, random_weights
 from metrale.models.registry import resolve_model
 from metrale.models.tokenizer import Tokenizer
@@ -26,10 +26,22 @@ def load_model(cfg) -> tuple[ModelConfig, Tokenizer, object]:
         config = random_model_config(source.preset, source.name)
         tokenizer = _default_tokenizer()
         weights = None   # each backend builds its own (the CUDA one on the device)
+    if source.kind in ("gguf", "hf"):   # a random preset borrows a tokenizer: its ids are not the model's
+        refuse_tokenizer_beyond_vocab(tokenizer.vocab_size, config)
     device = resolve_device(cfg.device)
     backend = make_backend(device, cfg, config, weights)
     log.info("loaded %s on %s in %.2f s", source.name, device, time.perf_counter() - t0)
     return config, tokenizer, backend
+
+
+def refuse_tokenizer_beyond_vocab(tokenizer_ids: int, config: ModelConfig) -> None:
+    """A tokenizer that can produce ids the embedding and LM head do not have would fail (or read
+    garbage) at the first such token: refuse it at load. Fewer tokenizer ids than rows is normal
+    (padded vocabularies)."""
+    if tokenizer_ids > config.vocab_size:
+        raise ValueError(f"{config.name or config.architecture}: the tokenizer has {tokenizer_ids} ids (added tokens "
+                         f"included) but the model's vocabulary has {config.vocab_size}: ids >= {config.vocab_size} "
+                         f"have no embedding; resize the model's embeddings or use its own tokenizer")
 
 
 def _default_tokenizer():
@@ -70,7 +82,8 @@ def make_backend(device: str, cfg, config: ModelConfig, weights):
         num_blocks = cfg.cache.num_blocks or max(1, cfg.cache.cpu_kv_tokens // block_size)
         return DeepseekBackend(config, weights(), num_blocks=int(num_blocks), block_size=block_size,
                                dtype=cfg.levers.numpy_dtype)
-    if device == "cuda":
+    if device == "cuda":   # refused before any weight reaches the device (CudaBackend checks it too)
+        refuse_window_beyond(config, min(config.max_position, cfg.scheduler.max_model_len or config.max_position))
         from metrale.runtime.cuda_backend import CudaBackend
         return CudaBackend(config, weights() if weights else None, cfg=cfg, random_seed=int(cfg.seed))
     from metrale.runtime.numpy_backend import NumpyBackend

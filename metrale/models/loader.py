@@ -57,6 +57,8 @@ def gguf_model_config(fields: dict, name: str = "") -> ModelConfig:
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
         name=name or str(fields.get("general.name", "")),
+        # llama.cpp's key for a window on every layer (Mistral-style); absent: full attention
+        sliding_window=int(g("attention.sliding_window", 0) or 0),
     )
 
 
@@ -153,6 +155,7 @@ def hf_model_config(cfg: dict, name: str = "") -> ModelConfig:
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     theta, rope_scaling = hf_rope_settings(cfg, name or arch)
+    window, window_layers = hf_sliding_window(cfg, arch)
     return ModelConfig(
         architecture=arch, vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
         intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
@@ -163,8 +166,35 @@ def hf_model_config(cfg: dict, name: str = "") -> ModelConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")), qk_norm=(arch == "qwen3"),
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, name=name,
-        extra={"rope_scaling": rope_scaling},
+        extra={"rope_scaling": rope_scaling}, sliding_window=window, sliding_layers=window_layers,
     )
+
+
+def hf_sliding_window(cfg: dict, arch: str) -> tuple[int, tuple[bool, ...]]:
+    """(window, per-layer flags) as transformers applies a config.json: Mistral slides every layer
+    (sliding_window absent means MistralConfig's default 4096; null means none); Qwen2/Qwen3
+    slide only with use_sliding_window, on the layers layer_types marks "sliding_attention" or, without
+    layer_types, on layers >= max_window_layers (default 28). Llama has no window."""
+    n = int(cfg["num_hidden_layers"])
+    if arch == "mistral":
+        window = cfg.get("sliding_window", 4096)
+        return (int(window), ()) if window else (0, ())
+    if arch not in ("qwen2", "qwen3") or not cfg.get("use_sliding_window", False):
+        return 0, ()
+    window = cfg.get("sliding_window", 4096)
+    if not window:
+        return 0, ()
+    types = cfg.get("layer_types")
+    if types is not None:
+        if len(types) != n:
+            raise ValueError(f"layer_types has {len(types)} entries for {n} layers")
+        unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+        if unknown:
+            raise ValueError(f"layer_types {unknown} are not supported for {arch}")
+        layers = tuple(t == "sliding_attention" for t in types)
+    else:
+        layers = tuple(i >= int(cfg.get("max_window_layers", 28)) for i in range(n))
+    return (int(window), layers) if any(layers) else (0, ())
 
 
 def _safetensors_index(path: Path) -> tuple[dict[str, Path], Callable[[str], np.ndarray]]:
@@ -277,22 +307,46 @@ def is_deepseek_config(cfg: dict) -> bool:
     return str(cfg.get("model_type", "")) in DEEPSEEK_MODEL_TYPES
 
 
+# transformers' config defaults of the MoE keys (DeepseekV2Config, DeepseekV3Config). V2 routes with
+# softmax scores (greedy or group_limited_greedy); V3 always with sigmoid + noaux_tc.
+DEEPSEEK_ROUTING_DEFAULTS = {
+    "deepseek_v2": dict(n_routed_experts=64, num_experts_per_tok=None, moe_intermediate_size=1407,
+                        n_shared_experts=2, first_k_dense_replace=0, scoring_func="softmax",
+                        topk_method="greedy", n_group=None, topk_group=None, norm_topk_prob=False,
+                        routed_scaling_factor=1.0),
+    "deepseek_v3": dict(n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048,
+                        n_shared_experts=1, first_k_dense_replace=3, scoring_func="sigmoid",
+                        topk_method="noaux_tc", n_group=8, topk_group=4, norm_topk_prob=True,
+                        routed_scaling_factor=2.5),
+}
+
+
+def deepseek_routing(cfg: dict, arch: str) -> dict:
+    """The MoE keys of a DeepSeek config.json, each absent one at transformers' default. A key given
+    as null keeps null (transformers does too); explicit values are honoured, as DeepSeek's own code does."""
+    return {k: cfg.get(k, default) for k, default in DEEPSEEK_ROUTING_DEFAULTS[arch].items()}
+
+
 def deepseek_model_config(cfg: dict, name: str = "") -> ModelConfig:
     """ModelConfig of a DeepSeek-V2/V3-style config.json (docs/deepseek.md). num_kv_heads = 1
     and head_dim = qk_nope + qk_rope: the latent cache is one shared "kv head" per token.
     routed_scaling_factor is applied after normalisation (V3); a V2 config that normalises
-    (norm_topk_prob) never scaled, so its factor becomes 1."""
+    (norm_topk_prob) never scaled, so its factor becomes 1. Absent routing keys take the defaults
+    of transformers' DeepseekV2Config / DeepseekV3Config (DEEPSEEK_ROUTING_DEFAULTS): a V3 config
+    without scoring_func / topk_method routes with sigmoid scores and noaux_tc group-limited top-k,
+    as transformers' DeepseekV3 always does."""
     arch = str(cfg.get("model_type", ""))
     if arch not in DEEPSEEK_MODEL_TYPES:
         raise ValueError(f"not a DeepSeek config: model_type '{arch}' (expected one of {DEEPSEEK_MODEL_TYPES})")
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     nope, rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
-    norm = bool(cfg.get("norm_topk_prob", False))
-    scaling = float(cfg.get("routed_scaling_factor", 1.0) or 1.0)
+    route = deepseek_routing(cfg, arch)
+    norm = bool(route["norm_topk_prob"])
+    scaling = float(route["routed_scaling_factor"] or 1.0)
     if arch == "deepseek_v2" and norm:
         scaling = 1.0
-    n_routed = int(cfg.get("n_routed_experts") or 0)
+    n_routed = int(route["n_routed_experts"] or 0)
     q_lora = cfg.get("q_lora_rank")
     theta, rope_scaling = hf_rope_settings(cfg, name or arch)
     return ModelConfig(
@@ -306,14 +360,13 @@ def deepseek_model_config(cfg: dict, name: str = "") -> ModelConfig:
         extra={"rope_scaling": rope_scaling},
         q_lora_rank=int(q_lora) if q_lora else None, kv_lora_rank=int(cfg["kv_lora_rank"]),
         qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=int(cfg["v_head_dim"]),
-        n_routed_experts=n_routed, num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
-        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
-        n_shared_experts=int(cfg.get("n_shared_experts") or 0),
-        first_k_dense_replace=int(cfg.get("first_k_dense_replace", 0)),
+        n_routed_experts=n_routed, num_experts_per_tok=int(route["num_experts_per_tok"] or 0),
+        moe_intermediate_size=int(route["moe_intermediate_size"] or 0),
+        n_shared_experts=int(route["n_shared_experts"] or 0),
+        first_k_dense_replace=int(route["first_k_dense_replace"] or 0),
         moe_layer_freq=int(cfg.get("moe_layer_freq", 1)),
-        scoring_func=str(cfg.get("scoring_func", "softmax")),
-        topk_method=str(cfg.get("topk_method", "greedy")),
-        n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
+        scoring_func=str(route["scoring_func"]), topk_method=str(route["topk_method"]),
+        n_group=int(route["n_group"] or 1), topk_group=int(route["topk_group"] or 1),
         norm_topk_prob=norm, routed_scaling_factor=scaling,
     )
 

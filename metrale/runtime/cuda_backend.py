@@ -21,7 +21,7 @@ from kernels_numba import (activation, argmax, attention, convert, embedding, fl
                            qkv, rmsnorm)
 from kernels_numba.bf16 import to_bf16_bits
 from kernels_numba.init import fill_normal_bf16
-from metrale.models.config import ModelConfig
+from metrale.models.config import ModelConfig, refuse_window_beyond
 from metrale.models.llama import llama_forward
 from metrale.models.loader import WeightStream
 from metrale.models.rope import model_rope, model_rotary_dim
@@ -389,6 +389,7 @@ class CudaBackend:
         self.mixed_graphs = (self.use_graphs and bool(getattr(levers, "mixed_graphs", False))
                              and type(self)._run is CudaBackend._run)
         self.max_model_len = min(c.max_position, cfg.scheduler.max_model_len or c.max_position)
+        refuse_window_beyond(c, self.max_model_len)   # no windowed kernels: full attention is exact only inside it
         self.max_seqs = int(cfg.scheduler.max_num_seqs)
         self.max_tokens = max(int(cfg.scheduler.max_num_batched_tokens), self.graph_sizes[-1] if self.graph_sizes else 1)
         self.max_rows = max(self.max_seqs, self.graph_sizes[-1] if self.graph_sizes else 1)

@@ -31,6 +31,14 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: boo
     return np.concatenate([a * c - b * s, a * s + b * c], axis=-1)
 
 
+def attention_mask(positions: np.ndarray, ctx: int, window: int = 0) -> np.ndarray:
+    """bool [n, ctx]: True where the query at positions[i] must not see key j (j > p, or
+    j <= p - window when window > 0: transformers' sliding_window_overlay)."""
+    keys, p = np.arange(ctx)[None, :], np.asarray(positions)[:, None]
+    masked = keys > p
+    return masked | (keys <= p - window) if window else masked
+
+
 class NumpyOps:
     def __init__(self, backend: "NumpyBackend", batch: ForwardBatch):
         self.b, self.batch, self.cfg = backend, batch, backend.config
@@ -108,12 +116,15 @@ class NumpyOps:
         return q
 
     def attention(self, q, layer):
+        """Causal attention over the cache; a sliding-window layer also drops keys at or before
+        p - window (layer = the KV layer, which is the layer itself in every model with a window)."""
         c, bt = self.cfg, self.batch
+        window = c.layer_window(layer)
         out = np.empty_like(q)
         for s in range(bt.num_seqs):
             a, b, ctx = bt.seq_query_start[s], bt.seq_query_start[s + 1], bt.context_lens[s]
             k, v = self.cached_kv(layer, s, ctx)
-            out[a:b] = self.attend(q[a:b], k, v, np.arange(ctx)[None, :] > bt.positions[a:b][:, None])
+            out[a:b] = self.attend(q[a:b], k, v, attention_mask(bt.positions[a:b], ctx, window))
         return out.reshape(q.shape[0], c.q_size)
 
     def silu_mul(self, gate_up):

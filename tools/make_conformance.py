@@ -1,0 +1,175 @@
+"""Writes tests/fixtures/conformance/: a tiny random checkpoint of every family and config variant
+metrale loads (config.json + model.safetensors, saved by transformers itself, weights in float16)
+and transformers' float32 eager logits for one fixed token sequence, so that CI compares metrale's
+NumPy backend with transformers without torch (tests/test_conformance.py).
+
+Needs torch and transformers (tools/requirements-golden.txt), never the engine's environment:
+    python tools/make_conformance.py [--out tests/fixtures/conformance] [--only NAME ...]
+
+Weights are drawn with O(1/sqrt(fan_in)) scales (transformers' 0.02 init gives near-uniform logits
+that would hide errors), rounded to float16 (the stored precision), and the model runs in float32
+with those exact values. Each checkpoint is reloaded with from_pretrained and must give the same
+logits: the stored files, not the in-memory model, are the reference.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+NUM_TOKENS = 24
+VOCAB = 256
+SEED = 20
+
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+MLA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+           num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+           v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1,
+           max_position_embeddings=64, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+YARN_DS = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+           "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+# name -> (transformers config class, its kwargs, what the variant exercises)
+VARIANTS: dict[str, tuple[str, dict, str]] = {
+    "llama_untied": ("LlamaConfig", dict(BASE, tie_word_embeddings=False), "GQA, separate LM head"),
+    "llama_tied_llama3": ("LlamaConfig", dict(BASE, tie_word_embeddings=True, rope_parameters=LLAMA3),
+                          "tied embeddings, llama3 RoPE scaling"),
+    "qwen2_bias_yarn": ("Qwen2Config", dict(BASE, tie_word_embeddings=True, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 16}),
+        "q/k/v biases, YaRN RoPE"),
+    "qwen2_sliding": ("Qwen2Config", dict(BASE, use_sliding_window=True, sliding_window=8, max_window_layers=1),
+                      "use_sliding_window: window 8 on layers >= max_window_layers only"),
+    "qwen3_qknorm": ("Qwen3Config", dict(BASE, head_dim=32, tie_word_embeddings=False, rope_parameters={
+        "rope_type": "linear", "rope_theta": 1e6, "factor": 2.0}), "q/k RMSNorm, head_dim != hidden/heads, linear RoPE"),
+    "mistral_sliding": ("MistralConfig", dict(BASE, sliding_window=8, tie_word_embeddings=False),
+                        "sliding window 8 on every layer (24 tokens)"),
+    "deepseek_v2_greedy": ("DeepseekV2Config", dict(MLA, q_lora_rank=None, n_shared_experts=1, topk_method="greedy",
+                                                   norm_topk_prob=False, routed_scaling_factor=1.0),
+                           "MLA without q_lora, softmax greedy routing, a shared expert"),
+    "deepseek_v2_group": ("DeepseekV2Config", dict(MLA, q_lora_rank=24, n_shared_experts=2,
+                                                  topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                                  routed_scaling_factor=1.5, rope_parameters=YARN_DS),
+                          "MLA with q_lora, group_limited_greedy routing, YaRN with mscale"),
+    "deepseek_v3": ("DeepseekV3Config", dict(MLA, q_lora_rank=24, n_shared_experts=1, n_group=4, topk_group=2,
+                                            norm_topk_prob=True, routed_scaling_factor=2.5, rope_parameters=YARN_DS,
+                                            scoring_func="sigmoid", topk_method="noaux_tc"),
+                    "MLA, sigmoid noaux_tc routing with e_score_correction_bias (keys explicit)"),
+    "deepseek_v3_defaults": ("DeepseekV3Config", dict(MLA, q_lora_rank=24, n_shared_experts=1, n_group=4,
+                                                     topk_group=2), "no scoring_func / topk_method keys: "
+                             "transformers' DeepseekV3 routing (sigmoid, noaux_tc) and its defaults"),
+    "qwen3_next_dense": ("Qwen3NextConfig", dict(BASE, head_dim=32, layer_types=["linear_attention", "full_attention"],
+                                                 linear_num_key_heads=2, linear_num_value_heads=4,
+                                                 linear_key_head_dim=16, linear_value_head_dim=16,
+                                                 linear_conv_kernel_dim=4, num_experts=0, mlp_only_layers=[0, 1],
+                                                 tie_word_embeddings=False, rope_parameters={
+                                                     "rope_type": "default", "rope_theta": 10000.0,
+                                                     "partial_rotary_factor": 0.25}),
+                         "hybrid: Gated DeltaNet + gated full attention, partial RoPE, dense MLPs"),
+}
+
+# keys transformers 5 writes that a config of an older version would not have: dropped so the
+# stored config.json also checks that metrale's defaults for absent keys match transformers'
+DROP_KEYS = {"deepseek_v3_defaults": ("scoring_func", "topk_method")}
+
+
+def randomize(model, seed: int) -> None:
+    """Weights with O(1) activations, rounded to float16 (what the checkpoint stores)."""
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                # norms: around 1 (Qwen3-Next stores w of x * (1 + w): around 0); biases, A_log, dt: small
+                base = 0.0 if ("bias" in name or "qwen3_next" in type(model).__module__
+                               or "A_log" in name or "dt_bias" in name) else 1.0
+                p.copy_(base + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                fan_in = p.shape[-1] if "embed" not in name else 1
+                scale = 0.5 if "embed" in name else fan_in ** -0.5
+                p.copy_(scale * torch.randn(p.shape, generator=gen))
+            p.copy_(p.half().float())
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.copy_((0.05 * torch.randn(b.shape, generator=gen)).half().float())
+
+
+def build(name: str, seed: int):
+    import torch
+    import transformers
+    cls_name, kwargs, _ = VARIANTS[name]
+    config = getattr(transformers, cls_name)(**kwargs)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    model.eval()
+    randomize(model, seed)
+    return model
+
+
+def logits_of(model, ids: list[int]):
+    import torch
+    with torch.no_grad():
+        return model(torch.tensor([ids]), use_cache=False).logits[0].float().numpy()
+
+
+def save(model, name: str, path: Path) -> None:
+    import torch
+    if path.exists():
+        shutil.rmtree(path)
+    model.to(torch.float16).save_pretrained(str(path), safe_serialization=True)
+    model.to(torch.float32)
+    cfg_path = path / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    for key in DROP_KEYS.get(name, ()):
+        cfg.pop(key, None)
+    cfg_path.write_text(json.dumps(cfg, indent=1, sort_keys=True) + "\n")
+    (path / "generation_config.json").unlink(missing_ok=True)
+
+
+def reload_logits(path: Path, ids: list[int]):
+    import torch
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                                              attn_implementation="eager")
+    model.eval()
+    return logits_of(model, ids)
+
+
+def main() -> None:
+    import numpy as np
+    import transformers
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "tests/fixtures/conformance"))
+    ap.add_argument("--only", nargs="*", default=None)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ids = [int(i) for i in np.random.default_rng(SEED).integers(3, VOCAB, NUM_TOKENS)]
+    manifest_path = out / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {"cases": {}}
+    for k, name in enumerate(VARIANTS):
+        if args.only and name not in args.only:
+            continue
+        model = build(name, SEED + k)
+        ref = logits_of(model, ids)
+        save(model, name, out / name)
+        again = reload_logits(out / name, ids)
+        diff = float(np.abs(again - ref).max())
+        if diff > 1e-5 * float(np.abs(ref).max()):
+            raise SystemExit(f"{name}: the saved checkpoint gives other logits (max diff {diff})")
+        np.save(out / name / "logits.npy", ref.astype(np.float32))
+        manifest["cases"][name] = {"class": VARIANTS[name][0], "exercises": VARIANTS[name][2],
+                                   "logits_abs_max": float(np.abs(ref).max())}
+        print(f"{name}: logits |max| {np.abs(ref).max():.3f}, reload diff {diff:.2e}")
+    manifest.update({"transformers": transformers.__version__, "token_ids": ids,
+                     "note": "transformers float32 eager logits [tokens, vocab] of token_ids, per case logits.npy"})
+    manifest["cases"] = {k: manifest["cases"][k] for k in VARIANTS if k in manifest["cases"]}
+    manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
