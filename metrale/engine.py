@@ -411,10 +411,10 @@ class Engine:
                 break
         if s.draft:
             self.speculator.committed(seq, before, len(s.draft), len(tokens) - 1)
+        self.blocks.commit_full_blocks(seq)     # before finishing: a prompt that ends at once is cached too
         if reason is not None:
             self.scheduler.finish(seq, reason)
             return self._finish_delta(seq.request_id, reason)
-        self.blocks.commit_full_blocks(seq)
         if s.draft:
             self.blocks.trim(seq)
         return state.delta(None)

@@ -115,3 +115,22 @@ def test_watchdog_every_request_ends_and_no_block_leaks(cfg, reqs):
     for rid, (prompt, max_tokens, n) in accepted.items():
         reason = reasons[rid]
         assert reason == "length" or reason.startswith("error: preempted"), (rid, reason)
+
+
+# ------------------------------------------------------------------ nothing lost
+
+@pytest.mark.parametrize("first", ["max_tokens=1", "stop token first"])
+def test_a_request_that_ends_on_its_first_token_fills_the_prefix_cache(first):
+    prompt = list(range(1, 14))                  # 13 tokens: 3 full blocks of 4
+    eng = fake_engine(num_blocks=32, block_size=4)
+    if first == "max_tokens=1":
+        params = greedy(1)
+    else:
+        params = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=reference_continuation(prompt, 1))
+    out = eng.generate([prompt], params, use_tqdm=False)[0]
+    assert len(out.token_ids) == 1 and out.finish_reason == ("length" if first == "max_tokens=1" else "stop")
+    assert eng.blocks.cache_hits == 0
+    again = eng.generate([prompt], greedy(3), use_tqdm=False)[0]
+    assert eng.blocks.cache_hits == 12
+    assert list(again.token_ids) == reference_continuation(prompt, 3)
+    eng.blocks.check_no_leaks([])
