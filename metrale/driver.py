@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import numpy as np
 
@@ -54,6 +54,7 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
         self._thread: threading.Thread | None = None
+        self._users, self._held_for_good = 0, False      # library callers (Engine._driven), the server
 
     # ------------------------------------------------------------ handler side (any thread)
     def start(self) -> None:
@@ -70,7 +71,7 @@ class EngineLoop:
         return len(self._live)
 
     async def add(self, request_id: str, prompt, params, sink: asyncio.Queue,
-                  arrival: float | None = None) -> int:
+                  arrival: float | None = None, chat: bool = False) -> int:
         """Queues a request; returns its prompt length in tokens. Raises the engine's
         InvalidRequestError (the request was refused) or ServerDraining."""
         if not self.accepting or not self.alive:
@@ -79,26 +80,59 @@ class EngineLoop:
         done = aloop.create_future()
         live = _Live(aloop, sink, arrival if arrival is not None else time.perf_counter(),
                      set(range(getattr(params, "n", 1))))
-        self._commands.put(("add", request_id, prompt, params, live, done))
+        self._commands.put(("add", request_id, prompt, params, live, done, chat))
         try:
             return await done
         except asyncio.CancelledError:
             self.abort(request_id)
             raise
 
-    def submit(self, request_id: str, prompt, params, sink: queue.SimpleQueue) -> int:
+    def submit(self, request_id: str, prompt, params, sink: queue.SimpleQueue, chat: bool = False) -> int:
         """`add` for a thread: blocks until the loop took (or refused) the request; its deltas
         arrive in `sink`."""
         if not self.accepting or not self.alive:
             raise ServerDraining("the engine loop is not running")
         done: concurrent.futures.Future = concurrent.futures.Future()
         live = _Live(None, sink, time.perf_counter(), set(range(getattr(params, "n", 1))))
-        self._commands.put(("add", request_id, prompt, params, live, done))
+        self._commands.put(("add", request_id, prompt, params, live, done, chat))
         return done.result()
 
-    def abort(self, request_id: str) -> None:
-        """Aborts a request if it still runs (no-op otherwise); its KV blocks are freed."""
-        self._commands.put(("abort", request_id))
+    def stream(self, request_id: str, prompt, params, chat: bool = False) -> Iterator[StreamDelta]:
+        """One request's deltas, for a caller on any thread, until each of its completions ended;
+        a caller that stops early aborts it (the abort applied before this returns)."""
+        sink: queue.SimpleQueue = queue.SimpleQueue()
+        self.submit(request_id, prompt, params, sink, chat)
+        left = params.n
+        try:
+            while left:
+                delta = sink.get()
+                left -= delta.finished
+                yield delta
+        finally:
+            if left:
+                self.abort(request_id, wait=True)
+
+    async def astream(self, request_id: str, prompt, params, chat: bool = False) -> AsyncIterator[StreamDelta]:
+        """stream() for asyncio: the event loop never waits for a forward."""
+        sink: asyncio.Queue = asyncio.Queue()
+        await self.add(request_id, prompt, params, sink, chat=chat)
+        left = params.n
+        try:
+            while left:
+                delta = await sink.get()
+                left -= delta.finished
+                yield delta
+        finally:
+            if left:
+                self.abort(request_id)
+
+    def abort(self, request_id: str, wait: bool = False) -> None:
+        """Aborts a request if it still runs (no-op otherwise); its KV blocks are freed. wait:
+        return once the loop has applied it (not from the loop thread)."""
+        done: concurrent.futures.Future | None = concurrent.futures.Future() if wait and self.alive else None
+        self._commands.put(("abort", request_id, done))
+        if done is not None:
+            done.result()
 
     async def drain(self, grace_s: float, cut_short: Callable[[], bool] = lambda: False) -> None:
         """Refuses new requests, lets in-flight ones run up to grace_s (or until cut_short()),
@@ -115,6 +149,28 @@ class EngineLoop:
         """Aborts whatever still runs and ends the thread."""
         self.accepting = False
         self._commands.put(("stop",))
+
+    def hold(self) -> None:
+        """One more library caller uses the loop (Engine.stream / astream / generate)."""
+        self._users += 1
+
+    def release(self) -> bool:
+        """One caller less; the last one (unless the server holds the loop) ends the thread without
+        touching the engine's requests. True when the thread was asked to end (join() it)."""
+        self._users -= 1
+        if self._users or self._held_for_good:
+            return False
+        self.accepting = False
+        self._commands.put(("quit",))
+        return True
+
+    def hold_for_good(self) -> None:
+        """The server's hold: the thread runs until stop()."""
+        self._held_for_good = True
+
+    def join(self, timeout: float = 60.0) -> None:
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     # ------------------------------------------------------------------------ loop thread
     def _run(self) -> None:
@@ -148,9 +204,9 @@ class EngineLoop:
             return True
         kind = cmd[0]
         if kind == "add":
-            _, request_id, prompt, params, live, done = cmd
+            _, request_id, prompt, params, live, done, chat = cmd
             try:
-                self.engine.add_request(prompt, params, request_id=request_id)
+                self.engine.add_request(prompt, params, request_id=request_id, chat=chat)
                 n_prompt = len(self.engine.prompt_token_ids(request_id))
             except Exception as exc:   # InvalidRequestError (or a tokenizer failure): the handler decides
                 _resolve(live.aloop, done, exc=exc)
@@ -161,8 +217,12 @@ class EngineLoop:
             _resolve(live.aloop, done, value=n_prompt)
         elif kind == "abort":
             self._dispatch(self.engine.abort_completions(cmd[1]))
+            if cmd[2] is not None:
+                _settle(cmd[2], None, None)
         elif kind == "stop":
             self._finish_all("abort")
+            return False
+        elif kind == "quit":          # the last library caller left; requests stay with the engine
             return False
         return True
 
@@ -235,6 +295,8 @@ class EngineLoop:
                 return
             if cmd[0] == "add":
                 _resolve(cmd[4].aloop, cmd[5], exc=ServerDraining("the server is shutting down"))
+            elif cmd[0] == "abort" and cmd[2] is not None:
+                _settle(cmd[2], None, None)
 
 
 def _deliver(items: list[tuple[asyncio.Queue, StreamDelta]]) -> None:

@@ -12,8 +12,10 @@ stream deltas carry their completion's `index` (docs/sampling.md, "n > 1 and bes
 """
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import dataclasses
+import queue
+import threading
 import logging
 import time
 import uuid
@@ -126,6 +128,8 @@ class Engine:
         self._groups: dict[str, _Group] = {}                  # requests with n > 1 / best_of > 1
         self._hidden: set[str] = set()                        # best_of candidates whose deltas poll() drops
         self._outbox: list[StreamDelta] = []                  # completions of finished best_of groups
+        self._driver = None                                   # metrale/driver.py EngineLoop, while one runs
+        self._driver_lock = threading.Lock()
         # levers.overlap: plain greedy decode runs a step ahead (metrale/overlap.py); backends say
         # whether they can feed a step's ids to the next on the device
         self.ahead = AheadLoop(self) if cfg.levers.overlap and getattr(self.backend, "supports_overlap", False) else None
@@ -587,6 +591,8 @@ class Engine:
             raise InvalidRequestError(f"params: {len(params)} SamplingParams for {len(prompts)} prompts")
         for sp in params:
             sp.validate(self.model_config.vocab_size)   # refuse the batch before any request starts
+        if self._driver is not None and self._driver.alive:     # others stream: join the loop thread
+            return self._generate_driven(prompts, params, chat)
         ids = []
         self._text_at_end = True      # generate() reads each request's text once, at its end
         try:
@@ -618,22 +624,71 @@ class Engine:
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = False) -> Iterator[StreamDelta]:
         """Deltas of one request until it ends; with n > 1 they interleave, told apart by `index`
-        (best_of > n: the n selected completions come whole at the end)."""
-        rid = self.add_request(prompt, params, chat=chat)
-        try:
-            while self.is_running(rid):
-                for delta in self.poll():
-                    if delta.request_id == rid:
-                        yield delta
-        finally:
-            if self.is_running(rid):
-                self.abort_completions(rid)
+        (best_of > n: the n selected completions come whole at the end). Any number of threads may
+        stream from one engine at once: the engine steps on its loop thread (metrale/driver.py)
+        while any of them runs, and each gets exactly its own deltas."""
+        params = params or self.default_params()
+        with self._driven() as loop:
+            yield from loop.stream(f"req-{uuid.uuid4().hex[:16]}", prompt, params, chat)
 
     async def astream(self, prompt: Prompt, params: SamplingParams | None = None, *,
                       chat: bool = False) -> AsyncIterator[StreamDelta]:
-        for delta in self.stream(prompt, params, chat=chat):
-            yield delta
-            await asyncio.sleep(0)
+        """stream() for asyncio: the engine steps on its loop thread, so the event loop never waits
+        for a forward, and concurrent astream()s share its batches."""
+        params = params or self.default_params()
+        with self._driven() as loop:
+            async for delta in loop.astream(f"req-{uuid.uuid4().hex[:16]}", prompt, params, chat):
+                yield delta
+
+    def driver(self):
+        """The loop thread that steps this engine for concurrent callers (the server holds it for
+        its lifetime; library streams hold it while they run). Started on first use."""
+        with self._driver_lock:
+            return self._driver_locked()
+
+    def _driver_locked(self):
+        from metrale.driver import EngineLoop
+        d = self._driver
+        if d is not None and d.alive and not d.accepting:    # ending: never two threads stepping
+            d.join()
+        if d is None or not d.alive:
+            self._driver = d = EngineLoop(self)
+            d.start()
+        return d
+
+    @contextlib.contextmanager
+    def _driven(self):
+        """The loop thread, held by one more library caller; the last one to leave ends it (without
+        touching requests), so a later step()/generate() runs inline again."""
+        with self._driver_lock:
+            loop = self._driver_locked()
+            loop.hold()
+        try:
+            yield loop
+        finally:
+            with self._driver_lock:
+                ended = loop.release()
+            if ended:
+                loop.join()
+
+    def _generate_driven(self, prompts: list, params: list[SamplingParams], chat: bool) -> list[RequestOutput]:
+        """generate() while the loop thread steps the engine: each request submitted to it."""
+        with self._driven() as loop:
+            ids = [f"req-{uuid.uuid4().hex[:16]}" for _ in prompts]
+            self._collect.update({i: None for i in ids})
+            try:
+                sinks = []
+                for rid, p, sp in zip(ids, prompts, params):     # all queued first: one batch
+                    sinks.append((queue.SimpleQueue(), sp.n))
+                    loop.submit(rid, p, sp, sinks[-1][0], chat)
+                for sink, left in sinks:
+                    while left:
+                        left -= sink.get().finished
+            finally:
+                for rid in ids:
+                    if self._collect.get(rid) is None:
+                        loop.abort(rid, wait=True)
+            return [self._collect.pop(i) for i in ids]
 
     def memory_report(self) -> dict:
         return self.backend.memory_report()

@@ -31,7 +31,6 @@ from metrale.server.logprobs import CompletionLogprobs, TokenText, chat_content
 from metrale.server import anthropic_api, responses_api
 from metrale.server.chat_input import encode_masked, mask_special_text
 from metrale.driver import EngineLoop, ServerDraining
-from metrale.metrics import Metrics
 from metrale.server.parsing import (ChatOutputParser, ParsedChat, inline_tools, template_knows_tools,
                                     with_system_text)
 from metrale.server.protocol import (ApiError, ApiRequest, Fields, bad, chat_messages,
@@ -226,8 +225,9 @@ class Server:
 
     def __init__(self, engine, cfg):
         self.engine, self.cfg, self.scfg = engine, cfg, cfg.server
-        self.metrics = Metrics()
-        self.loop = EngineLoop(engine, self.metrics)
+        self.loop = engine.driver()          # the engine's one loop thread, shared with library callers
+        self.loop.hold_for_good()
+        self.metrics = self.loop.metrics
         self.model_name = self.scfg.served_model_name or str(cfg.model)
         self.aliases = {self.model_name, str(cfg.model), getattr(engine.model_config, "name", "") or self.model_name}
         self.created = int(time.time())
