@@ -161,6 +161,62 @@ class MetraleConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+# Settings with a fixed set of values (the runtime reads them as given). log_level: any case.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "device": ("auto", "cpu", "cuda"),
+    "log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+    "levers.gemm_library": ("auto", "numba", "cublaslt"),
+    "levers.preempt_mode": ("recompute", "abort"),
+    "levers.numpy_dtype": ("float32", "float64"),
+    "levers.prefill_attention_kernel": ("mma", "fma"),
+    "levers.decode_attention_kernel": ("mma", "fma"),
+    "levers.pdl_trigger": ("auto", "early", "late", "exit"),
+    "levers.spec_measured_gate": ("auto", "on", "off"),
+    "spec.method": ("none", "ngram", "self", "draft", "mtp", "dflash"),
+}
+
+# Integer settings with a lower bound (None, where the schema allows it, is always fine).
+MINIMUMS: dict[str, int] = {
+    "cache.block_size": 1, "cache.num_blocks": 1, "cache.cpu_kv_tokens": 1,
+    "scheduler.max_num_seqs": 1, "scheduler.max_num_batched_tokens": 1, "scheduler.max_model_len": 1,
+    "spec.num_drafts": 1, "spec.ngram_min_n": 1, "spec.ngram_max_n": 1, "spec.self_layers": 1,
+    "levers.gemv_max_rows": 0, "levers.cublaslt_min_rows": 0, "levers.cublaslt_autotune": 0,
+    "levers.gemv_warps": 0, "levers.gemv_unroll": 0, "levers.prefill_attention_min_tokens": 0,
+    "levers.spec_probe_interval": 0, "levers.spec_max_batch": 0, "levers.spec_measured_min_steps": 0,
+    "levers.state_snapshots": 0,
+}
+
+
+def invalid_setting(cfg: Any) -> str | None:
+    """The first setting of a composed config outside its values ('name: why, valid ...'), or None."""
+    def get(dotted: str) -> Any:
+        node = cfg
+        for part in dotted.split("."):
+            node = node[part] if part in node else None
+            if node is None:
+                return None
+        return node
+
+    for name, valid in CHOICES.items():
+        value = get(name)
+        shown = str(value).upper() if name == "log_level" else value
+        if shown not in valid:
+            return f"{name}: '{value}' is not one of {', '.join(valid)}"
+    for name, low in MINIMUMS.items():
+        value = get(name)
+        if value is not None and value < low:
+            return f"{name}: must be >= {low}, got {value}"
+    sizes = get("levers.graph_batch_sizes") or []
+    if any(b < 1 for b in sizes):
+        return f"levers.graph_batch_sizes: every size must be >= 1, got {list(sizes)}"
+    util = get("cache.gpu_memory_utilization")
+    if util is not None and not 0.0 < util <= 1.0:
+        return f"cache.gpu_memory_utilization: must be in (0, 1], got {util}"
+    if get("spec.ngram_min_n") > get("spec.ngram_max_n"):
+        return f"spec.ngram_min_n: must be <= spec.ngram_max_n ({get('spec.ngram_max_n')}), got {get('spec.ngram_min_n')}"
+    return None
+
+
 def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="metrale_schema", node=MetraleConfig)

@@ -1,7 +1,8 @@
 """Compose the configuration the same way for the CLI and the library (Hydra compose API).
 
 Overrides are checked against the schema first, so an unknown key or lever gets a message that
-names the valid ones instead of a Hydra traceback.
+names the valid ones instead of a Hydra traceback; the composed values are then checked against
+their ranges and choices (metrale/config.py: CHOICES, MINIMUMS), one line naming the setting.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from metrale.config import MetraleConfig, register_configs
+from metrale.config import MetraleConfig, invalid_setting, register_configs
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -76,9 +77,13 @@ def compose(overrides: list[str] | None = None) -> DictConfig:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            return hydra_compose(config_name="config", overrides=overrides)
+            cfg = hydra_compose(config_name="config", overrides=overrides)
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError(_explain(exc)) from None
+    why = invalid_setting(cfg)
+    if why is not None:
+        raise ConfigError(why)
+    return cfg
 
 
 def _explain(exc: Exception) -> str:
