@@ -141,3 +141,46 @@ def test_api_key_sources(tmp_path):
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(OSError):
         api_key(None, str(tmp_path / "empty"), None)
+
+
+def test_256_streams_half_disconnecting_leave_nothing_running():
+    """256 concurrent streams, half of them hung up after their first chunk: every other one
+    completes with its whole text, and at idle /metrics shows 0 running requests and 0 KV in use."""
+    import asyncio
+    from bench.loadtest import Connection
+
+    engine = fake_engine(num_blocks=4096, **{"scheduler.max_num_seqs": 256})
+    n_tok = 24
+
+    async def one(url, i):
+        conn = Connection(url, {})
+        body = {"prompt": f"p{i:03d}", "max_tokens": n_tok, "temperature": 0.0, "ignore_eos": True, "stream": True}
+        text = ""
+        try:
+            async for payload in conn.post_stream("/v1/completions", body):
+                if payload == b"[DONE]":
+                    break
+                text += json.loads(payload)["choices"][0]["text"]
+                if i % 2:
+                    return None                  # hang up mid-stream
+        finally:
+            conn.close()
+        return text
+
+    with ServerThread(create_app(engine)) as s:
+        async def main():
+            return await asyncio.gather(*(one(s.url, i) for i in range(256)))
+        texts = asyncio.run(main())
+        for i, text in enumerate(texts):
+            if i % 2 == 0:
+                want = reference_continuation(FakeTokenizer().encode(f"p{i:03d}"), n_tok)
+                assert [int(t) for t in re.findall(r"<(\d+)>", text)] == want, i
+        deadline = time.monotonic() + 20
+        while engine.has_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)                          # a gauge update after the last step
+        metrics = httpx.get(s.url + "/metrics").text
+    assert not engine.has_unfinished()
+    assert re.search(r"^metrale_requests_running 0$", metrics, re.M), metrics
+    assert re.search(r"^metrale_kv_cache_usage_ratio 0(\.0)?$", metrics, re.M), metrics
+    engine.blocks.check_no_leaks([])
