@@ -293,6 +293,7 @@ def v2_lite_hf_config(**overrides) -> dict:
 
 def random_hf_tensors(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
     """Random float32 weights under Hugging Face DeepSeek-V3 tensor names."""
+    from metrale.models.loader import deepseek_routing
     rng = np.random.default_rng(seed)
     d, h = cfg["hidden_size"], cfg["num_attention_heads"]
     nope, rope, r, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["kv_lora_rank"], cfg["v_head_dim"]
@@ -321,7 +322,7 @@ def random_hf_tensors(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
         t[a + "kv_b_proj.weight"], t[a + "o_proj.weight"] = lin(h * (nope + vd), r), lin(d, h * vd)
         if e and i >= cfg.get("first_k_dense_replace", 0) and (i - cfg.get("first_k_dense_replace", 0)) % cfg.get("moe_layer_freq", 1) == 0:
             t[p + "mlp.gate.weight"] = lin(e, d)
-            if cfg.get("topk_method") == "noaux_tc":
+            if deepseek_routing(cfg, cfg["model_type"])["topk_method"] == "noaux_tc":
                 t[p + "mlp.gate.e_score_correction_bias"] = (0.05 * rng.standard_normal(e)).astype(np.float32)
             for j in range(e):
                 mlp(p + f"mlp.experts.{j}.", fm)
