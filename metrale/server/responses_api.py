@@ -10,6 +10,7 @@ this server does not keep: they are refused.
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -132,15 +133,28 @@ def _call_item(call) -> dict:
             "arguments": call.arguments, "status": "completed"}
 
 
+def _echo(value: Any) -> Any:
+    """A request field as the response echoes it: JSON-safe (non-finite numbers become null)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _echo(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_echo(v) for v in value]
+    return value
+
+
 def response(resp_id: str, body: dict, model: str, output: list[dict], reason: str | None, usage: dict,
              status: str = "completed") -> dict:
+    body = {k: _echo(body.get(k)) for k in ("instructions", "max_output_tokens", "temperature", "top_p",
+                                             "tool_choice", "tools", "text")}
     incomplete = status == "completed" and reason == "length"
     return {"id": resp_id, "object": "response", "created_at": int(time.time()), "model": model,
             "status": "incomplete" if incomplete else status, "output": output, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
             "parallel_tool_calls": True, "temperature": body.get("temperature"), "top_p": body.get("top_p"),
-            "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+            "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
             "text": body.get("text") or {"format": {"type": "text"}}, "store": False, "metadata": {},
             "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
                       "total_tokens": usage["total_tokens"], "input_tokens_details": {"cached_tokens": 0},
