@@ -595,6 +595,13 @@ class Server:
         return {"object": "list", "data": [card]}
 
 
+def _post_route(handle):
+    """A POST route that hands the raw request to `handle` (bodies are checked by hand: protocol.py)."""
+    async def route(request: Request):
+        return await handle(request)
+    return route
+
+
 def create_app(engine, cfg=None) -> FastAPI:
     """The FastAPI app serving `engine`; settings from cfg.server (default: the engine's config).
     The engine loop starts with the app's lifespan and drains when it ends."""
@@ -633,29 +640,12 @@ def create_app(engine, cfg=None) -> FastAPI:
         log.exception("request failed")
         return JSONResponse(ApiError(500, f"{type(exc).__name__}: {exc}", None, "server_error").body(), 500)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await server.completions(request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await server.chat(request)
-
-    @app.post("/v1/messages")
-    async def anthropic_messages(request: Request):
-        return await anthropic_api.messages(server, request)
-
-    @app.post("/v1/responses")
-    async def responses(request: Request):
-        return await responses_api.responses(server, request)
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        return await server.tokenize(request)
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        return await server.detokenize(request)
+    posts = {"/v1/completions": server.completions, "/v1/chat/completions": server.chat,
+             "/v1/messages": lambda r: anthropic_api.messages(server, r),
+             "/v1/responses": lambda r: responses_api.responses(server, r),
+             "/tokenize": server.tokenize, "/detokenize": server.detokenize}
+    for path, handle in posts.items():
+        app.add_api_route(path, _post_route(handle), methods=["POST"], name=path.strip("/").replace("/", "_"))
 
     @app.get("/v1/models")
     async def models():
