@@ -535,7 +535,7 @@ class Engine:
         parent.outputs = chosen
         if group.hidden:
             self._outbox.extend(StreamDelta(group.request_id, o.text, o.token_ids, o.finish_reason, o.index,
-                                            o.logprobs) for o in chosen)
+                                            o.logprobs, o.stop_reason) for o in chosen)
         if group.request_id in self._collect:
             self._collect[group.request_id] = parent
 

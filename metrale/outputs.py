@@ -20,6 +20,7 @@ class StreamDelta:
     finish_reason: str | None = None   # set on the last delta of this completion
     index: int = 0                 # which completion of the request (0 .. n-1)
     logprobs: list[dict[int, float]] | None = None   # per new token: {id: logprob} (sampled + top-k), if asked
+    stop_reason: int | str | None = None    # on a 'stop' finish: the stop string or stop token id (EOS: None)
 
     @property
     def finished(self) -> bool:
@@ -40,6 +41,7 @@ class RequestOutput:
     cumulative_logprob: float | None = None               # sum of the sampled tokens' logprobs
     prompt_logprobs: list[dict[int, float] | None] | None = None   # per prompt token (the first is None)
     index: int = 0                                        # position in the request's `outputs`
+    stop_reason: int | str | None = None                  # the stop string or stop token id that ended it (EOS: None)
     # the n completions, in order (for n == 1: [self]); the fields above mirror outputs[0]
     outputs: list[RequestOutput] = field(default=None, init=False, repr=False, compare=False)
 

@@ -35,6 +35,7 @@ class RequestState:
         self.max_model_len = max_model_len
         self.sampling = SamplingState(self.params, seq.prompt_token_ids, tokenizer, eos_ids)  # seed, penalties, grammar, logprobs
         self.text = ""          # all text decoded so far (stop string excluded once found)
+        self.stop_reason: int | str | None = None   # as vLLM: the stop string or stop token id that ended it (EOS: None)
         self.emitted = 0        # characters of self.text already streamed
         self.tokens_emitted = 0
         self.t_arrival = time.perf_counter()
@@ -57,6 +58,7 @@ class RequestState:
         seq.output_token_ids.append(token)
         n_out = len(seq.output_token_ids)
         if token in self.stop_ids and n_out > self.params.min_tokens:
+            self.stop_reason = None if token in self.eos_ids else token
             return "stop"
         if self.text_at_end:
             self._undecoded.append(token)
@@ -66,8 +68,8 @@ class RequestState:
             window = self.text[max(0, self.emitted - self.holdback):]
             hits = [(window.find(s), s) for s in self.stops if s in window]
             if hits:
-                idx = min(i for i, _ in hits) + max(0, self.emitted - self.holdback)
-                self.text = self.text[:idx]
+                first, self.stop_reason = min(hits)
+                self.text = self.text[:first + max(0, self.emitted - self.holdback)]
                 return "stop"
         if self.params.max_tokens is not None and n_out >= self.params.max_tokens:
             return "length"
@@ -100,7 +102,8 @@ class RequestState:
         self.tokens_emitted = last
         lps = self.sampling.logprobs
         return StreamDelta(self.public_id, text, toks, finish_reason, self.index,
-                           lps[first:last] if lps is not None else None)
+                           lps[first:last] if lps is not None else None,
+                           self.stop_reason if finish_reason == "stop" else None)
 
     def output(self) -> RequestOutput:
         self._decode_pending()
@@ -113,4 +116,4 @@ class RequestState:
         return RequestOutput(self.seq.request_id, self.seq.prompt,
                              np.asarray(self.seq.prompt_token_ids, dtype=np.int32), self.text,
                              self.seq.output_array(), self.seq.finish_reason or "abort", metrics,
-                             index=self.index, **fields)
+                             index=self.index, stop_reason=self.stop_reason, **fields)

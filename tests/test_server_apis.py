@@ -125,12 +125,12 @@ def _parse(sse: list[str]) -> list[dict]:
 def test_streamed_tool_use_and_thinking_blocks():
     core = _FakeCore([(0, "reasoning", "hm"), (0, "content", "ok"), (0, "tool_call", ToolCall("f", '{"a":1}')),
                       (0, "finish", "stop")])
-    events = _parse(_collect(anthropic_api._events(core, type("CR", (), {"run": _Run()})(), "msg_1")))
+    events = _parse(_collect(anthropic_api._events(core, type("CR", (), {"run": _Run(), "stop_reasons": {}})(), "msg_1")))
     starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
     assert starts == ["thinking", "text", "tool_use"]
     assert [e["index"] for e in events if e["type"] == "content_block_start"] == [0, 1, 2]
     assert events[-2]["delta"]["stop_reason"] == "tool_use" and events[-1]["type"] == "message_stop"
-    r = _parse(_collect(responses_api._events(core, type("CR", (), {"run": _Run()})(), "resp_1", {})))
+    r = _parse(_collect(responses_api._events(core, type("CR", (), {"run": _Run(), "stop_reasons": {}})(), "resp_1", {})))
     assert r[0]["type"] == "response.created" and r[-1]["type"] == "response.completed"
     assert [i["type"] for i in r[-1]["response"]["output"]] == ["reasoning", "message", "function_call"]
     assert [e["sequence_number"] for e in r] == list(range(len(r)))
@@ -162,3 +162,24 @@ def test_tokenize_and_detokenize(srv):
     assert r["tokens"] == FakeTokenizer().encode("abc") and r["count"] == 3
     bad = httpx.post(srv.url + "/detokenize", json={"tokens": [10**9]})
     assert bad.status_code == 400
+
+
+def test_stop_sequences_report_which_one_stopped(srv):
+    """Anthropic's stop_reason 'stop_sequence' with the sequence, from the engine's stop_reason (as
+    vLLM's: the stop string, or the stop token id; None for EOS)."""
+    cont = want("abc", 6)
+    stop = f"<{cont[2]}>"
+    client = anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0)
+    msg = client.messages.create(model="smollm2-135m", max_tokens=6, stop_sequences=[stop, "never"],
+                                 messages=[{"role": "user", "content": "abc"}])
+    assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == stop
+    assert ids(msg.content[0].text) == cont[:2]
+    with client.messages.stream(model="smollm2-135m", max_tokens=6, stop_sequences=[stop],
+                                messages=[{"role": "user", "content": "abc"}]) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == stop
+    engine = srv.engine
+    from metrale import SamplingParams
+    out = engine.generate([FakeTokenizer().encode("abc")], SamplingParams(max_tokens=6, temperature=0.0,
+                                                                         stop_token_ids=[cont[1]]))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == cont[1]

@@ -113,8 +113,17 @@ def _tool_choice(choice: Any) -> Any:
     raise bad("tool_choice", "tool_choice: type must be auto, any, tool (with a name) or none")
 
 
-def stop_reason(reason: str | None, has_calls: bool) -> str:
-    return "tool_use" if has_calls and reason == "stop" else _STOP.get(reason or "stop", "end_turn")
+def stop_reason(reason: str | None, has_calls: bool, stop: int | str | None = None) -> str:
+    if has_calls and reason == "stop":
+        return "tool_use"
+    if reason == "stop" and isinstance(stop, str):
+        return "stop_sequence"
+    return _STOP.get(reason or "stop", "end_turn")
+
+
+def _stop_sequence(cr) -> str | None:
+    stop = cr.stop_reasons.get(0)
+    return stop if isinstance(stop, str) else None
 
 
 def content_blocks(out) -> list[dict]:
@@ -140,9 +149,10 @@ def _arguments(text: str) -> Any:
         return {"_raw": text}
 
 
-def message(msg_id: str, model: str, blocks: list[dict], reason: str | None, usage: dict) -> dict:
+def message(msg_id: str, model: str, blocks: list[dict], reason: str | None, usage: dict,
+            stop_sequence: str | None = None) -> dict:
     return {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": blocks,
-            "stop_reason": reason, "stop_sequence": None,
+            "stop_reason": reason, "stop_sequence": stop_sequence,
             "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}}
 
 
@@ -164,7 +174,8 @@ async def messages(server, request: Request):
         return error_response(exc)
     out = outs[0]
     return JSONResponse(message(msg_id, server.model_name, content_blocks(out),
-                                stop_reason(reasons[0], bool(out.tool_calls)), cr.run.usage()))
+                                stop_reason(reasons[0], bool(out.tool_calls), cr.stop_reasons.get(0)), cr.run.usage(),
+                                _stop_sequence(cr)))
 
 
 def _sse(kind: str, data: dict) -> str:
@@ -217,6 +228,7 @@ async def _events(server, cr, msg_id: str) -> AsyncIterator[str]:
         yield _sse("content_block_delta", {"index": index, "delta": delta})
     if open_kind:
         yield stop()
-    yield _sse("message_delta", {"delta": {"stop_reason": stop_reason(reason, calls > 0), "stop_sequence": None},
+    yield _sse("message_delta", {"delta": {"stop_reason": stop_reason(reason, calls > 0, cr.stop_reasons.get(0)),
+                                           "stop_sequence": _stop_sequence(cr)},
                                  "usage": {"output_tokens": cr.run.usage()["completion_tokens"]}})
     yield _sse("message_stop", {})

@@ -17,7 +17,7 @@ import secrets
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 import numpy as np
@@ -181,7 +181,8 @@ def _coalesce(ready: list[tuple[int, StreamDelta]]) -> list[tuple[int, StreamDel
         prev = out[at][1]
         lps = None if prev.logprobs is None and d.logprobs is None else (prev.logprobs or []) + (d.logprobs or [])
         out[at] = (c, StreamDelta(d.request_id, prev.text + d.text,
-                                  np.concatenate([prev.token_ids, d.token_ids]), d.finish_reason, d.index, lps))
+                                  np.concatenate([prev.token_ids, d.token_ids]), d.finish_reason, d.index, lps,
+                                  d.stop_reason))
     return out
 
 
@@ -191,6 +192,7 @@ class ChatRun:
     run: Run
     req: ApiRequest
     parsers: list[ChatOutputParser]
+    stop_reasons: dict[int, int | str | None] = field(default_factory=dict)   # choice -> what stopped it
 
 
 class _SSE(StreamingResponse):
@@ -461,6 +463,8 @@ class Server:
                 c, delta = await cr.run.next(request)
                 outs[c].add(cr.parsers[c].feed(delta.text))
                 reasons[c] = delta.finish_reason or reasons[c]
+                if delta.finished:
+                    cr.stop_reasons[c] = delta.stop_reason
         finally:
             cr.run.close()
         for reason in reasons:
@@ -482,6 +486,7 @@ class Server:
                 for kind, value in parser.feed(delta.text) + (parser.finish() if delta.finished else []):
                     yield c, kind, value
                 if delta.finished:
+                    cr.stop_reasons[c] = delta.stop_reason
                     yield c, "finish", delta.finish_reason
 
     async def chat(self, request: Request):
