@@ -138,6 +138,7 @@ class ServerConfig:
     api_key_file: Optional[str] = None   # a file holding the API key (also: env METRALE_API_KEY); keeps it out of `ps`
     max_json_depth: int = 64             # request bodies nesting arrays/objects deeper get 400
     read_timeout_s: float = 30.0         # a request body not received within this gets 408
+    header_timeout_s: float = 10.0       # a connection whose first request's headers take longer is closed
     allow_client_chat_template: bool = False   # let requests send their own Jinja chat template
 
 

@@ -64,7 +64,8 @@ from metrale.server.serve import api_key
 
 @pytest.fixture(scope="module")
 def srv():
-    engine = fake_engine(num_blocks=512, **{"server.read_timeout_s": 0.5, "scheduler.max_num_seqs": 8})
+    engine = fake_engine(num_blocks=512, **{"server.read_timeout_s": 0.5, "server.header_timeout_s": 0.5,
+                                            "scheduler.max_num_seqs": 8})
     with ServerThread(create_app(engine)) as s:
         s.engine = engine
         yield s
@@ -123,6 +124,17 @@ def test_a_half_sent_body_times_out_with_408(srv):
                   b"Content-Length: 100\r\n\r\n{\"prompt\":")
         reply = s.recv(4096)
     assert reply.startswith(b"HTTP/1.1 408"), reply[:80]
+    assert _post(srv, {"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_connections_that_never_finish_their_headers_are_closed(srv):
+    for first in (b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"):     # silent, and slowloris
+        with socket.create_connection((srv.host, srv.port), timeout=10) as s:
+            if first:
+                s.sendall(first)
+            t0 = time.monotonic()
+            assert s.recv(4096) == b""            # the server closed it
+            assert time.monotonic() - t0 < 5
     assert _post(srv, {"prompt": "hi", "max_tokens": 2}).status_code == 200
 
 

@@ -47,6 +47,32 @@ class MetraleServer(uvicorn.Server):
         getattr(self, "_captured_signals", []).clear()
 
 
+def http_protocol(header_timeout_s: float):
+    """uvicorn's HTTP protocol class (httptools when installed, else h11) closing a connection
+    whose first request's headers have not arrived within header_timeout_s: uvicorn itself times
+    out only idle keep-alive connections, so a client that never finishes its headers (or never
+    sends any) would hold a connection forever."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:  # pragma: no cover - httptools is a dependency
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+
+    class HeaderTimeoutProtocol(base):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._header_timer = self.loop.call_later(header_timeout_s, self._close_if_no_request)
+
+        def _close_if_no_request(self):
+            if self.cycle is None and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_lost(self, exc):
+            self._header_timer.cancel()
+            super().connection_lost(exc)
+
+    return HeaderTimeoutProtocol
+
+
 class ServerThread:
     """The app under uvicorn in a background thread on a loopback port (tests, benchmarks).
 
@@ -62,7 +88,8 @@ class ServerThread:
         self.host, self.port = self.sock.getsockname()[:2]
         server = app.state.server
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=5, loop=loop)
+                                timeout_graceful_shutdown=5, loop=loop,
+                                http=http_protocol(server.scfg.header_timeout_s))
         grace = server.scfg.shutdown_grace_s if grace_s is None else grace_s
         self.server = MetraleServer(config, app.state.engine_loop, grace)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
@@ -126,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{engine.load_seconds:.2f} s) at http://{s.host}:{s.port}/v1"
           f"{' (API key required)' if s.api_key else ''}", file=sys.stderr)
     config = uvicorn.Config(app, host=s.host, port=s.port, log_level=_uvicorn_level(level),
-                            access_log=s.access_log, lifespan="on", timeout_graceful_shutdown=5)
+                            access_log=s.access_log, lifespan="on", timeout_graceful_shutdown=5,
+                            http=http_protocol(s.header_timeout_s))
     MetraleServer(config, app.state.engine_loop, s.shutdown_grace_s).run()
     return 0
 
