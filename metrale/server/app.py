@@ -29,6 +29,7 @@ from metrale.outputs import StreamDelta
 from metrale.sampling.params import InvalidRequestError
 from metrale.server.logprobs import CompletionLogprobs, TokenText, chat_content
 from metrale.server import anthropic_api, responses_api
+from metrale.server.openapi_bodies import openapi_extra
 from metrale.server.chat_input import encode_masked, mask_special_text
 from metrale.driver import EngineLoop, ServerDraining
 from metrale.server.parsing import (ChatOutputParser, ParsedChat, inline_tools, template_knows_tools,
@@ -650,7 +651,8 @@ def create_app(engine, cfg=None) -> FastAPI:
              "/v1/responses": lambda r: responses_api.responses(server, r),
              "/tokenize": server.tokenize, "/detokenize": server.detokenize}
     for path, handle in posts.items():
-        app.add_api_route(path, _post_route(handle), methods=["POST"], name=path.strip("/").replace("/", "_"))
+        app.add_api_route(path, _post_route(handle), methods=["POST"], name=path.strip("/").replace("/", "_"),
+                          openapi_extra=openapi_extra(path))
 
     @app.get("/v1/models")
     async def models():
