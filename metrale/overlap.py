@@ -45,15 +45,30 @@ class AheadLoop:
                 and len(states) == len(scheduled) and all(s.num_tokens == 1 and not s.draft for s in scheduled)
                 and e.sampler.plain_greedy(states))
 
-    def _continues(self, seq: Sequence) -> bool:
-        """Whether seq gets a row in the step after its pending one: running, and its pending token
-        cannot end it by length (max_tokens, the context)."""
+    def _next_rows(self, cur: Inflight) -> list[tuple[int, Sequence]] | None:
+        """(row in cur, sequence) of the step after cur, or None when it cannot run ahead: a
+        sequence that goes on but needs the host first (not plain greedy any more), a request
+        waiting for admission, or a block that cannot be had (every row runs ahead or none)."""
         e = self.engine
-        if seq.is_finished or seq.request_id not in e.requests:
-            return False
+        if e.scheduler.waiting:
+            return None
+        rows = []
+        for i, seq in enumerate(cur.seqs):
+            state = e.requests.get(seq.request_id)
+            if seq.is_finished or state is None or self._ends_with_pending(seq):
+                continue                      # it ends at cur: no row after it
+            if not e.sampler.plain_greedy([state]):
+                return None
+            rows.append((i, seq))
+        if not rows or not all(e.blocks.grow(s, s.num_tokens + 1) for _, s in rows):
+            return None
+        return rows
+
+    def _ends_with_pending(self, seq: Sequence) -> bool:
+        """Whether the token cur computes for seq ends it by length (max_tokens, the context)."""
         n_out = len(seq.output_token_ids) + 1
         max_tokens = seq.params.max_tokens
-        return (max_tokens is None or n_out < max_tokens) and seq.num_tokens + 1 < e.max_model_len
+        return (max_tokens is not None and n_out >= max_tokens) or seq.num_tokens + 1 >= self.engine.context_len
 
     # ------------------------------------------------------------------ the loop
     def start(self, seqs: list[Sequence], batch) -> list[StreamDelta]:
@@ -63,11 +78,10 @@ class AheadLoop:
 
     def advance(self) -> list[StreamDelta]:
         """Queues the next step if it can run ahead, then reads and commits the one in flight."""
-        e, cur = self.engine, self.inflight
+        cur = self.inflight
         nxt = None
-        rows = [(i, s) for i, s in enumerate(cur.seqs) if self._continues(s)]
-        # every continuing row runs ahead, or none does (a row left out would wait for the drain)
-        if rows and not e.scheduler.waiting and all(e.blocks.grow(s, s.num_tokens + 1) for _, s in rows):
+        rows = self._next_rows(cur)
+        if rows is not None:
             nxt = self._launch(rows, cur)
             self.steps_ahead += 1
         tokens = cur.handle.tokens()
