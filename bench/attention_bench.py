@@ -41,7 +41,7 @@ def main() -> None:
     from bench.records import make_record, write_records
     from kernels_numba import attention as A
     from kernels_numba import flash_prefill as F
-    from kernels_numba.init import fill_normal_bf16
+    from kernels_numba.random_init import fill_normal_bf16
 
     def time_launches(launch):
         return timing.time_launches(lambda _: launch(), 1, ITERS, WARMUP)

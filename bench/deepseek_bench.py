@@ -30,7 +30,7 @@ def mla_decode_rate(batch: int, context: int, heads: int = 16, r: int = 512, rop
 
     from bench.timing import time_launches
     from kernels_numba import mla
-    from kernels_numba.init import fill_normal_bf16
+    from kernels_numba.random_init import fill_normal_bf16
     dk = r + rope
     per = -(-context // BS)
     cache = cuda.device_array((batch * per, BS, dk), np.uint16)
@@ -55,7 +55,7 @@ def moe_layer_rate(batch: int, d: int = 2048, f: int = 1408, experts: int = 64, 
 
     from bench.timing import time_launches
     from kernels_numba import activation, gemm, moe
-    from kernels_numba.init import fill_normal_bf16
+    from kernels_numba.random_init import fill_normal_bf16
     rng = np.random.default_rng(1)
 
     def weights(shape, seed, std):

@@ -45,7 +45,7 @@ def _cfg(graphs: bool, max_seqs: int = 64, max_len: int = 512):
 
 def _lite_config(layers: int):
     from metrale.models import deepseek as DS
-    from metrale.models.loader import deepseek_model_config
+    from metrale.models.checkpoint import deepseek_model_config
     return deepseek_model_config(DS.v2_lite_hf_config(num_hidden_layers=layers))
 
 
@@ -65,7 +65,7 @@ class CudaSide:
         self.comm = Nccl4pyCommunicator.create(rank, world, uid)
 
     def tiny(self, ep=None):
-        from metrale.models.loader import load_deepseek_dir
+        from metrale.models.checkpoint import load_deepseek_dir
         from metrale.runtime.cuda_deepseek import DeepseekCudaBackend
         config, _, stream = load_deepseek_dir(Path(self.ckpt), None if ep is None else ep.expert_range)
         return DeepseekCudaBackend(config, stream(), cfg=_cfg(graphs=False), ep=ep)

@@ -37,7 +37,7 @@ def main() -> None:
     from bench.records import make_record
     from kernels_numba import gemm
     from kernels_numba.convert import x_to_bf16
-    from kernels_numba.init import fill_normal_bf16
+    from kernels_numba.random_init import fill_normal_bf16
     from metrale.runtime.cuda import CudaGraph, Event, Stream
     from metrale.runtime.cuda.cublaslt import WORKSPACE_BYTES, CublasLt, available
 

@@ -259,7 +259,7 @@ def write_gguf(path: str | Path, config: ModelConfig, tensors: Iterable[tuple[st
 
 def export_model(src: str, out: str | Path, dtype: str = BF16, fields: dict[str, tuple] | None = None) -> dict:
     """Re-write a model metrale can load (preset, .gguf or HF dir) as a GGUF llama.cpp loads."""
-    from metrale.models.loader import load_gguf, load_hf_dir, random_model_config, random_weights
+    from metrale.models.checkpoint import load_gguf, load_hf_dir, random_model_config, random_weights
     from metrale.models.registry import resolve_model
     t0 = time.perf_counter()
     source = resolve_model(src)
@@ -317,7 +317,7 @@ def random_bf16_tensors(config: ModelConfig, seed: int = 0, pool_size: int = (1 
 
 def write_random_gguf(out: str | Path, shape: str | ModelConfig, fields: dict[str, tuple], seed: int = 0) -> dict:
     """A random-weight BF16 GGUF of a conf/models/*-shape.yaml preset (or a ModelConfig)."""
-    from metrale.models.loader import random_model_config
+    from metrale.models.checkpoint import random_model_config
     from metrale.models.registry import resolve_model
     t0 = time.perf_counter()
     if isinstance(shape, ModelConfig):

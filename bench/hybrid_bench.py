@@ -26,7 +26,7 @@ COPY_BYTES_S = 4.25e12
 
 
 def make_backend(model: str, max_batch: int, overrides: list[str] = ()):
-    from metrale.models.load import load_model
+    from metrale.models.assemble import load_model
     from metrale.settings import compose
     cfg = compose([f"model={model}", "device=cuda", f"scheduler.max_num_seqs={max(max_batch, 1)}",
                    "scheduler.max_num_batched_tokens=4096", "scheduler.max_model_len=8192",

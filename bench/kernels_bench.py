@@ -48,7 +48,7 @@ def main() -> None:
 
     from bench import timing
     from kernels_numba import attention as A
-    from kernels_numba.init import fill_normal_bf16
+    from kernels_numba.random_init import fill_normal_bf16
 
     def time_launches(launch, n_rot=1):
         return timing.time_launches(launch, n_rot, ITERS, WARMUP)

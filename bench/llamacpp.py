@@ -438,7 +438,7 @@ def batched_bench(bins: dict, gguf: Path, ngl: int, npl=NPL, npp=NPP, ntg=NTG, t
 # ------------------------------------------------------------------------------ metrale's equivalents
 
 def metrale_backend(gguf: str, device: str, max_batch: int, blocks: int, max_tokens: int = 4096):
-    from metrale.models.load import load_model
+    from metrale.models.assemble import load_model
     from metrale.settings import compose
     cfg = compose([f"model={gguf}", f"device={device}", f"scheduler.max_num_seqs={max_batch}",
                    f"scheduler.max_num_batched_tokens={max_tokens}", "scheduler.max_model_len=8192",
@@ -653,7 +653,7 @@ def tokenizer_source(w: Work, smol: Path | None) -> str | None:
 
 def _gguf_bytes(how: dict) -> int:
     """About how large a model's BF16 GGUF is."""
-    from metrale.models.loader import random_model_config
+    from metrale.models.checkpoint import random_model_config
     from metrale.models.registry import resolve_model
     if "shape" not in how:
         return 300 * 10**6

@@ -67,7 +67,7 @@ class Engine:
         self.cfg = cfg
         t0 = time.perf_counter()
         if parts is None:
-            from metrale.models.load import load_model
+            from metrale.models.assemble import load_model
             parts = load_model(cfg)
         self.model_config, self.tokenizer, self.backend = parts
         self.load_seconds = time.perf_counter() - t0
@@ -135,7 +135,7 @@ class Engine:
         self.ahead = AheadLoop(self) if cfg.levers.overlap and getattr(self.backend, "supports_overlap", False) else None
 
     def _load_draft_backend(self, model: str):
-        from metrale.models.load import load_draft_backend
+        from metrale.models.assemble import load_draft_backend
         return load_draft_backend(self.cfg, model, num_blocks=self.backend.num_blocks,
                                   vocab_size=self.model_config.vocab_size)
 

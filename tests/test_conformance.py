@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from metrale.models.load import _load_hf
+from metrale.models.assemble import _load_hf
 from metrale.runtime.batch import Segment, build_batch
 
 FIXTURES = Path(__file__).parent / "fixtures" / "conformance"

@@ -11,7 +11,7 @@ from kernels_numba.gdn import (causal_conv1d_ref, gated_delta_chunked_ref, gated
                                l2norm_ref)
 from metrale.cache.state_slots import StateSlots
 from metrale.models.hybrid import hybrid_model_config, random_hf_hybrid_tensors
-from metrale.models.loader import load_hf_dir
+from metrale.models.checkpoint import load_hf_dir
 from metrale.runtime.batch import Segment, build_batch
 from metrale.runtime.numpy_backend import NumpyBackend
 
@@ -356,7 +356,7 @@ def test_state_norm_bound(tiny):
 
 
 def test_random_hybrid_weights_run_in_float32():
-    from metrale.models.loader import random_weights
+    from metrale.models.checkpoint import random_weights
     config = hybrid_model_config(qwen3_next_cfg())
     be = NumpyBackend(config, random_weights(config, 1), num_blocks=64, block_size=BS)
     out = run(be, [Segment(prompt(6), 0, table(0, 8), state_slot=0), Segment(prompt(3, 1), 0, table(1, 8), state_slot=1)])

@@ -18,7 +18,7 @@ from conftest import scratch_blocks
 from bench import gguf_export as ge
 from bench import llamacpp as lc
 from metrale.models.config import ModelConfig
-from metrale.models.loader import load_gguf, load_hf_dir, random_weights
+from metrale.models.checkpoint import load_gguf, load_hf_dir, random_weights
 from metrale.models.tokenizer import Tokenizer, bytes_to_unicode, read_gguf_fields
 from metrale.runtime.batch import Segment, build_batch
 from metrale.runtime.numpy_backend import NumpyBackend

@@ -12,7 +12,7 @@ import pytest
 from metrale import Engine
 from metrale.models.config import ModelConfig
 from metrale.models.deepseek import tiny_deepseek_hf_config
-from metrale.models.loader import deepseek_model_config, hf_model_config, load_gguf
+from metrale.models.checkpoint import deepseek_model_config, hf_model_config, load_gguf
 from test_loaders import CFG, hf_weights, write_gguf, write_hf_dir
 
 
@@ -74,7 +74,7 @@ def test_cuda_refuses_a_context_past_the_window():
 
 def test_engine_on_cuda_refuses_before_loading_weights(tmp_path):
     """make_backend refuses on device=cuda before any CUDA import (so this runs on CPU)."""
-    from metrale.models.load import make_backend
+    from metrale.models.assemble import make_backend
     from metrale.settings import compose
     c = hf_model_config({**CFG, "model_type": "mistral", "sliding_window": 32})
     with pytest.raises(ValueError, match="sliding_window"):

@@ -13,7 +13,7 @@ import pytest
 
 from metrale.models.deepseek import tiny_deepseek_hf_config
 from metrale.models.hybrid import hybrid_model_config
-from metrale.models.loader import deepseek_model_config, hf_model_config, load_gguf, load_hf_dir
+from metrale.models.checkpoint import deepseek_model_config, hf_model_config, load_gguf, load_hf_dir
 from metrale.models.rope import model_rope
 from test_gdn import qwen3_next_cfg
 from test_loaders import CFG, hf_weights, logits, write_gguf, write_hf_dir
@@ -205,7 +205,7 @@ def test_gguf_unknown_scaling_type_is_refused(tmp_path, weights):
 
 
 def test_gguf_factor_without_a_type_is_linear_as_in_llama_cpp():
-    from metrale.models.loader import gguf_rope_scaling
+    from metrale.models.checkpoint import gguf_rope_scaling
     assert gguf_rope_scaling({"llama.rope.scaling.factor": 4.0}, "llama") == {"rope_type": "linear", "factor": 4.0}
     assert gguf_rope_scaling({"llama.rope.scale_linear": 2.0}, "llama") == {"rope_type": "linear", "factor": 2.0}
     assert gguf_rope_scaling({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0}, "llama") is None
@@ -218,7 +218,7 @@ def test_gguf_factor_without_a_type_is_linear_as_in_llama_cpp():
 def test_gguf_export_writes_the_scaling_back(tmp_path, scaling):
     from dataclasses import replace
     from bench import gguf_export as ge
-    from metrale.models.loader import random_weights
+    from metrale.models.checkpoint import random_weights
     from test_gguf_export import TINY, export
     config = replace(TINY, extra={"rope_scaling": scaling})
     back, _, _ = load_gguf(export(tmp_path, config, list(random_weights(config, seed=3)), ge.F32))
@@ -235,7 +235,7 @@ def test_gguf_export_refuses_what_it_cannot_write(tmp_path):
 
 
 def test_shape_presets_may_carry_a_scaling():
-    from metrale.models.loader import random_model_config
+    from metrale.models.checkpoint import random_model_config
     preset = {"architecture": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
               "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "rope_theta": 500000.0, "max_position": 128}
     assert random_model_config(preset, "p").extra["rope_scaling"] is None

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from metrale import Engine, SamplingParams
-from metrale.models.loader import load_gguf, load_hf_dir
+from metrale.models.checkpoint import load_gguf, load_hf_dir
 from metrale.runtime.batch import Segment, build_batch
 from metrale.runtime.numpy_backend import NumpyBackend
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from metrale.models import deepseek as DS
-from metrale.models.loader import deepseek_model_config, is_deepseek_config, load_deepseek_dir
+from metrale.models.checkpoint import deepseek_model_config, is_deepseek_config, load_deepseek_dir
 from metrale.runtime.batch import Segment, build_batch
 
 BS = 4
@@ -140,7 +140,7 @@ def test_engine_runs_the_deepseek_backend(ckpt):
 
 
 def test_engine_loads_a_deepseek_directory_by_path(ckpt):
-    """model=<directory> picks the DeepSeek reader and backend from config.json (load.py)."""
+    """model=<directory> picks the DeepSeek reader and backend from config.json (models/assemble.py)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from metrale import Engine, SamplingParams
     vocab_size = json.loads((ckpt / "config.json").read_text())["vocab_size"]

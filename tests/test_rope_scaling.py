@@ -163,7 +163,7 @@ def test_freq_factors_divide_the_frequencies():
 # ------------------------------------------------ one table for the NumPy and the CUDA backends
 
 def numpy_backend_cos_sin(config: ModelConfig, positions: np.ndarray):
-    from metrale.models.loader import random_weights
+    from metrale.models.checkpoint import random_weights
     from metrale.runtime.batch import Segment, build_batch
     from metrale.runtime.numpy_backend import NumpyBackend
     be = NumpyBackend(config, random_weights(config, seed=0), num_blocks=4, block_size=16)

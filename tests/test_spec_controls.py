@@ -204,7 +204,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 @pytest.fixture(scope="module")
 def smol_tokenizer():
-    from metrale.models.load import _default_tokenizer
+    from metrale.models.assemble import _default_tokenizer
     tok = _default_tokenizer()
     if not hasattr(getattr(tok, "backend", None), "to_str"):
         pytest.skip("SmolLM2's tokenizer is not installed")

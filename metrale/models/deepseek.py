@@ -29,7 +29,7 @@ import numpy as np
 from kernels_numba.moe import RouteConfig, route_ref
 from metrale.models.config import ModelConfig
 from metrale.models.llama import Ops
-from metrale.models.loader import WeightStream
+from metrale.models.checkpoint import WeightStream
 from metrale.models.rope import model_rope, rope_type, yarn_mscale
 from metrale.parallel.ep import combine_slots
 from metrale.runtime.batch import ForwardBatch
@@ -293,7 +293,7 @@ def v2_lite_hf_config(**overrides) -> dict:
 
 def random_hf_tensors(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
     """Random float32 weights under Hugging Face DeepSeek-V3 tensor names."""
-    from metrale.models.loader import deepseek_routing
+    from metrale.models.checkpoint import deepseek_routing
     rng = np.random.default_rng(seed)
     d, h = cfg["hidden_size"], cfg["num_attention_heads"]
     nope, rope, r, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["kv_lora_rank"], cfg["v_head_dim"]
@@ -372,7 +372,7 @@ def greedy_generate(backend, prompt: list[int], max_new_tokens: int, chunk: int 
 def load_deepseek_backend(path: Path, *, num_blocks: int, block_size: int = 16, dtype: str = "float32",
                           mla_mode: str = "auto", ep=None) -> DeepseekBackend:
     """A DeepseekBackend from a checkpoint directory; with `ep`, only that rank's experts load."""
-    from metrale.models.loader import load_deepseek_dir
+    from metrale.models.checkpoint import load_deepseek_dir
     config, _, stream = load_deepseek_dir(Path(path), None if ep is None else ep.expert_range)
     return DeepseekBackend(config, stream(), num_blocks=num_blocks, block_size=block_size, dtype=dtype,
                            mla_mode=mla_mode, ep=ep)

@@ -187,7 +187,7 @@ def random_hf_hybrid_tensors(config: ModelConfig, seed: int = 0) -> dict[str, np
 
 
 def random_hybrid_weights(config: ModelConfig, seed: int = 0):
-    """Canonical random weights of a hybrid config (what loader.random_weights yields for one)."""
+    """Canonical random weights of a hybrid config (what checkpoint.random_weights yields for one)."""
     t = random_hf_hybrid_tensors(config, seed)
     return hybrid_weight_stream(config, t.__getitem__, t.__contains__)
 

@@ -20,10 +20,10 @@ from numba.cuda.cudadrv.driver import device_memset
 from kernels_numba import (activation, argmax, attention, convert, embedding, flash_decode, flash_prefill, gemm, pdl,
                            qkv, rmsnorm)
 from kernels_numba.bf16 import to_bf16_bits
-from kernels_numba.init import fill_normal_bf16
+from kernels_numba.random_init import fill_normal_bf16
 from metrale.models.config import ModelConfig, refuse_window_beyond
 from metrale.models.llama import llama_forward
-from metrale.models.loader import WeightStream
+from metrale.models.checkpoint import WeightStream
 from metrale.models.rope import model_rope, model_rotary_dim
 from metrale.runtime.batch import ForwardBatch, Segment, build_batch
 from metrale.runtime.cuda import CudaGraph, DevicePool, Event, Stream, cu, free_device_memory, kv_pool_bytes

@@ -31,11 +31,11 @@ from omegaconf import OmegaConf
 
 from kernels_numba import activation, argmax, gemm, mla, moe, qkv, rmsnorm
 from kernels_numba.bf16 import to_bf16_bits
-from kernels_numba.init import fill_normal_bf16
+from kernels_numba.random_init import fill_normal_bf16
 from kernels_numba.rope import rope_inplace
 from metrale.models.config import ModelConfig
 from metrale.models.deepseek import deepseek_forward, deepseek_softmax_scale, route_config
-from metrale.models.loader import WeightStream
+from metrale.models.checkpoint import WeightStream
 from metrale.runtime.cuda_backend import CudaBackend, CudaOps, Geometry, _ptr
 
 PAD = 64        # GEMM output rows are padded to this (the router's E)

@@ -26,10 +26,10 @@ from kernels_numba.bf16 import to_bf16_bits
 from kernels_numba.flash_prefill import flash_config
 from kernels_numba.gdn import (causal_conv1d, gdn_chunked, gdn_recurrent, record_trail, rms_norm_gated,
                                sigmoid_mul, state_norm_clamp)
-from kernels_numba.init import fill_normal_bf16
+from kernels_numba.random_init import fill_normal_bf16
 from metrale.models.config import ModelConfig
 from metrale.models.llama import llama_forward
-from metrale.models.loader import WeightStream
+from metrale.models.checkpoint import WeightStream
 from metrale.runtime.batch import ForwardBatch
 from metrale.runtime.cuda import Arena
 from metrale.runtime.cuda.state_pool import DeviceStatePool, budget

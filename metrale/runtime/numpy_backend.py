@@ -9,7 +9,7 @@ import numpy as np
 
 from metrale.models.config import ModelConfig
 from metrale.models.llama import llama_forward
-from metrale.models.loader import WeightStream
+from metrale.models.checkpoint import WeightStream
 from metrale.models.rope import model_rope
 from metrale.runtime.backend import ReadyTokens, feed_tokens
 from metrale.runtime.batch import ForwardBatch

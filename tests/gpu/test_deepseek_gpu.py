@@ -6,7 +6,7 @@ import pytest
 
 from kernels_numba.bf16 import bf16_round
 from metrale.models import deepseek as DS
-from metrale.models.loader import deepseek_model_config, load_deepseek_dir
+from metrale.models.checkpoint import deepseek_model_config, load_deepseek_dir
 from metrale.runtime.batch import Segment, build_batch
 from metrale.settings import compose
 
@@ -136,7 +136,7 @@ def test_graphs_on_equals_graphs_off(ckpt):
 
 
 def test_make_backend_sends_mla_to_cuda(ckpt):
-    from metrale.models.load import make_backend
+    from metrale.models.assemble import make_backend
     from metrale.runtime.cuda_deepseek import DeepseekCudaBackend
     config, _, stream = load_deepseek_dir(ckpt)
     be = make_backend("cuda", cfg(), config, stream)

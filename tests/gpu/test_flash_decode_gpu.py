@@ -87,7 +87,7 @@ def _time(fn, n_rot, iters=20):
 
 def test_flash_decode_timing():
     """Llama-3-8B shape, B = 1/32/128 x ctx 512/1024/4096: us and TB/s of K+V, both kernels."""
-    from kernels_numba.init import fill_normal_bf16
+    from kernels_numba.random_init import fill_normal_bf16
 
     hq, hk, hd = LLAMA["hq"], LLAMA["hk"], LLAMA["hd"]
     rng = np.random.default_rng(0)

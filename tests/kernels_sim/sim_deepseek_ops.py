@@ -12,7 +12,7 @@ from kernels_numba import gemm, mla, moe
 from kernels_numba.bf16 import bf16_round
 from metrale.models import deepseek as DS
 from metrale.models.deepseek import deepseek_forward
-from metrale.models.loader import deepseek_model_config
+from metrale.models.checkpoint import deepseek_model_config
 from metrale.runtime.batch import Segment, build_batch
 from metrale.runtime.cuda_backend import CudaBackend, Geometry
 from metrale.runtime.cuda_deepseek import DeepseekCudaBackend, DeepseekCudaOps, activation_plan, prepare_weights
@@ -90,7 +90,7 @@ class SimBackend:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from metrale.models.loader import load_deepseek_dir
+    from metrale.models.checkpoint import load_deepseek_dir
     hf = DS.tiny_cuda_deepseek_hf_config(num_hidden_layers=1, first_k_dense_replace=0)   # one MLA + MoE layer
     path = DS.write_random_checkpoint(tmp_path_factory.mktemp("ds"), hf, seed=3)
     config, _, stream = load_deepseek_dir(path)

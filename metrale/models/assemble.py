@@ -1,0 +1,115 @@
+"""Assembling a model: config + tokenizer + a backend holding the weights, from a preset or a path (load_model)."""
+from __future__ import annotations
+
+import logging
+import time
+
+from metrale.models.config import ModelConfig, refuse_window_beyond
+from metrale.models.checkpoint import load_gguf, load_hf_dir, random_model_config, random_weights
+from metrale.models.registry import resolve_model
+from metrale.models.tokenizer import Tokenizer
+from metrale.runtime.select import resolve_device
+
+log = logging.getLogger("metrale")
+
+
+def load_model(cfg) -> tuple[ModelConfig, Tokenizer, object]:
+    source = resolve_model(cfg.model)
+    t0 = time.perf_counter()
+    if source.kind == "gguf":
+        config, fields, weights = load_gguf(source.path)
+        tokenizer = Tokenizer.from_gguf(fields)
+    elif source.kind == "hf":
+        config, _, weights = _load_hf(source.path)
+        tokenizer = Tokenizer.from_pretrained_dir(source.path)
+    else:
+        config = random_model_config(source.preset, source.name)
+        tokenizer = _default_tokenizer()
+        weights = None   # each backend builds its own (the CUDA one on the device)
+    if source.kind in ("gguf", "hf"):   # a random preset borrows a tokenizer: its ids are not the model's
+        refuse_tokenizer_beyond_vocab(tokenizer.vocab_size, config)
+    device = resolve_device(cfg.device)
+    backend = make_backend(device, cfg, config, weights)
+    log.info("loaded %s on %s in %.2f s", source.name, device, time.perf_counter() - t0)
+    return config, tokenizer, backend
+
+
+def refuse_tokenizer_beyond_vocab(tokenizer_ids: int, config: ModelConfig) -> None:
+    """A tokenizer that can produce ids the embedding and LM head do not have would fail (or read
+    garbage) at the first such token: refuse it at load. Fewer tokenizer ids than rows is normal
+    (padded vocabularies)."""
+    if tokenizer_ids > config.vocab_size:
+        raise ValueError(f"{config.name or config.architecture}: the tokenizer has {tokenizer_ids} ids (added tokens "
+                         f"included) but the model's vocabulary has {config.vocab_size}: ids >= {config.vocab_size} "
+                         f"have no embedding; resize the model's embeddings or use its own tokenizer")
+
+
+def _default_tokenizer():
+    """Random-weight presets still need text in and out: borrow the embedded model's tokenizer,
+    or bytes when that package is not installed."""
+    from metrale.models.checkpoint import _gguf_reader
+    from metrale.models.registry import ModelNotFoundError
+    from metrale.models.tokenizer import ByteTokenizer, read_gguf_fields
+    try:
+        path = resolve_model("smollm2-135m").path
+    except ModelNotFoundError:
+        return ByteTokenizer()
+    return Tokenizer.from_gguf(read_gguf_fields(_gguf_reader(path)))
+
+
+def _load_hf(path):
+    """An HF directory: the DeepSeek family (MLA/MoE) has its own reader, the rest is Llama-like."""
+    import json
+    from metrale.models.checkpoint import is_deepseek_config, load_deepseek_dir
+    if is_deepseek_config(json.loads((path / "config.json").read_text())):
+        return load_deepseek_dir(path)
+    return load_hf_dir(path)
+
+
+def make_backend(device: str, cfg, config: ModelConfig, weights):
+    block_size = int(cfg.cache.block_size)
+    if device == "cuda" and config.is_mla:   # DeepSeek-V2/V3: latent cache, MLA + MoE kernels
+        from metrale.runtime.cuda_deepseek import DeepseekCudaBackend
+        return DeepseekCudaBackend(config, weights() if weights else None, cfg=cfg, random_seed=int(cfg.seed))
+    if device == "cuda" and config.is_hybrid and not config.is_moe:   # Gated DeltaNet + attention (docs/hybrid.md)
+        from metrale.runtime.cuda_hybrid import HybridCudaBackend
+        return HybridCudaBackend(config, weights() if weights else None, cfg=cfg, random_seed=int(cfg.seed))
+    if device == "cuda" and (config.is_mla or config.is_hybrid or config.is_moe):
+        raise ValueError(f"{config.name or config.architecture}: MLA, MoE and hybrid (Gated DeltaNet) models "
+                         f"run on the NumPy backend only so far; use device=cpu")
+    if config.is_mla:
+        from metrale.models.deepseek import DeepseekBackend
+        num_blocks = cfg.cache.num_blocks or max(1, cfg.cache.cpu_kv_tokens // block_size)
+        return DeepseekBackend(config, weights(), num_blocks=int(num_blocks), block_size=block_size,
+                               dtype=cfg.levers.numpy_dtype)
+    if device == "cuda":   # refused before any weight reaches the device (CudaBackend checks it too)
+        refuse_window_beyond(config, min(config.max_position, cfg.scheduler.max_model_len or config.max_position))
+        from metrale.runtime.cuda_backend import CudaBackend
+        return CudaBackend(config, weights() if weights else None, cfg=cfg, random_seed=int(cfg.seed))
+    from metrale.runtime.numpy_backend import NumpyBackend
+    num_blocks = cfg.cache.num_blocks or max(1, cfg.cache.cpu_kv_tokens // block_size)
+    stream = weights() if weights else random_weights(config, int(cfg.seed))
+    hybrid = {}
+    if config.is_hybrid:   # a state slot for every sequence that can run (docs/hybrid.md)
+        hybrid = dict(num_state_slots=int(cfg.scheduler.max_num_seqs), num_state_checkpoints=0,
+                      state_norm_bound=float(cfg.levers.state_norm_bound))
+    return NumpyBackend(config, stream, num_blocks=int(num_blocks), block_size=block_size,
+                        dtype=cfg.levers.numpy_dtype, **hybrid)
+
+
+def load_draft_backend(cfg, model: str, *, num_blocks: int, vocab_size: int):
+    """The backend of a draft model: same device and block size as the target, and as many KV
+    blocks, so the target's block tables index its cache too. Its vocabulary must be the target's
+    (checked before any weight is loaded)."""
+    from omegaconf import OmegaConf
+    source = resolve_model(model)
+    if source.kind == "gguf":
+        config, _, weights = load_gguf(source.path)
+    elif source.kind == "hf":
+        config, _, weights = _load_hf(source.path)
+    else:
+        config, weights = random_model_config(source.preset, source.name), None
+    if config.vocab_size != vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({config.vocab_size}) differs from the target's ({vocab_size})")
+    draft_cfg = OmegaConf.merge(cfg, {"cache": {"num_blocks": num_blocks}})
+    return make_backend(resolve_device(cfg.device), draft_cfg, config, weights)
