@@ -180,7 +180,8 @@ def test_64_concurrent_streams_all_finish_with_the_right_tokens(fake):
     tok = FakeTokenizer()
     for prompt, (text, reasons) in zip(prompts, outs):
         assert fake_ids(text) == reference_continuation(tok.encode(prompt), 24)
-        assert reasons[-1] == "length" and set(reasons[:-1]) == {None}
+        # a stream that fell behind may get several steps, its finish included, in one chunk
+        assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
     assert wait_until(lambda: fake.engine.blocks.num_free == fake.engine.blocks.num_blocks)
     assert max(b.num_seqs for b in fake.engine.backend.batches) > 8     # they really were batched
 
