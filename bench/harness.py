@@ -45,7 +45,7 @@ def _params(spec: PointSpec, tokens: int):
                           repetition_penalty=spec.repetition_penalty, seed=0, ignore_eos=True)
 
 
-def _prompts(engine, spec: PointSpec, batch: int | None = None, length: int | None = None) -> list[np.ndarray]:
+def prompts(engine, spec: PointSpec, batch: int | None = None, length: int | None = None) -> list[np.ndarray]:
     rng = np.random.default_rng(0)
     vocab = engine.model_config.vocab_size
     return [rng.integers(3, vocab, length or spec.prompt_tokens).astype(np.int32) for _ in range(batch or spec.batch)]
@@ -57,12 +57,14 @@ def _timed(engine, prompts, params) -> float:
     return time.perf_counter() - t0
 
 
-def _decode_tok_s(engine, spec: PointSpec, prompts) -> float:
-    _timed(engine, prompts, _params(spec, spec.tokens))              # warm: kernels, graphs
+def decode_tok_s(engine, spec: PointSpec, batch_prompts) -> float:
+    """Decode tok/s of generate(tokens) minus generate(1) (prefill and first token drop out), best of reps."""
+    _timed(engine, batch_prompts, _params(spec, spec.tokens))        # warm: kernels, graphs
     best = 0.0
     for _ in range(max(spec.reps, 1)):
-        full, first = _timed(engine, prompts, _params(spec, spec.tokens)), _timed(engine, prompts, _params(spec, 1))
-        best = max(best, len(prompts) * (spec.tokens - 1) / max(full - first, 1e-9))
+        full = _timed(engine, batch_prompts, _params(spec, spec.tokens))
+        first = _timed(engine, batch_prompts, _params(spec, 1))
+        best = max(best, len(batch_prompts) * (spec.tokens - 1) / max(full - first, 1e-9))
     return best
 
 
@@ -78,25 +80,25 @@ def _decode_limit(engine, spec: PointSpec) -> float | None:
 def measure(kind: str, engine, spec: PointSpec) -> tuple[float, str, float | None]:
     """(value, unit, limit) of one point on `engine`."""
     if kind in ("decode", "sampling"):
-        return _decode_tok_s(engine, spec, _prompts(engine, spec)), "tok/s", _decode_limit(engine, spec)
+        return decode_tok_s(engine, spec, prompts(engine, spec)), "tok/s", _decode_limit(engine, spec)
     if kind == "spec":
         base = np.tile(np.arange(3, 3 + max(spec.prompt_tokens // 4, 2), dtype=np.int32), 4)
-        return _decode_tok_s(engine, spec, [base] * spec.batch), "tok/s", None
+        return decode_tok_s(engine, spec, [base] * spec.batch), "tok/s", None
     if kind == "prefill":
-        prompts = _prompts(engine, spec, batch=1)
-        _timed(engine, prompts, _params(spec, 1))
-        t = min(_timed(engine, prompts, _params(spec, 1)) for _ in range(max(spec.reps, 1)))
+        one = prompts(engine, spec, batch=1)
+        _timed(engine, one, _params(spec, 1))
+        t = min(_timed(engine, one, _params(spec, 1)) for _ in range(max(spec.reps, 1)))
         return spec.prompt_tokens / t, "tok/s", None
     if kind == "offline":
         from bench.peers import nano_vllm_requests
         reqs = nano_vllm_requests(spec.requests, spec.prompt_tokens, spec.tokens)
         rng = np.random.default_rng(0)
         vocab = engine.model_config.vocab_size
-        prompts = [rng.integers(3, vocab, n_in).astype(np.int32) for n_in, _ in reqs]
+        ids = [rng.integers(3, vocab, n_in).astype(np.int32) for n_in, _ in reqs]
         params = [_params(spec, n_out) for _, n_out in reqs]
-        engine.generate(prompts[:2], params[:2], use_tqdm=False)
+        engine.generate(ids[:2], params[:2], use_tqdm=False)
         t0 = time.perf_counter()
-        engine.generate(prompts, params, use_tqdm=False)
+        engine.generate(ids, params, use_tqdm=False)
         return sum(n for _, n in reqs) / (time.perf_counter() - t0), "tok/s", None
     raise ValueError(f"bench kind {kind!r}; valid: {', '.join(KINDS)}")
 

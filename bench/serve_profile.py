@@ -4,7 +4,7 @@
 
 Runs, on one engine: `Engine.stream` in the main thread and in a worker thread, then the
 in-process server with N streaming clients, timing every `Engine.poll` of the engine loop and
-the gaps between them; with --profile, cProfile of the loop thread (top functions printed).
+the gaps between them; with --profile, cProfile of the polls (top functions printed).
 
     python -m bench.serve_profile --serve OUT.txt serve device=cuda ...
 
@@ -44,14 +44,20 @@ def in_thread(fn, *args):
     return box["v"]
 
 
-def instrument(engine, log: list) -> None:
+def instrument(engine, log: list, prof: cProfile.Profile | None = None) -> None:
+    """Times every engine.poll (and profiles it with `prof`) on whatever thread calls it."""
     poll = engine.poll
 
     def timed():
         t0 = time.perf_counter()
-        out = poll()
-        log.append((t0, time.perf_counter()))
-        return out
+        if prof is not None:
+            prof.enable()
+        try:
+            return poll()
+        finally:
+            if prof is not None:
+                prof.disable()
+            log.append((t0, time.perf_counter()))
     engine.poll = timed
 
 
@@ -60,12 +66,8 @@ def served(engine, clients: int, tokens: int, profile: bool) -> dict:
     from metrale.server import ServerThread, create_app
     app = create_app(engine)
     log: list = []
-    instrument(engine, log)
     prof = cProfile.Profile() if profile else None
-    if prof is not None:
-        loop = app.state.engine_loop
-        run = loop._run
-        loop._run = lambda: (prof.enable(), run(), prof.disable())
+    instrument(engine, log, prof)
     srv = ServerThread(app).start()
     try:
         stats, wall = asyncio.run(run_load(srv.url, app.state.server.model_name, clients=clients,
@@ -74,17 +76,9 @@ def served(engine, clients: int, tokens: int, profile: bool) -> dict:
     finally:
         srv.stop()
         engine.poll = type(engine).poll.__get__(engine)
-    polls = np.array([b - a for a, b in log]) * 1e3
-    gaps = np.array([log[i + 1][0] - log[i][1] for i in range(len(log) - 1)]) * 1e3
-    out = {"clients": clients, "tok_s": stats.tokens / wall, "steps": len(log),
-           "poll_ms_p50": float(np.median(polls)) if len(polls) else 0.0,
-           "gap_ms_p50": float(np.median(gaps)) if len(gaps) else 0.0,
-           "itl_ms_p50": float(np.median(stats.itl)) * 1e3 if stats.itl else 0.0, "errors": len(stats.errors)}
-    if prof is not None:
-        s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
-        out["profile"] = s.getvalue()
-    return out
+    return {"clients": clients, "tok_s": stats.tokens / wall,
+            "itl_ms_p50": float(np.median(stats.itl)) * 1e3 if stats.itl else 0.0, "errors": len(stats.errors),
+            "report": report(log, prof)}
 
 
 def report(log: list, prof: cProfile.Profile | None) -> str:
@@ -139,11 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"library stream, worker thread: {in_thread(library_stream, engine, args.tokens):8.1f} tok/s")
     for clients in args.clients:
         r = served(engine, clients, args.tokens, args.profile and clients == args.clients[0])
-        print(f"served, {clients} clients: {r['tok_s']:8.1f} tok/s, {r['steps']} steps, poll p50 "
-              f"{r['poll_ms_p50']:.3f} ms, gap between polls p50 {r['gap_ms_p50']:.3f} ms, "
-              f"ITL p50 {r['itl_ms_p50']:.3f} ms, errors {r['errors']}")
-        if "profile" in r:
-            print(r["profile"])
+        print(f"served, {clients} clients: {r['tok_s']:8.1f} tok/s, ITL p50 {r['itl_ms_p50']:.3f} ms, "
+              f"errors {r['errors']}; {r['report']}")
     return 0
 
 

@@ -1,12 +1,12 @@
 """Which levers each benchmark sweeps, and their values, read from the Levers schema: a bool
-sweeps False and True, an enumerated string its choices; a new lever joins a sweep by being
+sweeps False and True, an enumerated string its choices (metrale.config.CHOICES, 'auto' aside); a new lever joins a sweep by being
 named in SWEEPS."""
 from __future__ import annotations
 
 import dataclasses
 import typing
 
-from metrale.config import Levers
+from metrale.config import CHOICES, Levers
 
 # kind -> device -> lever names (fields of metrale.config.Levers)
 SWEEPS: dict[str, dict[str, list[str]]] = {
@@ -16,14 +16,6 @@ SWEEPS: dict[str, dict[str, list[str]]] = {
     "offline": {"cpu": ["no_mix"], "gpu": ["overlap", "no_mix", "mixed_graphs"]},
     "spec": {"cpu": ["spec_shadow"], "gpu": ["spec_shadow"]},
 }
-# the values of enumerated string levers (the runtime refuses any other)
-CHOICES: dict[str, list[str]] = {
-    "numpy_dtype": ["float32", "float64"], "gemm_library": ["numba", "cublaslt"],
-    "decode_attention_kernel": ["mma", "fma"], "prefill_attention_kernel": ["mma", "fma"],
-    "pdl_trigger": ["early", "late", "exit"], "preempt_mode": ["recompute", "abort"],
-}
-
-
 def lever_values(name: str) -> list:
     """The values a sweep of lever `name` takes."""
     fields = {f.name: f for f in dataclasses.fields(Levers)}
@@ -32,8 +24,8 @@ def lever_values(name: str) -> list:
     kind = typing.get_type_hints(Levers)[name]
     if kind is bool:
         return [False, True]
-    if name in CHOICES:
-        return list(CHOICES[name])
+    if f"levers.{name}" in CHOICES:     # the runtime's valid values; 'auto' resolves to one of them
+        return [v for v in CHOICES[f"levers.{name}"] if v != "auto"]
     raise ValueError(f"levers.{name} ({kind}) has no default sweep values: give them (levers.{name}=a,b)")
 
 

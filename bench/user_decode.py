@@ -14,28 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import time
 
 import numpy as np
 
 
-def generate_seconds(engine, prompts, tokens: int) -> float:
-    from metrale import SamplingParams
-    sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    t0 = time.perf_counter()
-    engine.generate(prompts, sp, use_tqdm=False)
-    return time.perf_counter() - t0
-
-
 def user_tok_s(engine, batch: int, tokens: int, reps: int) -> float:
-    rng = np.random.default_rng(batch)
-    prompts = [rng.integers(3, engine.model_config.vocab_size, 16).astype(np.int32) for _ in range(batch)]
-    generate_seconds(engine, prompts, tokens)            # warm: every graph of the run captured
-    best = 0.0
-    for _ in range(reps):
-        full, first = generate_seconds(engine, prompts, tokens), generate_seconds(engine, prompts, 1)
-        best = max(best, batch * (tokens - 1) / max(full - first, 1e-9))
-    return best
+    from bench.harness import PointSpec, decode_tok_s, prompts
+    spec = PointSpec(batch=batch, prompt_tokens=16, tokens=tokens, reps=reps)
+    return decode_tok_s(engine, spec, prompts(engine, spec))
 
 
 def replay_tok_s(engine, batch: int, context: int) -> float:

@@ -391,12 +391,16 @@ class Engine:
             if isinstance(tokens, Exception):       # its draw failed (logged there): it alone ends
                 deltas += self._fail([s], _error_reason(tokens))
                 continue
-            try:
-                deltas.append(self._postprocess(s, state, tokens, verifying))
-            except Exception as exc:                # its stop check or detokenizing failed
-                log.exception("request %s failed", s.seq.request_id)
-                deltas += self._fail([s], _error_reason(exc))
+            deltas += self._commit(s, state, tokens, verifying)
         return deltas
+
+    def _commit(self, s: ScheduledSeq, state: RequestState, tokens: list, verifying: bool) -> list[StreamDelta]:
+        """_postprocess, where a failure (its stop check, detokenizing) ends that request alone."""
+        try:
+            return [self._postprocess(s, state, tokens, verifying)]
+        except Exception as exc:
+            log.exception("request %s failed", s.seq.request_id)
+            return self._fail([s], _error_reason(exc))
 
     def _postprocess(self, s: ScheduledSeq, state: RequestState, tokens: list, verifying: bool) -> StreamDelta:
         """Advances one sampled sequence by its emitted tokens; its delta (finished or not)."""

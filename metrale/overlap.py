@@ -115,8 +115,5 @@ class AheadLoop:
             state = e.requests.get(seq.request_id)
             if state is None or state.seq is not seq or seq.is_finished:
                 continue
-            try:
-                deltas.append(e._postprocess(ScheduledSeq(seq, 1), state, [int(token)], False))
-            except Exception as exc:             # its stop check or detokenizing failed: it alone ends
-                deltas += e._fail([ScheduledSeq(seq, 1)], f"error: {type(exc).__name__}: {exc}")
+            deltas += e._commit(ScheduledSeq(seq, 1), state, [int(token)], False)
         return deltas
