@@ -41,7 +41,7 @@ def test_threads_streaming_at_once_each_get_their_tokens():
 
 
 def test_astreams_share_the_loop_and_never_block_it():
-    engine = _slow(fake_engine(num_blocks=256), 0.01)
+    engine = _slow(fake_engine(num_blocks=256), 0.05)
     ticks = []
 
     async def ticker(stop):
@@ -64,7 +64,7 @@ def test_astreams_share_the_loop_and_never_block_it():
     assert outs == [reference_continuation([5, 6], 12), reference_continuation([7, 8, 9], 9),
                     reference_continuation([4], 15)]
     gaps = [b - a for a, b in zip(ticks, ticks[1:])]
-    assert max(gaps) < 0.009, max(gaps)       # a forward takes 10 ms: the loop never waited for one
+    assert max(gaps) < 0.03, max(gaps)        # a forward takes 50 ms: the loop never waited for one
 
 
 def test_generate_beside_a_stream_and_an_early_stop():
