@@ -47,3 +47,8 @@ class RequestOutput:
 
     def __post_init__(self) -> None:
         self.outputs = [self]
+
+
+def error_reason(exc: BaseException) -> str:
+    """The finish reason of a request that a failure ended: 'error: <type>: <message>'."""
+    return f"error: {type(exc).__name__}: {exc}"

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from metrale.outputs import StreamDelta
+from metrale.runner import StepOutput
 from metrale.runtime.batch import Segment, build_batch
+from metrale.sampling.sampler import Drawn
 from metrale.scheduler.scheduler import ScheduledSeq
 from metrale.scheduler.sequence import Sequence
 
@@ -41,7 +42,7 @@ class AheadLoop:
     def eligible(self, scheduled, states) -> bool:
         """A step of plain greedy decode rows (ScheduledSeqs) that can start running ahead."""
         e = self.engine
-        return (e.speculator is None and e.state_slots is None and not e.scheduler.waiting
+        return (e.speculator is None and e.recurrent is None and not e.scheduler.waiting
                 and len(states) == len(scheduled) and all(s.num_tokens == 1 and not s.draft for s in scheduled)
                 and e.sampler.plain_greedy(states))
 
@@ -71,13 +72,14 @@ class AheadLoop:
         return (max_tokens is not None and n_out >= max_tokens) or seq.num_tokens + 1 >= self.engine.context_len
 
     # ------------------------------------------------------------------ the loop
-    def start(self, seqs: list[Sequence], batch) -> list[StreamDelta]:
-        """Launches a decode step (the plan the engine just scheduled), then advances."""
-        self.inflight = Inflight(seqs, self.engine.backend.launch_greedy(batch))
+    def start(self, step) -> StepOutput:
+        """Launches a prepared decode step (runner.prepare's), then advances."""
+        self.inflight = Inflight([s.seq for s in step.scheduled], self.engine.backend.launch_greedy(step.batch))
         return self.advance()
 
-    def advance(self) -> list[StreamDelta]:
-        """Queues the next step if it can run ahead, then reads and commits the one in flight."""
+    def advance(self) -> StepOutput:
+        """Queues the next step if it can run ahead, then reads the one in flight: its output for
+        Scheduler.postprocess, which drops rows of sequences that ended meanwhile."""
         cur = self.inflight
         nxt = None
         rows = self._next_rows(cur)
@@ -86,12 +88,7 @@ class AheadLoop:
             self.steps_ahead += 1
         tokens = cur.handle.tokens()
         self.inflight = nxt
-        return self._commit(cur.seqs, tokens)
-
-    def drain(self) -> list[StreamDelta]:
-        """Reads and commits the step in flight, queueing nothing after it."""
-        cur, self.inflight = self.inflight, None
-        return self._commit(cur.seqs, cur.handle.tokens()) if cur is not None else []
+        return StepOutput([], [ScheduledSeq(seq, 1) for seq in cur.seqs], [[Drawn(int(t))] for t in tokens])
 
     def _launch(self, rows: list[tuple[int, Sequence]], cur: Inflight) -> Inflight:
         """The step after `cur`: each row's input is its sequence's pending token (at position
@@ -104,16 +101,3 @@ class AheadLoop:
             e.step_log.append((len(rows), int(batch.context_lens.sum())))
         src = np.fromiter((i for i, _ in rows), dtype=np.int32, count=len(rows))
         return Inflight([s for _, s in rows], e.backend.launch_greedy(batch, cur.handle, src))
-
-    def _commit(self, seqs: list[Sequence], tokens: np.ndarray) -> list[StreamDelta]:
-        """A decode step's ids, as the synchronous loop commits them; rows of sequences that
-        ended meanwhile (finished a step earlier, aborted) are dropped."""
-        e = self.engine
-        deltas = []
-        e.stats["steps"] += 1
-        for seq, token in zip(seqs, tokens):
-            state = e.requests.get(seq.request_id)
-            if state is None or state.seq is not seq or seq.is_finished:
-                continue
-            deltas += e._commit(ScheduledSeq(seq, 1), state, [int(token)], False)
-        return deltas

@@ -167,7 +167,7 @@ def test_abort_of_the_request_aborts_every_child():
         eng.poll()
     (d,) = eng.abort_completions(rid)
     assert d.finish_reason == "abort" and d.index == 0 and len(d.token_ids) >= 2
-    assert not eng.has_unfinished() and not eng._hidden
+    assert not eng.has_unfinished() and not eng.groups.hidden
     eng.blocks.check_no_leaks([])
 
 

@@ -35,9 +35,8 @@ def test_batched_chunked_equals_alone(model_dir):
     for p, out in zip(prompts, together):
         alone = alone_engine.generate([p], greedy(10), use_tqdm=False)[0]
         np.testing.assert_array_equal(out.token_ids, alone.token_ids)
-    assert small_chunks.blocks.prefix_caching and small_chunks.snapshots is not None   # on, with snapshots
-    small_chunks.state_slots.check_no_leaks([])
-    small_chunks.snapshots.check_no_leaks()
+    assert small_chunks.blocks.prefix_caching and small_chunks.recurrent.snapshots is not None   # on, with snapshots
+    small_chunks.recurrent.check_no_leaks([])
     small_chunks.blocks.check_no_leaks([])
 
 
@@ -54,7 +53,7 @@ def test_preemption_and_abort_free_state_slots(model_dir):
     rid = eng.add_request(prompts[0], greedy(30))
     eng.step()
     eng.abort(rid)
-    eng.state_slots.check_no_leaks([])
+    eng.recurrent.slots.check_no_leaks([])
     eng.blocks.check_no_leaks([])
 
 
@@ -65,4 +64,4 @@ def test_layer_prefix_speculation_is_refused_clearly(model_dir):
 
 def test_prefix_caching_can_be_turned_off(model_dir):
     eng = Engine(model=str(model_dir), device="cpu", levers={"state_snapshots": 0})
-    assert not eng.blocks.prefix_caching and eng.snapshots is None
+    assert not eng.blocks.prefix_caching and eng.recurrent.snapshots is None

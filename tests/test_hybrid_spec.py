@@ -64,9 +64,7 @@ def plain(model_dir):
 
 def assert_clean(eng: Engine) -> None:
     eng.blocks.check_no_leaks([])
-    eng.state_slots.check_no_leaks([])
-    if eng.snapshots is not None:
-        eng.snapshots.check_no_leaks()
+    eng.recurrent.check_no_leaks([])
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft", "oracle"])
@@ -142,7 +140,7 @@ def test_prefix_resumes_from_snapshot(model_dir, chunk):
     assert resumed == 64          # 70 shared tokens: the snapshot at 64 (68 tokens of KV match)
     assert tokens == (len(b) - resumed if chunk == 2048 else 16)
     np.testing.assert_array_equal(out.token_ids, cold.generate([b], greedy(8), use_tqdm=False)[0].token_ids)
-    assert eng.snapshots.hits >= 1
+    assert eng.recurrent.snapshots.hits >= 1
     assert_clean(eng)
 
 
@@ -155,7 +153,7 @@ def test_snapshot_lru_is_bounded_and_prompts_stay_exact(model_dir):
     for p in prompts:
         out = eng.generate([p], greedy(6), use_tqdm=False)[0]
         np.testing.assert_array_equal(out.token_ids, cold.generate([p], greedy(6), use_tqdm=False)[0].token_ids)
-    assert len(eng.snapshots) == 3 and eng.snapshots.evicted > 0 and eng.blocks.cache_hits > 0
+    assert len(eng.recurrent.snapshots) == 3 and eng.recurrent.snapshots.evicted > 0 and eng.blocks.cache_hits > 0
     assert_clean(eng)
 
 

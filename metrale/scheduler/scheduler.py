@@ -15,8 +15,15 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING, Callable, Mapping
+
 from metrale.cache.block_manager import BlockManager
+from metrale.outputs import error_reason
 from metrale.scheduler.sequence import Sequence, Status
+
+if TYPE_CHECKING:
+    from metrale.request import RequestState
+    from metrale.runner import StepOutput
 
 log = logging.getLogger("metrale.scheduler")
 
@@ -33,6 +40,15 @@ class ScheduledSeq:
     def needs_logits(self) -> bool:
         """True when this chunk reaches the end of the known tokens: a new token is sampled."""
         return self.seq.num_computed_tokens + self.num_tokens - len(self.draft) == self.seq.num_tokens
+
+
+@dataclass
+class Advanced:
+    """A sampled sequence after postprocess: its finish reason (None: it goes on) and how many
+    tokens it took."""
+    state: "RequestState"
+    reason: str | None
+    appended: int
 
 
 @dataclass
@@ -63,6 +79,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.preempt_listeners: list = []     # called with each preempted sequence (drafter caches)
+        # after a verify block: (seq, num_tokens before it, draft length, drafts accepted)
+        self.on_verified: Callable[[Sequence, int, int, int], None] | None = None
         self._warned_preempt = False
 
     def add(self, seq: Sequence) -> None:
@@ -160,3 +178,50 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.release(seq)
+
+    # ------------------------------------------------------------------ after a step
+    def postprocess(self, out: "StepOutput", requests: Mapping[str, "RequestState"]) -> list[Advanced]:
+        """Every sequence update after a step: computed counts, committed (and, after a verify
+        block, trimmed) blocks, tokens appended with their stop checks, finishing. A row whose
+        draw failed, or whose update raises, ends with its error alone. Rows of sequences that
+        ended meanwhile (aborted while a step ran ahead) are dropped."""
+        for s in out.computed:
+            s.seq.num_computed_tokens += s.num_tokens
+            self.blocks.commit_full_blocks(s.seq)
+        advanced = []
+        for s, drawn in zip(out.sampled, out.drawn):
+            state = requests.get(s.seq.request_id)
+            if state is None or state.seq is not s.seq or s.seq.is_finished:
+                continue
+            if isinstance(drawn, Exception):     # its draw failed (logged there)
+                self.finish(s.seq, error_reason(drawn))
+                advanced.append(Advanced(state, s.seq.finish_reason, 0))
+                continue
+            try:
+                advanced.append(self._advance(s, state, drawn, out.verifying))
+            except Exception as exc:             # its stop check or detokenizing failed
+                log.exception("request %s failed", s.seq.request_id)
+                self.finish(s.seq, error_reason(exc))
+                advanced.append(Advanced(state, s.seq.finish_reason, 0))
+        return advanced
+
+    def _advance(self, s: ScheduledSeq, state: "RequestState", drawn: list, verifying: bool) -> Advanced:
+        seq = s.seq
+        before = seq.num_tokens
+        # K/V is right for the chunk's real tokens and for the drafts that were accepted
+        seq.num_computed_tokens += s.num_tokens - len(s.draft) + (len(drawn) - 1 if s.draft else 0)
+        reason, appended = None, 0
+        for d in drawn:
+            state.sampling.accept(*d)
+            reason = state.append(int(d.token))
+            appended += 1
+            if reason is not None:
+                break
+        if s.draft and self.on_verified is not None:
+            self.on_verified(seq, before, len(s.draft), len(drawn) - 1)
+        self.blocks.commit_full_blocks(seq)     # before finishing: a prompt that ends at once is cached too
+        if reason is not None:
+            self.finish(seq, reason)
+        elif s.draft:
+            self.blocks.trim(seq)
+        return Advanced(state, reason, appended)

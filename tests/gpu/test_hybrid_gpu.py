@@ -98,9 +98,7 @@ def assert_same_up_to_ties(prompts, outs_a, outs_b, backend) -> int:
 
 def assert_clean(eng: Engine) -> None:
     eng.blocks.check_no_leaks([])
-    eng.state_slots.check_no_leaks([])
-    if eng.snapshots is not None:
-        eng.snapshots.check_no_leaks()
+    eng.recurrent.check_no_leaks([])
 
 
 def prompts_of(lens, seed=0):
@@ -238,5 +236,5 @@ def test_prefix_resumes_from_snapshot(model_dir, pair, chunk):
     assert tokens == (len(b) - resumed if chunk == 2048 else 16)
     cold = cu.generate([b], greedy(8), use_tqdm=False)[0]
     assert_same_up_to_ties([b], [out], [cold], cu.backend)
-    assert eng.snapshots.hits >= 1
+    assert eng.recurrent.snapshots.hits >= 1
     assert_clean(eng)
