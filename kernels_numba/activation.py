@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 from numba import cuda
+from kernels_numba.jit import kernel as cached_jit
 
 from kernels_numba.ptx import grid_trigger, grid_wait
 from kernels_numba.bf16 import SIMULATOR
@@ -17,7 +18,7 @@ from kernels_numba.ptx import pack_bf16x2
 THREADS = 32 if SIMULATOR else 256
 
 
-@cuda.jit
+@cached_jit
 def _silu_mul_kernel(gate_up, out):
     grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
     grid_trigger()
@@ -29,7 +30,7 @@ def _silu_mul_kernel(gate_up, out):
         out[t, f] = g / (np.float32(1.0) + math.exp(-g)) * gate_up[t, f + n]
 
 
-@cuda.jit
+@cached_jit
 def _silu_mul_bf16_kernel(gate_up, out32):
     grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
     grid_trigger()

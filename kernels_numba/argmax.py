@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import cuda
+from kernels_numba.jit import kernel as cached_jit
 
 from kernels_numba.ptx import grid_trigger, grid_wait
 from kernels_numba.bf16 import NEG_INF, SIMULATOR, block_argmax, f32_order_key
@@ -26,7 +27,7 @@ CHUNK = 64 if SIMULATOR else 4096    # logits a block scans (16 a thread on the 
 LOW32 = np.uint64(0xFFFFFFFF)
 
 
-@cuda.jit
+@cached_jit
 def _argmax_rows_kernel(logits, out, work):
     grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
     grid_trigger()

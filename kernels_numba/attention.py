@@ -32,6 +32,7 @@ from functools import lru_cache
 
 import numpy as np
 from numba import cuda
+from kernels_numba.jit import kernel as cached_jit
 
 from kernels_numba.ptx import grid_trigger, grid_trigger_early, grid_trigger_late, grid_wait
 from kernels_numba.bf16 import (
@@ -137,7 +138,7 @@ def _decode_kernel(cfg: DecodeConfig):
     QN = VPL * 8
     KW = VPL * 2  # uint64 words per lane per row
 
-    @cuda.jit
+    @cached_jit
     def kernel(q, k_cache, v_cache, block_tables, token_seq, positions, scale, part_size, out, scratch):
         grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
         grid_trigger()
@@ -320,7 +321,7 @@ def _merged(scratch, base, nparts, hq, hd, d, m, inv):
     return num * inv
 
 
-@cuda.jit
+@cached_jit
 def _merge_partitions_kernel(scratch, positions, part_size, grid_parts, out):
     grid_trigger_early()   # before the wait: the o_proj GEMV may launch (and prefetch its weights) while
     grid_wait()      # the attention this merge waits for still runs; then PDL: before any read
@@ -337,7 +338,7 @@ def _merge_partitions_kernel(scratch, positions, part_size, grid_parts, out):
         out[t, hq, d] = _merged(scratch, t * grid_parts, nparts, hq, hd, d, m, inv)
 
 
-@cuda.jit
+@cached_jit
 def _merge_partitions_bf16_kernel(scratch, positions, part_size, grid_parts, out):
     """_merge_partitions_kernel writing bf16 bits into out uint16 [T, Hq * hd] (a library
     matmul's input, no conversion launch)."""
@@ -469,7 +470,7 @@ def _prefill_kernel(cfg: PrefillConfig):
     HD1 = HD + 1  # padded shared rows: no bank conflicts on column reads
     BK1 = BK + 1
 
-    @cuda.jit
+    @cached_jit
     def kernel(q, k_cache, v_cache, block_tables, seq_query_start, positions, scale, out):
         grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
         grid_trigger()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import cuda
+from kernels_numba.jit import kernel as cached_jit
 
 from kernels_numba.ptx import grid_trigger, grid_wait
 from kernels_numba.ptx import SIM, f32_to_bf16_bits, ldg_f32x4, pack_bf16x2
@@ -20,7 +21,7 @@ def x_to_bf16_ref(x: np.ndarray) -> np.ndarray:
     return f32_to_bf16_bits(x)
 
 
-@cuda.jit
+@cached_jit
 def _x_to_bf16_kernel(x, out32):
     grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
     grid_trigger()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import cuda
+from kernels_numba.jit import kernel as cached_jit
 
 from kernels_numba.ptx import grid_trigger, grid_wait
 from kernels_numba.bf16 import SIMULATOR, bf16_to_f32, from_bf16_bits
@@ -14,7 +15,7 @@ from kernels_numba.bf16 import SIMULATOR, bf16_to_f32, from_bf16_bits
 THREADS = 32 if SIMULATOR else 256
 
 
-@cuda.jit
+@cached_jit
 def _embedding_gather_kernel(table, ids, out):
     grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
     grid_trigger()
@@ -25,7 +26,7 @@ def _embedding_gather_kernel(table, ids, out):
         out[t, d] = bf16_to_f32(table[tok, d]) if valid else np.float32(0.0)
 
 
-@cuda.jit
+@cached_jit
 def _embedding_feed_kernel(table, ids, src, prev, out):
     grid_wait()
     grid_trigger()

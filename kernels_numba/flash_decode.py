@@ -58,6 +58,7 @@ from functools import lru_cache
 
 import numpy as np
 from numba import cuda
+from kernels_numba.jit import kernel as cached_jit
 
 from kernels_numba.ptx import grid_trigger_early, grid_trigger_late, grid_wait
 from kernels_numba.attention import (  # noqa: F401 (reference and shared scratch layout)
@@ -356,7 +357,7 @@ def py_kernel(cfg: FlashDecodeConfig):
 
 @lru_cache(maxsize=None)
 def _kernel(cfg: FlashDecodeConfig):
-    return cuda.jit(py_kernel(cfg))
+    return cached_jit(py_kernel(cfg))
 
 
 def flash_decode_attention(

@@ -58,6 +58,7 @@ from functools import lru_cache
 
 import numpy as np
 from numba import cuda
+from kernels_numba.jit import kernel as cached_jit
 
 from kernels_numba.ptx import grid_trigger, grid_wait
 from kernels_numba.attention import attention_ref, cache_views, token_seq_from_starts  # noqa: F401 (reference)
@@ -395,7 +396,7 @@ def py_kernel(cfg: FlashConfig):
 
 @lru_cache(maxsize=None)
 def _kernel(cfg: FlashConfig):
-    return cuda.jit(py_kernel(cfg))
+    return cached_jit(py_kernel(cfg))
 
 
 def flash_prefill_attention(

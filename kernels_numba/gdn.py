@@ -41,6 +41,7 @@ import math
 
 import numpy as np
 from numba import cuda
+from kernels_numba.jit import kernel as cached_jit
 
 from kernels_numba.bf16 import SIMULATOR, block_sum
 
@@ -156,7 +157,7 @@ def gdn_segment_ref(x, b, a, conv_w, a_log, dt_bias, conv_state, ssm_state, nk: 
 # ----------------------------------------------------------------------------- kernels
 
 
-@cuda.jit
+@cached_jit
 def _causal_conv1d_kernel(x, weight, conv_state, seq_query_start, state_slots, positions, out):
     s = cuda.blockIdx.x
     c = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
@@ -207,7 +208,7 @@ def causal_conv1d(x, weight, conv_state, seq_query_start, state_slots, positions
         x, weight, conv_state, seq_query_start, state_slots, positions, out)
 
 
-@cuda.jit
+@cached_jit
 def _gdn_recurrent_kernel(qkv, gate_in, a_log, dt_bias, state, seq_query_start, state_slots, positions,
                           max_len, out):
     tile = cuda.shared.array((MAX_DK, V_TILE), np.float32)
@@ -287,7 +288,7 @@ def gdn_recurrent(qkv, gate_in, a_log, dt_bias, ssm_state, seq_query_start, stat
                                                 state_slots, positions, np.int32(max_len), out)
 
 
-@cuda.jit
+@cached_jit
 def _gdn_chunked_kernel(qkv, gate_in, a_log, dt_bias, state, seq_query_start, state_slots, positions,
                         min_len, chunk, out):
     qc = cuda.shared.array((CHUNK_MAX, CHUNK_DIM), np.float32)
@@ -428,7 +429,7 @@ def gdn_chunked(qkv, gate_in, a_log, dt_bias, ssm_state, seq_query_start, state_
         np.int32(min_len), np.int32(chunk), out)
 
 
-@cuda.jit
+@cached_jit
 def _rms_norm_gated_kernel(x, z, weight, eps, out):
     scratch = cuda.shared.array(SCRATCH, np.float32)
     t = cuda.blockIdx.x
@@ -451,7 +452,7 @@ def rms_norm_gated(x, z, weight, eps: float, out, stream=0) -> None:
         _rms_norm_gated_kernel[(T, width // weight.shape[0]), 128, stream](x, z, weight, np.float32(eps), out)
 
 
-@cuda.jit
+@cached_jit
 def _state_norm_clamp_kernel(state, state_slots, bound):
     scratch = cuda.shared.array(SCRATCH, np.float32)
     slot = state_slots[cuda.blockIdx.x]
@@ -486,7 +487,7 @@ def state_norm_clamp_ref(ssm_state, bound: float):
 # ------------------------------------------------- hybrid attention layers and rollback trails
 
 
-@cuda.jit
+@cached_jit
 def _sigmoid_mul_kernel(x, gate, out):
     t = cuda.blockIdx.x
     f = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
@@ -505,7 +506,7 @@ def sigmoid_mul_ref(x, gate):
     return np.asarray(x) / (1.0 + np.exp(-np.asarray(gate)))
 
 
-@cuda.jit
+@cached_jit
 def _record_trail_kernel(proj, seq_query_start, trail_ids, gate_offset, trail_x, trail_ba):
     s = cuda.blockIdx.x
     ci = trail_ids[s]

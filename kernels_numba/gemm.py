@@ -32,6 +32,7 @@ import math
 
 import numpy as np
 from numba import cuda, float32, uint32, uint64
+from kernels_numba.jit import kernel as cached_jit
 
 from kernels_numba.bf16 import f32_to_bf16
 from kernels_numba.ptx import grid_trigger, grid_trigger_early, grid_trigger_late, grid_wait
@@ -706,7 +707,7 @@ def kernel(kind: str, *cfg):
     key = (kind,) + cfg
     k = _KERNELS.get(key)
     if k is None:
-        k = _KERNELS[key] = cuda.jit(py_kernel(kind, *cfg))
+        k = _KERNELS[key] = cached_jit(py_kernel(kind, *cfg))
     return k
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import cuda
+from kernels_numba.jit import kernel as cached_jit
 
 from kernels_numba.ptx import grid_trigger, grid_wait
 from kernels_numba.bf16 import SIMULATOR, f32_to_bf16, to_bf16_bits
@@ -15,7 +16,7 @@ from kernels_numba.bf16 import SIMULATOR, f32_to_bf16, to_bf16_bits
 THREADS = 32 if SIMULATOR else 256
 
 
-@cuda.jit
+@cached_jit
 def _store_kv_kernel(k, v, slot_mapping, k_cache, v_cache):
     grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
     grid_trigger()

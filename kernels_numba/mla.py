@@ -31,6 +31,7 @@ from functools import lru_cache
 
 import numpy as np
 from numba import cuda
+from kernels_numba.jit import kernel as cached_jit
 
 from kernels_numba.attention import NO_SPLIT_PART, TARGET_BLOCKS, _merge_partitions_kernel
 from kernels_numba.bf16 import (NEG_INF, SIMULATOR, bf16_to_f32, f32_to_bf16, from_bf16_bits, group_max,
@@ -154,7 +155,7 @@ def mla_absorbed_ref(q_nope, q_pe, cache_layer, w_kv_b, block_tables, token_seq,
 STORE_THREADS = 32 if SIMULATOR else 128
 
 
-@cuda.jit
+@cached_jit
 def _store_latent_kernel(c_kv, k_pe, slot_mapping, cache):
     t = cuda.blockIdx.x
     slot = slot_mapping[t]
@@ -378,7 +379,7 @@ def _build_mla_kernel(DK, DV, G, NT, C, NW, KW, KI, VW, VI):
                             scratch[row, hq, DV + 1] = s_l[g]
 
     kernel.__name__ = f"mla_decode_dk{DK}_dv{DV}_g{G}"
-    return cuda.jit(kernel)
+    return cached_jit(kernel)
 
 
 def _as_u32(cache):
@@ -441,7 +442,7 @@ def head_linear_ref(x, w) -> np.ndarray:
 def _head_linear_kernel(TT: int, NW: int):
     RED = 32 * NW                      # a compile-time constant for shared.array
 
-    @cuda.jit
+    @cached_jit
     def kernel(x, w, out):
         h = cuda.blockIdx.y
         t0 = cuda.blockIdx.z * TT
@@ -484,7 +485,7 @@ def head_linear(x, w, out, stream=0) -> None:
     _head_linear_kernel(HEAD_TOKENS, HEAD_WARPS)[grid, 32 * HEAD_WARPS, stream](x, w, out)
 
 
-@cuda.jit
+@cached_jit
 def _copy_heads_kernel(src, dst):
     t = cuda.blockIdx.x
     d_n = src.shape[2]

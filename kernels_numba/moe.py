@@ -35,6 +35,7 @@ from functools import lru_cache
 
 import numpy as np
 from numba import cuda, float32, int32, uint32
+from kernels_numba.jit import kernel as cached_jit
 
 from kernels_numba.activation import silu_mul
 from kernels_numba.bf16 import SIMULATOR, from_bf16_bits
@@ -250,7 +251,7 @@ def _route_kernel(cfg: RouteConfig, has_bias: bool):
         for j in range(K):
             topk_w[t, j] *= f
 
-    return cuda.jit(kernel)
+    return cached_jit(kernel)
 
 
 def route(logits, cfg: RouteConfig, topk_ids, topk_weights, bias=None, stream=0) -> None:
@@ -269,7 +270,7 @@ def route(logits, cfg: RouteConfig, topk_ids, topk_weights, bias=None, stream=0)
 
 @lru_cache(maxsize=None)
 def _permute_kernels(E: int, S: int):
-    @cuda.jit
+    @cached_jit
     def count(ids, counts):
         b = cuda.blockIdx.x
         tid = cuda.threadIdx.x
@@ -284,7 +285,7 @@ def _permute_kernels(E: int, S: int):
         for e in range(tid, E, S):
             counts[b, e] = hist[e]
 
-    @cuda.jit
+    @cached_jit
     def scan(counts, base, offsets, tile_expert, tile_row, bm):
         tid = cuda.threadIdx.x
         nb = counts.shape[0]
@@ -314,7 +315,7 @@ def _permute_kernels(E: int, S: int):
                 base[b, e] = run
                 run += counts[b, e]
 
-    @cuda.jit
+    @cached_jit
     def scatter(ids, base, sorted_slot, slot_row):
         b = cuda.blockIdx.x
         tid = cuda.threadIdx.x
@@ -543,7 +544,7 @@ def grouped_kernel(bn: int, gather: bool, jit: bool = True):
     key = (bn, gather)
     if key not in _GROUPED:
         _GROUPED[key] = _make_grouped(bn, gather)
-    return cuda.jit(_GROUPED[key]) if jit else _GROUPED[key]
+    return cached_jit(_GROUPED[key]) if jit else _GROUPED[key]
 
 
 @lru_cache(maxsize=None)
@@ -571,7 +572,7 @@ def grouped_linear(x, w, out, ws: MoeWorkspace, tiles: int, row_index=None, k_di
 
 # ----------------------------------------------------------------------------- un-permutation
 
-@cuda.jit
+@cached_jit
 def _unpermute_kernel(y, slot_row, topk_w, out, accumulate):
     t = cuda.blockIdx.x
     k = topk_w.shape[1]

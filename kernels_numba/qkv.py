@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 from numba import cuda
+from kernels_numba.jit import kernel as cached_jit
 
 from kernels_numba.ptx import grid_trigger, grid_wait
 from kernels_numba.bf16 import SIMULATOR, block_sum, f32_to_bf16
@@ -21,7 +22,7 @@ from kernels_numba.bf16 import SIMULATOR, block_sum, f32_to_bf16
 SCRATCH = 1024 if SIMULATOR else 32
 
 
-@cuda.jit
+@cached_jit
 def _qkv_rope_store_kernel(qkv, positions, cos, sin, slot_mapping, q_norm, k_norm, has_qk_norm, eps,
                            interleaved, q_out, k_cache, v_cache):
     grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
@@ -142,7 +143,7 @@ def qkv_rope_store_ref(qkv, positions, cos, sin, slot_mapping, hq: int, hk: int,
     return q
 
 
-@cuda.jit
+@cached_jit
 def _gather_rows_kernel(x, rows, out):
     grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
     grid_trigger()

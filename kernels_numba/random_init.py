@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import cuda
+from kernels_numba.jit import kernel as cached_jit
 
 from kernels_numba.bf16 import f32_to_bf16
 
@@ -19,7 +20,7 @@ def _splitmix(x):
     return x ^ (x >> np.uint64(31))
 
 
-@cuda.jit
+@cached_jit
 def _fill_normal_bf16_kernel(out, seed, std, mean):
     start = cuda.grid(1)
     stride = cuda.gridsize(1)

@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 from numba import cuda
+from kernels_numba.jit import kernel as cached_jit
 
 from kernels_numba.ptx import grid_trigger, grid_wait
 from kernels_numba.bf16 import SIMULATOR, block_sum
@@ -25,7 +26,7 @@ def _threads(d: int) -> int:
     return max(32, min(MAX_THREADS, ((d + 127) // 128) * 32))
 
 
-@cuda.jit
+@cached_jit
 def _rms_norm_2d(x, w, eps, out):
     grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
     grid_trigger()
@@ -42,7 +43,7 @@ def _rms_norm_2d(x, w, eps, out):
         out[r, d] = x[r, d] * inv * w[d]
 
 
-@cuda.jit
+@cached_jit
 def _rms_norm_3d(x, w, eps, out):
     grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
     grid_trigger()
@@ -60,7 +61,7 @@ def _rms_norm_3d(x, w, eps, out):
         out[t, h, d] = x[t, h, d] * inv * w[d]
 
 
-@cuda.jit
+@cached_jit
 def _rms_norm_bf16_2d(x, w, eps, out32):
     """rms_norm of rows into bf16 (two per uint32 of out32 [N, D/2]): the input of a library
     matmul that takes bf16, without a separate conversion pass."""
@@ -80,7 +81,7 @@ def _rms_norm_bf16_2d(x, w, eps, out32):
         out32[r, p] = pack_bf16x2(x[r, d] * inv * w[d], x[r, d + 1] * inv * w[d + 1])
 
 
-@cuda.jit
+@cached_jit
 def _add_rms_norm_2d(x, residual, w, eps, out):
     grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
     grid_trigger()

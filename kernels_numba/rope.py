@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import cuda
+from kernels_numba.jit import kernel as cached_jit
 
 from kernels_numba.ptx import grid_trigger, grid_wait
 from kernels_numba.bf16 import SIMULATOR
@@ -34,7 +35,7 @@ def _rotate(x, t, h, i, half, interleaved, c, s):
     x[t, h, i1] = x1 * c + x0 * s
 
 
-@cuda.jit
+@cached_jit
 def _rope_kernel(q, k, positions, cos, sin, interleaved):
     grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
     grid_trigger()

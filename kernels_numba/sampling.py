@@ -84,6 +84,7 @@ import struct
 
 import numpy as np
 from numba import cuda
+from kernels_numba.jit import kernel as cached_jit
 
 from kernels_numba.ptx import grid_trigger, grid_wait
 from kernels_numba.bf16 import FULL_MASK, NEG_INF, SIMULATOR, block_argmax, block_max, block_sum, device_function
@@ -92,7 +93,7 @@ THREADS = 32 if SIMULATOR else 1024
 # A 1024-thread block may use at most 64 registers a thread: say so to the compiler, or a kernel
 # that wants more (sample_rows: 84 on sm_90) fails to launch with LAUNCH_OUT_OF_RESOURCES
 # (seen on the H200); with the bound it spills ~300 bytes a thread to L1-cached local memory.
-_row_kernel = cuda.jit if SIMULATOR else cuda.jit(launch_bounds=(THREADS,))
+_row_kernel = cached_jit if SIMULATOR else cached_jit(launch_bounds=(THREADS,))
 SCRATCH = 1024 if SIMULATOR else 32
 # Most survivors a filtered row gathers into shared memory (a power of two, a multiple of THREADS);
 # small in the simulator so that its tests reach both the compacted path and the fallback.
