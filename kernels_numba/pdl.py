@@ -97,5 +97,13 @@ def _patch() -> None:
         for wb in retr:
             wb()
 
+    numba_add_overload = dispatcher.CUDADispatcher.add_overload
+
+    def add_overload_with_py_func(self, kernel, argtypes):
+        if getattr(kernel, "py_func", None) is None:   # loaded from the disk cache: no py_func
+            kernel.py_func = self.py_func
+        return numba_add_overload(self, kernel, argtypes)
+
     dispatcher._Kernel.launch = launch_maybe_pdl
+    dispatcher.CUDADispatcher.add_overload = add_overload_with_py_func
     _state["patched"] = True
