@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from metrale.models.config import ModelConfig
-from metrale.runtime.backend import ReadyTokens, feed_tokens
+from metrale.runtime.backend import Backend, ReadyTokens, feed_tokens
 from metrale.settings import compose
 
 VOCAB = 97
@@ -29,7 +29,8 @@ def reference_continuation(prompt: list[int], n: int) -> list[int]:
     return seq[len(prompt):]
 
 
-class FakeBackend:
+class FakeBackend(Backend):
+    """A test double of the Backend seam (its defaults: no state pool, no step limits)."""
     name = "fake"
 
     def __init__(self, num_blocks: int, block_size: int):

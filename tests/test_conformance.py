@@ -22,9 +22,6 @@ BLOCK = 4
 def backend_of(name: str, dtype: str = "float64"):
     config, _, stream = _load_hf(FIXTURES / name)
     blocks = -(-len(IDS) // BLOCK)
-    if config.is_mla:
-        from metrale.models.deepseek import DeepseekBackend
-        return DeepseekBackend(config, stream(), num_blocks=blocks, block_size=BLOCK, dtype=dtype)
     from metrale.runtime.numpy_backend import NumpyBackend
     hybrid = dict(num_state_slots=1, num_state_checkpoints=0) if config.is_hybrid else {}
     return NumpyBackend(config, stream(), num_blocks=blocks, block_size=BLOCK, dtype=dtype, **hybrid)

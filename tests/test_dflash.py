@@ -155,8 +155,8 @@ class CheckedDFlash(DFlashDrafter):
             fresh = m.context_kv(rows, np.arange(n))
             slots = batch.slot_mapping
             for i, (k, v) in enumerate(fresh):
-                np.testing.assert_allclose(m.k_cache[i].reshape(-1, c.num_kv_heads, c.head_dim)[slots], k, rtol=1e-9, atol=1e-9)
-                np.testing.assert_allclose(m.v_cache[i].reshape(-1, c.num_kv_heads, c.head_dim)[slots], v, rtol=1e-9, atol=1e-9)
+                np.testing.assert_allclose(m.kv.k[i].reshape(-1, c.num_kv_heads, c.head_dim)[slots], k, rtol=1e-9, atol=1e-9)
+                np.testing.assert_allclose(m.kv.v[i].reshape(-1, c.num_kv_heads, c.head_dim)[slots], v, rtol=1e-9, atol=1e-9)
             self.checked += 1
         drafts = super().propose(seqs, ks)
         if self.plain is None:

@@ -206,7 +206,7 @@ def test_one_shot_prefill_matches_hf_semantics(tiny):
     got = run(be, [Segment(ids, 0, table(0), "all", state_slot=0)])
     ref = hf_reference_logits(cfg, {k: v.astype(np.float64) for k, v in tensors.items()}, ids)
     np.testing.assert_allclose(got, ref, rtol=1e-9, atol=1e-9)
-    assert be.k_cache.shape[0] == 2 and be.memory_report()["state_pool_bytes"] > 0
+    assert be.kv.k.shape[0] == 2 and be.memory_report()["state_pool_bytes"] > 0
 
 
 def test_metrale_hybrid_format_loads(tmp_path):

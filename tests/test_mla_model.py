@@ -9,6 +9,7 @@ import pytest
 from metrale.models import deepseek as DS
 from metrale.models.checkpoint import deepseek_model_config, is_deepseek_config, load_deepseek_dir
 from metrale.runtime.batch import Segment, build_batch
+from metrale.runtime.numpy_backend import NumpyBackend
 
 BS = 4
 
@@ -121,12 +122,12 @@ def test_yarn_rope(ckpt):
 def test_backend_refuses_wrong_expert_count(ckpt):
     config, _, stream = load_deepseek_dir(ckpt, (0, 4))
     with pytest.raises(ValueError, match="4 experts loaded, this rank needs 8"):
-        DS.DeepseekBackend(config, stream(), num_blocks=4, block_size=BS)
+        NumpyBackend(config, stream(), num_blocks=4, block_size=BS)
 
 
 def test_engine_runs_the_deepseek_backend(ckpt):
     """The engine's scheduler (token budget forcing chunked prefill, batching of two requests,
-    prefix caching) drives DeepseekBackend unchanged: same greedy tokens as one-shot runs."""
+    prefix caching) drives the NumPy backend of the MLA family unchanged: same greedy tokens as one-shot runs."""
     from metrale import Engine, SamplingParams
     from metrale.settings import compose
     from fake_model import FakeTokenizer
@@ -148,7 +149,7 @@ def test_engine_loads_a_deepseek_directory_by_path(ckpt):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(ckpt / "tokenizer.json"))
     engine = Engine(model=str(ckpt), device="cpu", cache={"block_size": BS}, levers={"numpy_dtype": "float64"})
-    assert type(engine.backend).__name__ == "DeepseekBackend"
+    assert type(engine.backend).__name__ == "NumpyBackend" and engine.backend.family.name == "mla"
     prompt = [3, 17, 5, 60, 2, 9]
     out = engine.generate(np.array(prompt), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
                           use_tqdm=False)[0]

@@ -175,10 +175,7 @@ def numpy_backend_cos_sin(config: ModelConfig, positions: np.ndarray):
 
 def cuda_tables(config: ModelConfig, max_len: int):
     from metrale.runtime.cuda_backend import CudaBackend
-    from metrale.runtime.cuda_deepseek import DeepseekCudaBackend
-    from metrale.runtime.cuda_hybrid import HybridCudaBackend
-    cls = DeepseekCudaBackend if config.is_mla else (HybridCudaBackend if config.rotary_dim else CudaBackend)
-    return cls._rope_host_tables(SimpleNamespace(config=config, max_model_len=max_len))
+    return CudaBackend._rope_host_tables(SimpleNamespace(config=config, max_model_len=max_len))
 
 
 @pytest.mark.parametrize("name", sorted(n for n, c in GOLDEN.items() if c["kind"] != "deepseek_v3"))
@@ -193,11 +190,11 @@ def test_numpy_backend_and_cuda_tables_agree(name):
 
 
 @pytest.mark.parametrize("name", sorted(n for n, c in GOLDEN.items() if c["kind"] == "deepseek_v3"))
-def test_deepseek_backend_and_cuda_tables_agree(name):
-    from metrale.models.deepseek import DeepseekBackend
+def test_numpy_mla_and_cuda_tables_agree(name):
+    from metrale.runtime.numpy_backend import NumpyBackend
     config = golden_config(GOLDEN[name])
     positions = np.array([0, 7, 63])
-    cos, sin = DeepseekBackend.rope_for(SimpleNamespace(rope=model_rope(config)), SimpleNamespace(positions=positions))
+    cos, sin = NumpyBackend.rope_for(SimpleNamespace(rope=model_rope(config)), SimpleNamespace(positions=positions))
     t_cos, t_sin = cuda_tables(config, 64)
     assert np.array_equal(t_cos[positions], cos.astype(np.float32))
     assert np.array_equal(t_sin[positions], sin.astype(np.float32))

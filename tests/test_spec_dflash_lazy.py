@@ -47,9 +47,9 @@ class Recorded(DFlashDrafter):
             _, rows = forward_with_layer_rows(self.target, batch, m.target_layers)
             assert m.projected[batch.slot_mapping].all()
             for i, (kk, vv) in enumerate(m.context_kv(rows, np.arange(n))):
-                np.testing.assert_allclose(m.k_cache[i].reshape(-1, c.num_kv_heads, c.head_dim)[batch.slot_mapping], kk,
+                np.testing.assert_allclose(m.kv.k[i].reshape(-1, c.num_kv_heads, c.head_dim)[batch.slot_mapping], kk,
                                            rtol=1e-9, atol=1e-9)
-                np.testing.assert_allclose(m.v_cache[i].reshape(-1, c.num_kv_heads, c.head_dim)[batch.slot_mapping], vv,
+                np.testing.assert_allclose(m.kv.v[i].reshape(-1, c.num_kv_heads, c.head_dim)[batch.slot_mapping], vv,
                                            rtol=1e-9, atol=1e-9)
             self.checked += 1
             self.drafts.append((self.gate.step, tuple(s.prompt_token_ids), len(s.output_token_ids), tuple(d.tokens)))

@@ -14,6 +14,7 @@ import pytest
 
 from fake_model import fake_engine
 from metrale import SamplingParams
+from metrale.runtime.backend import Backend
 from metrale.spec.gate import AdaptiveGate
 from metrale.spec.model_drafter import ModelDrafter
 from metrale.spec.speculator import (CUDA_VERIFY_COST, GATE_CAUTION, PRIOR_ACCEPTANCE, Speculator,
@@ -22,7 +23,7 @@ from metrale.spec.drafter import Draft
 from test_spec_gate_costs import forward_share_smollm2
 
 
-class CountingBackend:
+class CountingBackend(Backend):
     """A draft model's backend that counts its forwards (the fake model's own forward)."""
 
     def __init__(self, inner, name="fake"):

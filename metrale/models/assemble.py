@@ -4,11 +4,12 @@ from __future__ import annotations
 import logging
 import time
 
-from metrale.models.config import ModelConfig, refuse_window_beyond
-from metrale.models.checkpoint import load_gguf, load_hf_dir, random_model_config, random_weights
+from metrale.models.config import ModelConfig
+from metrale.models.families import family_for
+from metrale.models.checkpoint import load_gguf, load_hf_dir, random_model_config
 from metrale.models.registry import resolve_model
 from metrale.models.tokenizer import Tokenizer
-from metrale.runtime.select import resolve_device
+from metrale.runtime.select import backend_class, resolve_device
 
 log = logging.getLogger("metrale")
 
@@ -67,34 +68,9 @@ def _load_hf(path):
 
 
 def make_backend(device: str, cfg, config: ModelConfig, weights):
-    block_size = int(cfg.cache.block_size)
-    if device == "cuda" and config.is_mla:   # DeepSeek-V2/V3: latent cache, MLA + MoE kernels
-        from metrale.runtime.cuda_deepseek import DeepseekCudaBackend
-        return DeepseekCudaBackend(config, weights() if weights else None, cfg=cfg, random_seed=int(cfg.seed))
-    if device == "cuda" and config.is_hybrid and not config.is_moe:   # Gated DeltaNet + attention (docs/hybrid.md)
-        from metrale.runtime.cuda_hybrid import HybridCudaBackend
-        return HybridCudaBackend(config, weights() if weights else None, cfg=cfg, random_seed=int(cfg.seed))
-    if device == "cuda" and (config.is_mla or config.is_hybrid or config.is_moe):
-        raise ValueError(f"{config.name or config.architecture}: MLA, MoE and hybrid (Gated DeltaNet) models "
-                         f"run on the NumPy backend only so far; use device=cpu")
-    if config.is_mla:
-        from metrale.models.deepseek import DeepseekBackend
-        num_blocks = cfg.cache.num_blocks or max(1, cfg.cache.cpu_kv_tokens // block_size)
-        return DeepseekBackend(config, weights(), num_blocks=int(num_blocks), block_size=block_size,
-                               dtype=cfg.levers.numpy_dtype)
-    if device == "cuda":   # refused before any weight reaches the device (CudaBackend checks it too)
-        refuse_window_beyond(config, min(config.max_position, cfg.scheduler.max_model_len or config.max_position))
-        from metrale.runtime.cuda_backend import CudaBackend
-        return CudaBackend(config, weights() if weights else None, cfg=cfg, random_seed=int(cfg.seed))
-    from metrale.runtime.numpy_backend import NumpyBackend
-    num_blocks = cfg.cache.num_blocks or max(1, cfg.cache.cpu_kv_tokens // block_size)
-    stream = weights() if weights else random_weights(config, int(cfg.seed))
-    hybrid = {}
-    if config.is_hybrid:   # a state slot for every sequence that can run (docs/hybrid.md)
-        hybrid = dict(num_state_slots=int(cfg.scheduler.max_num_seqs), num_state_checkpoints=0,
-                      state_norm_bound=float(cfg.levers.state_norm_bound))
-    return NumpyBackend(config, stream, num_blocks=int(num_blocks), block_size=block_size,
-                        dtype=cfg.levers.numpy_dtype, **hybrid)
+    """The device's backend class, given the config's family; weights: a zero-argument stream
+    factory, or None for random weights of the config's shape."""
+    return backend_class(device).from_config(cfg, config, weights, family_for(config))
 
 
 def load_draft_backend(cfg, model: str, *, num_blocks: int, vocab_size: int):

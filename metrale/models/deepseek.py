@@ -1,22 +1,23 @@
 """DeepSeek-V2/V3 decoder: multi-head latent attention (MLA) + mixture of experts, written once
-against the DeepseekOps interface, and the NumPy backend that runs it (CPU runtime and oracle).
+against the DeepseekOps interface; its family value (FAMILY) and its NumPy ops (MlaNumpyOps).
 
 A layer: norm, MLA (q [via q_lora], kv_a -> latent c + k_pe, store the latent row, attention over
 the paged latent cache), o(+res), norm, then a dense SwiGLU MLP (layers < first_k_dense_replace)
 or MoE (router, top-k experts, shared experts) added into the residual.
 
-The latent cache holds Dk = kv_lora_rank + qk_rope_head_dim values per token and layer in blocks
-of the KV block size, addressed by the batch's block tables and slot mapping like the KV cache.
-Attention per segment takes the naive form (K/V decompressed per head from the cached latents:
-cheaper when many query tokens share one context) or the absorbed form (q_nope absorbed through
-W_UK into the latent space, scores against the latent rows, output up-projected through W_UV: the
-decode form); `mla_mode` = auto (naive for multi-token segments) | naive | absorbed. Both read the
-cache, so a chunk attends to the latents of earlier chunks and chunked prefill equals one-shot.
+The latent cache (cache kind LATENT) holds Dk = kv_lora_rank + qk_rope_head_dim values per token
+and layer in blocks of the KV block size, addressed by the batch's block tables and slot mapping
+like the KV cache. Attention per segment takes the naive form (K/V decompressed per head from the
+cached latents: cheaper when many query tokens share one context) or the absorbed form (q_nope
+absorbed through W_UK into the latent space, scores against the latent rows, output up-projected
+through W_UV: the decode form); the NumPy backend's `mla_mode` = auto (naive for multi-token
+segments) | naive | absorbed. Both read the cache, so a chunk attends to the latents of earlier
+chunks and chunked prefill equals one-shot.
 
-Expert parallelism: with `ep` (metrale.parallel.ExpertParallel) the backend holds only its rank's
+Expert parallelism: with `ep` (metrale.parallel.ExpertParallel) a backend holds only its rank's
 experts (weights experts_* of [E_local, ...]) and the routed part of every MoE layer goes through
-ep.dispatch_combine; every rank must then run the same layers each step (`idle_step` when it has
-no tokens).
+ep.dispatch_combine; every rank must then run the same layers each step (Backend.idle_step when
+it has no tokens). Also here: tiny random DeepSeek checkpoints for tests and benchmarks.
 """
 from __future__ import annotations
 
@@ -28,12 +29,11 @@ import numpy as np
 
 from kernels_numba.moe import RouteConfig, route_ref
 from metrale.models.config import ModelConfig
+from metrale.models.families import LATENT, Family
 from metrale.models.llama import Ops
-from metrale.models.checkpoint import WeightStream
-from metrale.models.rope import model_rope, rope_type, yarn_mscale
+from metrale.models.rope import rope_type, yarn_mscale
 from metrale.parallel.ep import combine_slots
-from metrale.runtime.batch import ForwardBatch
-from metrale.runtime.numpy_backend import NumpyOps, apply_rope
+from metrale.runtime.numpy_backend import apply_rope
 
 Tensor = Any
 
@@ -43,9 +43,10 @@ class DeepseekOps(Ops, Protocol):
     def moe_residual(self, h: Tensor, layer: int, w: dict, prefix: str, residual: Tensor) -> Tensor: ...
 
 
-def deepseek_forward(ops: DeepseekOps, w: dict[str, Tensor], config: ModelConfig,
-                     num_layers: int | None = None) -> Tensor:
-    """Runs the batch bound to `ops`; returns logits [R, vocab] of the rows that need them."""
+def deepseek_forward(ops: DeepseekOps, w: dict[str, Tensor], config: ModelConfig, num_layers: int | None = None,
+                     return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Runs the batch bound to `ops`; returns logits [R, vocab] of the rows that need them (and,
+    with return_hidden, those rows' hidden states before the final norm)."""
     residual = ops.embed(w["embed"])
     for i in range(config.num_layers if num_layers is None else num_layers):
         p = f"layers.{i}."
@@ -56,8 +57,9 @@ def deepseek_forward(ops: DeepseekOps, w: dict[str, Tensor], config: ModelConfig
             residual = ops.moe_residual(h, i, w, p, residual)
         else:
             residual = ops.linear_residual(ops.silu_mul(ops.linear(h, w[p + "gate_up"])), w[p + "down"], residual)
-    h = ops.rms_norm(ops.logits_rows(residual), w["final_norm"])
-    return ops.linear(h, w.get("lm_head", w["embed"]))
+    rows = ops.logits_rows(residual)
+    logits = ops.linear(ops.rms_norm(rows, w["final_norm"]), w.get("lm_head", w["embed"]))
+    return (logits, rows) if return_hidden else logits
 
 
 # ------------------------------------------------------------------------------- softmax scale
@@ -111,7 +113,10 @@ def route_config(config: ModelConfig) -> RouteConfig:
 
 # ------------------------------------------------------------------------------- NumPy ops
 
-class NumpyDeepseekOps(NumpyOps):
+class MlaNumpyOps:
+    """The ops deepseek_forward adds, as a NumpyOps mixin: MLA over the backend's latent pages
+    (`kv.latent`, `mla_mode`) and the MoE block (local experts, or the ranks' through `ep`)."""
+
     def mla_attention(self, h, layer, w, p):
         c, bt, be = self.cfg, self.batch, self.b
         t, nh = h.shape[0], c.num_heads
@@ -126,7 +131,7 @@ class NumpyDeepseekOps(NumpyOps):
         cos, sin = be.rope_for(bt)
         q_pe = apply_rope(q[..., nope:], cos, sin, True)
         k_pe = apply_rope(kv[:, None, r:], cos, sin, True)[:, 0]
-        cache = be.latent_cache[layer]
+        cache = be.kv.latent[layer]
         flat = cache.reshape(-1, c.latent_dim)
         keep = bt.slot_mapping >= 0
         flat[bt.slot_mapping[keep], :r] = c_kv[keep]
@@ -134,6 +139,7 @@ class NumpyDeepseekOps(NumpyOps):
         w_kv_b = w[p + "kv_b"].reshape(nh, nope + vd, r)
         w_uk, w_uv = w_kv_b[:, :nope], w_kv_b[:, nope:]
         out = np.empty((t, nh, vd), h.dtype)
+        scale = deepseek_softmax_scale(c)
         for s in range(bt.num_seqs):
             a, b, ctx = bt.seq_query_start[s], bt.seq_query_start[s + 1], bt.context_lens[s]
             blocks = bt.block_tables[s, :-(-ctx // bt.block_size)]
@@ -147,7 +153,7 @@ class NumpyDeepseekOps(NumpyOps):
             else:
                 q_lat = np.einsum("qhn,hnr->qhr", qn, w_uk)
                 scores = np.einsum("qhr,lr->hql", q_lat, lat_c)
-            scores = (scores + np.einsum("qhd,ld->hql", qp, lat_pe)) * be.softmax_scale
+            scores = (scores + np.einsum("qhd,ld->hql", qp, lat_pe)) * scale
             scores[:, np.arange(ctx)[None, :] > bt.positions[a:b][:, None]] = -np.inf
             scores -= scores.max(axis=-1, keepdims=True)
             prob = np.exp(scores)
@@ -159,81 +165,55 @@ class NumpyDeepseekOps(NumpyOps):
         return out.reshape(t, nh * vd)
 
     def moe_residual(self, h, layer, w, p, residual):
-        return residual + self.b.moe(h, w, p)
-
-
-class DeepseekBackend:
-    """NumPy backend of the DeepSeek family: same surface as NumpyBackend (forward,
-    forward_greedy, memory_report, config, block_size, num_blocks) plus idle_step for EP ranks."""
-    name = "cpu"
-
-    def __init__(self, config: ModelConfig, weights: WeightStream | dict, *, num_blocks: int,
-                 block_size: int = 16, dtype: str = "float32", mla_mode: str = "auto", ep=None):
-        if not config.is_mla:
-            raise ValueError(f"{config.name or config.architecture}: DeepseekBackend needs an MLA config (kv_lora_rank > 0)")
-        if dtype not in ("float32", "float64"):
-            raise ValueError(f"levers.numpy_dtype must be float32 or float64, not '{dtype}'")
-        if mla_mode not in ("auto", "naive", "absorbed"):
-            raise ValueError(f"mla_mode must be auto, naive or absorbed, not '{mla_mode}'")
-        self.config, self.block_size, self.num_blocks = config, block_size, num_blocks
-        self.dtype, self.mla_mode, self.ep = np.dtype(dtype), mla_mode, ep
-        items = weights.items() if isinstance(weights, dict) else weights
-        self.weights = {name: np.ascontiguousarray(a, dtype=self.dtype) for name, a in items}
-        self.latent_cache = np.zeros((config.num_layers, num_blocks, block_size, config.latent_dim), self.dtype)
-        self.rope, self.softmax_scale = model_rope(config), deepseek_softmax_scale(config)
-        self.route_cfg = route_config(config) if config.is_moe else None
-        local = config.n_routed_experts if ep is None else ep.num_local
-        for i in range(config.num_layers):
-            gu = self.weights.get(f"layers.{i}.experts_gate_up")
-            if config.is_moe_layer(i) and (gu is None or gu.shape[0] != local):
-                have = None if gu is None else gu.shape[0]
-                raise ValueError(f"layer {i}: {have} experts loaded, this rank needs {local}")
-
-    def rope_for(self, batch: ForwardBatch) -> tuple[np.ndarray, np.ndarray]:
-        return self.rope.cos_sin(batch.positions)
-
-    def moe(self, h: np.ndarray, w: dict, p: str) -> np.ndarray:
-        """Routed experts (local or expert-parallel) + shared experts of one MoE layer."""
+        """residual + routed experts (local or expert-parallel) + shared experts of one MoE layer."""
         logits = h @ w[p + "router"].T
-        ids, weights = route_ref(logits, self.route_cfg, w.get(p + "router_bias"))
+        ids, weights = route_ref(logits, route_config(self.cfg), w.get(p + "router_bias"))
         weights = weights.astype(h.dtype)
         gu, down = w[p + "experts_gate_up"], w[p + "experts_down"]
-        if self.ep is None:
+        if self.b.ep is None:
             out = local_experts(h, ids, weights, gu, down)
         else:
-            out = self.ep.dispatch_combine(h, ids, weights, lambda rows, local: expert_mlp(rows, local, gu, down))
+            out = self.b.ep.dispatch_combine(h, ids, weights, lambda rows, local: expert_mlp(rows, local, gu, down))
         if p + "shared_gate_up" in w:
             sg = h @ w[p + "shared_gate_up"].T
             f = sg.shape[1] // 2
             out = out + (sg[:, :f] / (1.0 + np.exp(-sg[:, :f])) * sg[:, f:]) @ w[p + "shared_down"].T
-        return out
+        return residual + out
 
-    def forward(self, batch: ForwardBatch, num_layers: int | None = None) -> np.ndarray:
-        with np.errstate(over="ignore"):
-            logits = deepseek_forward(NumpyDeepseekOps(self, batch), self.weights, self.config, num_layers)
-        return np.asarray(logits, dtype=np.float32) if self.dtype == np.float32 else logits
-
-    def forward_greedy(self, batch: ForwardBatch, num_layers: int | None = None) -> np.ndarray:
-        return np.argmax(self.forward(batch, num_layers), axis=-1).astype(np.int32)
-
-    def idle_step(self, num_layers: int | None = None) -> None:
-        """An expert-parallel rank without tokens this step: serve its experts to the others in
-        every MoE layer (the collectives of a step must be entered by every rank)."""
-        if self.ep is None:
-            return
-        d, k = self.config.hidden_size, self.config.num_experts_per_tok
-        for i in range(self.config.num_layers if num_layers is None else num_layers):
-            if self.config.is_moe_layer(i):
+    @staticmethod
+    def serve_experts(backend, num_layers: int | None = None) -> None:
+        """Backend.idle_step of an expert-parallel rank without tokens: its experts serve the other
+        ranks' rows in every MoE layer (the collectives of a step must be entered by every rank)."""
+        c = backend.config
+        d, k = c.hidden_size, c.num_experts_per_tok
+        for i in range(c.num_layers if num_layers is None else num_layers):
+            if c.is_moe_layer(i):
                 p = f"layers.{i}."
-                gu, down = self.weights[p + "experts_gate_up"], self.weights[p + "experts_down"]
-                self.ep.dispatch_combine(np.zeros((0, d), self.dtype), np.zeros((0, k), np.int32),
-                                         np.zeros((0, k), self.dtype),
-                                         lambda rows, local, gu=gu, down=down: expert_mlp(rows, local, gu, down))
+                gu, down = backend.weights[p + "experts_gate_up"], backend.weights[p + "experts_down"]
+                backend.ep.dispatch_combine(np.zeros((0, d), backend.dtype), np.zeros((0, k), np.int32),
+                                            np.zeros((0, k), backend.dtype),
+                                            lambda rows, local, gu=gu, down=down: expert_mlp(rows, local, gu, down))
 
-    def memory_report(self) -> dict:
-        return {"weights_bytes": sum(a.nbytes for a in self.weights.values()),
-                "kv_pool_bytes": self.latent_cache.nbytes,
-                "kv_pool_tokens": self.num_blocks * self.block_size}
+
+def check_expert_weights(config: ModelConfig, weights: dict, ep) -> None:
+    """Each MoE layer holds the experts of this rank (all of them without expert parallelism)."""
+    local = config.n_routed_experts if ep is None else ep.num_local
+    for i in range(config.num_layers):
+        gu = weights.get(f"layers.{i}.experts_gate_up")
+        if config.is_moe_layer(i) and (gu is None or gu.shape[0] != local):
+            have = None if gu is None else gu.shape[0]
+            raise ValueError(f"layer {i}: {have} experts loaded, this rank needs {local}")
+
+
+FAMILY = Family(
+    name="mla",
+    matches=lambda c: c.is_mla,
+    forward=deepseek_forward,
+    caches=(LATENT,),
+    numpy_ops=(MlaNumpyOps,),
+    cuda="metrale.runtime.cuda_deepseek:MlaCuda",
+    check_weights=check_expert_weights,
+)
 
 
 # ------------------------------------------------------------------------------- random models
@@ -370,9 +350,10 @@ def greedy_generate(backend, prompt: list[int], max_new_tokens: int, chunk: int 
 
 
 def load_deepseek_backend(path: Path, *, num_blocks: int, block_size: int = 16, dtype: str = "float32",
-                          mla_mode: str = "auto", ep=None) -> DeepseekBackend:
-    """A DeepseekBackend from a checkpoint directory; with `ep`, only that rank's experts load."""
+                          mla_mode: str = "auto", ep=None):
+    """A NumpyBackend from a DeepSeek checkpoint directory; with `ep`, only that rank's experts load."""
     from metrale.models.checkpoint import load_deepseek_dir
+    from metrale.runtime.numpy_backend import NumpyBackend
     config, _, stream = load_deepseek_dir(Path(path), None if ep is None else ep.expert_range)
-    return DeepseekBackend(config, stream(), num_blocks=num_blocks, block_size=block_size, dtype=dtype,
-                           mla_mode=mla_mode, ep=ep)
+    return NumpyBackend(config, stream(), num_blocks=num_blocks, block_size=block_size, dtype=dtype,
+                        mla_mode=mla_mode, ep=ep)

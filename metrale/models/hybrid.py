@@ -1,10 +1,11 @@
 """Hybrid models (Qwen3-Next style): some layers full attention, the others Gated DeltaNet.
 
-Owns: reading a hybrid config.json ("qwen3_next", or the small custom "metrale_hybrid") into a
-ModelConfig, mapping its tensors onto canonical names, random weights for tests, and the host
-(NumPy) state pool + Gated DeltaNet op of the NumPy backend. The forward itself is
-models/llama.py; the math is kernels_numba/gdn.py (references and kernels). docs/hybrid.md has
-the design: state slots, checkpoints and rollback.
+Owns: the hybrid family value (FAMILY), reading a hybrid config.json ("qwen3_next", or the small
+custom "metrale_hybrid") into a ModelConfig, mapping its tensors onto canonical names, random
+weights for tests, and the NumPy side of its cache kind and ops (HostStatePool, GdnNumpyOps). The
+forward itself is models/llama.py; its CUDA part runtime/cuda_hybrid.py; the math
+kernels_numba/gdn.py (references and kernels). docs/hybrid.md has the design: state slots,
+checkpoints and rollback.
 
 Canonical names of a linear-attention layer i (attention layers keep llama's names, plus
 `attn_gate` [q_size, d] when config.attn_output_gate):
@@ -21,7 +22,10 @@ from typing import Callable
 import numpy as np
 
 from kernels_numba.gdn import gdn_segment_ref, rms_norm_gated_ref, state_norm_clamp_ref
+from metrale.cache.kinds import CacheKind
 from metrale.models.config import ModelConfig
+from metrale.models.families import KV, STATE, Family
+from metrale.models.llama import llama_forward
 from metrale.models.rope import hf_rope_settings
 
 HYBRID_TYPES = ("qwen3_next", "metrale_hybrid")
@@ -194,8 +198,8 @@ def random_hybrid_weights(config: ModelConfig, seed: int = 0):
 
 # ----------------------------------------------------------------------- host state pool
 
-class HostStatePool:
-    """The NumPy backend's per-sequence state: conv state [layers, ids, conv_dim, K-1] and
+class HostStatePool(CacheKind):
+    """The NumPy backend's STATE cache kind, per-sequence state: conv state [layers, ids, conv_dim, K-1] and
     recurrent state [layers, ids, nv, dk, dv] of every linear-attention layer. Ids 0..num_slots-1
     are sequence slots, num_slots.. checkpoints (cache/state_slots.py hands both out).
     `tokens[layer, id]` counts the tokens folded into a state, so a segment that does not continue
@@ -226,6 +230,17 @@ class HostStatePool:
         linear = [i for i in range(c.num_layers) if c.is_linear_layer(i)]
         self._layer_weights = [tuple(weights[f"layers.{i}.{n}"] for n in ("lin_conv", "lin_a_log", "lin_dt_bias"))
                                for i in linear]
+
+    paged = False
+
+    @classmethod
+    def allocate(cls, backend, n: int) -> "HostStatePool":
+        """n sequence slots (and the backend's num_state_checkpoints) over the backend's weights."""
+        return cls(backend.config, backend.weights, n, backend.num_state_checkpoints, backend.dtype,
+                   state_norm_bound=backend.state_norm_bound)
+
+    def memory(self) -> dict:
+        return {"state_pool_bytes": self.nbytes}
 
     @property
     def snapshot_base(self) -> int:
@@ -363,3 +378,26 @@ class HostStatePool:
                 lo = hi
         z = proj[:, cd:cd + vd].reshape(-1, nv, dv)
         return rms_norm_gated_ref(out, z, norm_w, eps).reshape(-1, vd)
+
+
+class GdnNumpyOps:
+    """The ops a hybrid forward adds, as a NumpyOps mixin: the attention output gate and the Gated
+    DeltaNet mixer over the backend's state pool."""
+
+    def sigmoid_mul(self, x, gate):
+        return x / (1.0 + np.exp(-gate))
+
+    def gated_delta_net(self, proj, layer, conv, a_log, dt_bias, norm):
+        return self.b.states.gated_delta_net(self.batch, proj, layer, conv, a_log, dt_bias, norm, self.cfg.rms_norm_eps)
+
+
+FAMILY = Family(
+    name="hybrid",
+    matches=lambda c: c.is_hybrid and not c.is_moe,
+    forward=llama_forward,
+    caches=(KV, STATE),
+    random_weights=random_hybrid_weights,
+    numpy_ops=(GdnNumpyOps,),
+    cuda="metrale.runtime.cuda_hybrid:HybridCuda",
+    layer_prefix=False,      # the first layers' recurrent states would advance with draft tokens
+)

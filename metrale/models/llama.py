@@ -1,25 +1,26 @@
-"""The Llama/Qwen-family decoder forward, written once against the Ops interface.
+"""The Llama/Qwen-family decoder forward, written once against the Ops interface, and the dense
+family value (FAMILY).
 
 Each backend supplies Ops bound to one ForwardBatch; the model never sees devices, streams or
-KV layouts. Dense Llama, Qwen2 (qkv bias) and Qwen3 (per-head q/k norm) share this code path, and
-so do hybrid models (Qwen3-Next style, docs/hybrid.md): a layer whose config.layer_types entry is
-"linear_attention" mixes tokens with a Gated DeltaNet (ops.gated_delta_net, state kept per
-segment in its state slot) instead of paged attention; attention layers index the KV cache by
-their rank among the attention layers (config.kv_layer).
-The residual stream is updated by the o and down products themselves (linear_residual), and
-each RMSNorm is part of the product that reads it (norm_linear), as silu*mul is of the down
-product (silu_mul_linear_residual), so a layer is seven ops: norm+qkv, rope+store (one call: norm_qkv_to_cache), attention,
-o(+res), norm+gate_up, silu*mul+down(+res); attention and o(+res) are one call
-(attention_linear_residual) so a backend may hand the attention output to the product in the
-product's input format, and the MLP block is one call (mlp_residual) so a backend may put
-silu*mul in either product. Backends may run the fused ops as their composition
-(the NumPy backend does; the CUDA backend fuses at one token row, levers.fuse_decode).
+KV layouts. Dense Llama, Qwen2 (qkv bias), Qwen3 (per-head q/k norm) and Mistral share this code
+path, and so do hybrid models (models/hybrid.py, docs/hybrid.md): a layer whose
+config.layer_types entry is "linear_attention" mixes tokens with a Gated DeltaNet
+(ops.gated_delta_net) instead of paged attention; attention layers index the KV cache by their
+rank among the attention layers (config.kv_layer).
+Fused ops carry what a backend may fuse: the residual is updated by the o and down products
+themselves (linear_residual), each RMSNorm is part of the product that reads it (norm_linear), as
+silu*mul is of the down product (silu_mul_linear_residual); norm+qkv+rope+store is one call
+(norm_qkv_to_cache), attention+o(+res) one (attention_linear_residual), the MLP block one
+(mlp_residual). The NumPy backend runs each as its composition; the CUDA backend fuses at one
+token row (levers.fuse_decode).
 """
 from __future__ import annotations
 
 from typing import Any, Protocol
 
+from metrale.models.checkpoint import random_weights
 from metrale.models.config import ModelConfig
+from metrale.models.families import KV, Family
 
 Tensor = Any  # an ndarray on the host or a device array; only the backend's Ops look inside
 
@@ -43,7 +44,7 @@ class Ops(Protocol):
     # fused: silu_mul_linear_residual(norm_linear(residual, norm_weight, gate_up), down, residual)
     def mlp_residual(self, residual: Tensor, norm_weight: Tensor, gate_up: Tensor, down: Tensor) -> Tensor: ...
     def logits_rows(self, x: Tensor) -> Tensor: ...
-    # hybrid models only
+    # hybrid models only (models/hybrid.py: GdnNumpyOps; runtime/cuda_hybrid.py: GdnCudaOps)
     def sigmoid_mul(self, x: Tensor, gate: Tensor) -> Tensor: ...
     def gated_delta_net(self, proj: Tensor, layer: int, conv: Tensor, a_log: Tensor, dt_bias: Tensor,
                         norm: Tensor) -> Tensor: ...
@@ -77,3 +78,13 @@ def llama_forward(ops: Ops, w: dict[str, Tensor], config: ModelConfig, num_layer
     rows = ops.logits_rows(residual)
     logits = ops.norm_linear(rows, w["final_norm"], w.get("lm_head", w["embed"]))
     return (logits, rows) if return_hidden else logits
+
+
+FAMILY = Family(
+    name="dense",
+    matches=lambda c: not (c.is_mla or c.is_hybrid or c.is_moe),
+    forward=llama_forward,
+    caches=(KV,),
+    random_weights=random_weights,
+    cuda="metrale.runtime.cuda_dense:DenseCuda",
+)

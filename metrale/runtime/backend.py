@@ -1,11 +1,14 @@
-"""The Backend seam: everything device-specific behind one small interface.
+"""The Backend seam: every capability the engine, the scheduler loop, sampling and the drafters
+use, declared here, so callers read members instead of probing with getattr/hasattr.
 
-A backend owns the weights, the paged KV pool and the activation memory, and runs one ragged
-forward. The NumPy backend is both the CPU runtime and the oracle of the CUDA backend.
+A backend owns the weights, the caches of its model family (metrale.models.families) and the
+activation memory, and runs one ragged forward. The NumPy backend is both the CPU runtime and the
+oracle of the CUDA backend. Backends (and test doubles) subclass this Protocol to inherit the
+defaults below, which are the honest values for a backend that computes on the host at once.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Iterator, Protocol
 
 import numpy as np
 
@@ -14,11 +17,17 @@ from metrale.runtime.batch import ForwardBatch
 
 
 class Backend(Protocol):
-    name: str
+    name: str                    # "cpu" | "cuda" (tests: "fake")
     config: ModelConfig
     block_size: int
     num_blocks: int
-    supports_overlap: bool       # launch_greedy can feed a step's ids to the next (levers.overlap)
+    weights: dict                # canonical name -> array (host arrays on the CPU, device arrays on CUDA)
+    dtype: np.dtype = np.dtype(np.float32)   # float dtype of the logits and hidden rows it returns
+    states: Any = None           # hybrid models: the recurrent-state pool (cache.state_slots.StateStore)
+    max_rows: int | None = None  # logits rows one step can return (None: no limit)
+    max_tokens: int | None = None   # tokens one step can take (None: no limit)
+    stream: Any = None           # CUDA: the stream its work is queued on (device sampling joins it)
+    supports_overlap: bool = False   # launch_greedy can feed a step's ids to the next (levers.overlap)
 
     def forward(self, batch: ForwardBatch, num_layers: int | None = None, return_hidden: bool = False):
         """Logits [R, vocab] for the rows batch.logits_indices (float32; float64 with
@@ -28,14 +37,47 @@ class Backend(Protocol):
 
     def forward_greedy(self, batch: ForwardBatch, num_layers: int | None = None) -> np.ndarray:
         """Argmax token ids [R] int32 for the rows batch.logits_indices (argmax on the device)."""
+        return np.argmax(self.forward(batch, num_layers), axis=-1).astype(np.int32)
+
+    def forward_greedy_hidden(self, batch: ForwardBatch) -> tuple[np.ndarray, np.ndarray]:
+        """forward_greedy plus the hidden rows before the final norm (an MTP drafter's input)."""
+        logits, hidden = self.forward(batch, None, return_hidden=True)
+        return np.argmax(logits, axis=-1).astype(np.int32), np.asarray(hidden)
+
+    def forward_device(self, batch: ForwardBatch, num_layers: int | None = None):
+        """The logits where the backend computed them (device memory on CUDA, valid until the next
+        step); the host's own array here."""
+        return self.forward(batch, num_layers)
+
+    def hidden_rows(self, rows: int) -> np.ndarray:
+        """The last forward's first `rows` hidden rows before the final norm, on the host."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no hidden rows")
 
     def launch_greedy(self, batch: ForwardBatch, prev=None, token_src: np.ndarray | None = None):
         """forward_greedy queued without waiting: returns a handle whose `tokens()` gives the ids.
         token_src[t] >= 0 feeds token t from row token_src[t] of `prev` (the step launched just
         before), so the host can queue step N+1 before it reads step N (Engine, levers.overlap)."""
+        feed_tokens(batch, prev, token_src)
+        return ReadyTokens(self.forward_greedy(batch))
+
+    def idle_step(self, num_layers: int | None = None) -> None:
+        """An expert-parallel rank without tokens this step serves its experts to the others
+        (every rank enters each MoE layer's collectives); nothing to do without expert parallelism."""
+
+    def kv_tokens_that_fit(self, utilization: float = 0.9) -> int:
+        """KV tokens the cache would hold at this memory utilization (the host: what it holds)."""
+        return self.num_blocks * self.block_size
+
+    def export_weights(self) -> Iterator[tuple[str, np.ndarray]]:
+        """The weights as float host arrays under the canonical names (a NumPy twin's input)."""
+        yield from self.weights.items()
 
     def memory_report(self) -> dict:
-        """Bytes used by weights, KV pool and activations; peak device memory where known."""
+        """Bytes used by weights, caches and activations; peak device memory where known."""
+        return {}
+
+    def close(self) -> None:
+        """Free device memory (nothing to do on the host)."""
 
 
 class ReadyTokens:

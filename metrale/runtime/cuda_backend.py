@@ -1,8 +1,12 @@
-"""CUDA backend: the Llama forward as Numba kernels, memory from one pool, decode as CUDA graphs.
+"""CUDA backend: a model family's forward as Numba kernels, memory from one pool, decode as CUDA graphs.
 
+One backend for every family: the family value (metrale.models.families) gives the forward and
+its CUDA part (runtime/cuda_<family>.py: weight layout, activation plan, extra ops as CudaOps
+mixins); the backend owns memory planning, streams, graphs and weight upload.
 Memory: one cuMemAlloc at start holds the weights (bf16 bits as uint16, norms f32), the
-activation buffers (sized for the largest step), the step metadata, and the paged KV pool,
-which takes what is left of `cache.gpu_memory_utilization * total` after the rest.
+activation buffers (sized for the largest step; slot caches such as the hybrid state pool inside
+them), the step metadata, and the paged caches (K/V or MLA latents, runtime/cuda/pages.py), which
+take what is left of `cache.gpu_memory_utilization * total` after the rest.
 Steps: the host packs the ragged metadata into one pinned buffer and copies it with one
 transfer; decode-only steps are padded to a ladder size and replayed from a CUDA graph
 captured on first use (its eager warm-up run is that step's result); other steps launch eagerly.
@@ -15,16 +19,16 @@ from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda
-from numba.cuda.cudadrv.driver import device_memset
 
 from kernels_numba import (activation, argmax, attention, convert, embedding, flash_decode, flash_prefill, gemm, pdl,
                            qkv, rmsnorm)
-from kernels_numba.bf16 import to_bf16_bits
+from kernels_numba.bf16 import from_bf16_bits
 from kernels_numba.random_init import fill_normal_bf16
-from metrale.models.config import ModelConfig, refuse_window_beyond
-from metrale.models.llama import llama_forward
 from metrale.models.checkpoint import WeightStream
-from metrale.models.rope import model_rope, model_rotary_dim
+from metrale.models.config import ModelConfig, refuse_window_beyond
+from metrale.models.families import KV, LATENT, STATE, Family, compose_ops, family_for, resolve
+from metrale.models.rope import model_rope
+from metrale.runtime.backend import Backend
 from metrale.runtime.batch import ForwardBatch, Segment, build_batch
 from metrale.runtime.cuda import CudaGraph, DevicePool, Event, Stream, cu, free_device_memory, kv_pool_bytes
 from metrale.runtime.cuda.buckets import MAX_MIXED_GRAPHS, mixed_bucket, padding, token_ladder
@@ -36,6 +40,9 @@ MIN_GRAPH_CONTEXT = 512         # context buckets of decode graphs: powers of tw
 BLAS_SMALL_MATRIX = 1 << 22     # weight elements below which cuBLASLt waits for BLAS_SMALL_MIN_ROWS
 BLAS_SMALL_MIN_ROWS = 64
 FUSE_MAX_K = 2048               # decode fusion (norm / silu*mul in the GEMV prologue) up to this K
+# the cache kinds this backend keeps (metrale.cache.kinds' interface), imported on use
+DEVICE_CACHES = {KV: "metrale.runtime.cuda.pages:DeviceKvPages", LATENT: "metrale.runtime.cuda.pages:DeviceLatentPages",
+                 STATE: "metrale.runtime.cuda.state_pool:DeviceStatePool"}
 
 
 @dataclass(frozen=True)
@@ -140,7 +147,8 @@ def _ptr(array) -> int:
 
 
 class CudaOps:
-    """Ops of llama_forward as kernel launches on one stream, over fixed buffers (graph-safe)."""
+    """The Ops of a forward (models/llama.py) as kernel launches on one stream, over fixed buffers
+    (graph-safe); a family's extra ops are mixins composed onto it (CudaPart.ops)."""
 
     def __init__(self, backend: "CudaBackend", g: Geometry):
         self.b, self.g, self.s = backend, g, backend.stream.numba
@@ -172,12 +180,11 @@ class CudaOps:
         return out
 
     def _carry_norm(self) -> bool:
-        """One token row, decode fusion on, the plain llama ops: each GEMV that adds into the
-        residual also sums the squares of the new residual (gemm.gemv ss_out, one atomic a block)
-        and the next RMSNorm becomes the consumer GEMV's rmsnorm_ss prologue: no norm launch and
-        no per-block reduction, whatever K (the in-GEMV reduction lost on K = 4096)."""
-        return (self.g.tokens == 1 and self.b.fuse_decode and self.b.carry_norm_sums and type(self) is CudaOps
-                and "norm_ss" in self.b.act)
+        """One token row, decode fusion on, a family whose op sequence allows it (b.carry_norm_sums):
+        each GEMV that adds into the residual also sums the squares of the new residual (gemm.gemv
+        ss_out, one atomic a block) and the next RMSNorm becomes the consumer GEMV's rmsnorm_ss
+        prologue: no norm launch and no per-block reduction, whatever K."""
+        return self.g.tokens == 1 and self.b.fuse_decode and self.b.carry_norm_sums and "norm_ss" in self.b.act
 
     def _take_ss(self):
         i = self._ss_used
@@ -230,7 +237,7 @@ class CudaOps:
     def qkv_to_cache(self, qkv_out, layer, q_norm, k_norm):
         q = self._buf("q")
         qkv.qkv_rope_store(qkv_out, self.positions, self.b.cos, self.b.sin, self.slot_mapping, q,
-                           self.b.k_cache[layer], self.b.v_cache[layer], interleaved=self.cfg.rope_interleaved,
+                           self.b.kv.k[layer], self.b.kv.v[layer], interleaved=self.cfg.rope_interleaved,
                            q_norm=q_norm, k_norm=k_norm, eps=self.cfg.rms_norm_eps, stream=self.s)
         return q
 
@@ -241,7 +248,7 @@ class CudaOps:
         if not (x.shape[0] == 1 and self.b.fuse_decode and q_norm is None and not self.b.blas_takes(1, weight)):
             return self.qkv_to_cache(self.norm_linear(x, norm_weight, weight, bias), layer, q_norm, k_norm)
         q2, eps = self.b.view("q", 1, (1, self.cfg.q_size)), self.cfg.rms_norm_eps
-        rope = (self.positions, self.b.cos, self.b.sin, self.slot_mapping, self.b.k_cache[layer], self.b.v_cache[layer])
+        rope = (self.positions, self.b.cos, self.b.sin, self.slot_mapping, self.b.kv.k[layer], self.b.kv.v[layer])
         kw = dict(bias=bias, stream=self.s, rope=rope, interleaved=self.cfg.rope_interleaved)
         ss = self._carried_ss(x, weight)
         if ss is not None:                                  # the residual GEMV left sum(x^2) in ss
@@ -255,7 +262,7 @@ class CudaOps:
     def attention(self, q, layer):
         out = self._buf("attn")
         scale = 1.0 / math.sqrt(self.cfg.head_dim)
-        kc, vc = self.b.k_cache64[layer], self.b.v_cache64[layer]
+        kc, vc = self.b.kv.k64[layer], self.b.kv.v64[layer]
         if self.g.max_query_len >= self.b.prefill_min_tokens:
             prefill = flash_prefill.flash_prefill_attention if self.b.flash_prefill else attention.prefill_attention
             prefill(q, kc, vc, self.block_tables, self.seq_query_start, self.positions, scale,
@@ -267,7 +274,7 @@ class CudaOps:
     def _decode_attention(self, q, layer, out) -> None:
         """out: float32 [T, Hq, hd], or (tensor-core kernel only) uint16 room for T x q_size bf16."""
         decode = flash_decode.flash_decode_attention if self.b.flash_decode else attention.paged_attention
-        decode(q, self.b.k_cache64[layer], self.b.v_cache64[layer], self.block_tables, self.token_seq, self.positions,
+        decode(q, self.b.kv.k64[layer], self.b.kv.v64[layer], self.block_tables, self.token_seq, self.positions,
                1.0 / math.sqrt(self.cfg.head_dim), out, scratch=self.b.attn_scratch, max_context=self.g.max_context,
                stream=self.s)
 
@@ -291,9 +298,8 @@ class CudaOps:
 
     def _fused(self, rows: int, weight) -> bool:
         """One token row, fusion on, a narrow input (K <= FUSE_MAX_K), and the Numba GEMV (not
-        cuBLASLt) runs this product. Wide inputs lose: every block of the GEMV redoes the
-        prologue over all K (H200: Llama-3-8B's qkv/gate_up/down went 17/58/33 -> 21/62/63 us,
-        while a separate norm or silu launch costs ~3 us)."""
+        cuBLASLt) runs this product. Wide inputs lose: every block of the GEMV redoes the prologue
+        over all K (docs/architecture.md, "Decisions and why")."""
         return (rows == 1 and self.b.fuse_decode and weight.shape[1] <= FUSE_MAX_K
                 and not self.b.blas_takes(1, weight))
 
@@ -359,73 +365,57 @@ PDL_EARLY_MIN_BYTES = 8 << 30   # levers.pdl_trigger=auto: early triggers from t
 MAX_CACHED_VIEWS = 8192         # activation views CudaBackend.view keeps (cleared past this)
 
 
-class CudaBackend:
+class CudaBackend(Backend):
+    """The one CUDA backend: memory planning, streams, graphs and weight upload for every model
+    family; what differs it asks the family's CUDA part (self.part, runtime/cuda_dense.py)."""
     name = "cuda"
+    dtype = np.dtype(np.float32)     # logits and hidden rows (weights and caches are bf16)
 
-    def __init__(self, config: ModelConfig, weights: WeightStream | None, *, cfg, random_seed: int = 0):
+    def __init__(self, config: ModelConfig, weights: WeightStream | None, *, cfg, random_seed: int = 0,
+                 family: Family | None = None, ep=None):
+        """weights: canonical (name, float array) pairs, or None for random weights made on the device.
+        ep: expert parallelism (metrale.parallel.ExpertParallel; MoE families): this rank's experts
+        only, CUDA graphs off (the exchange syncs with the host)."""
         self.config = c = config
+        self.cfg, self.ep = cfg, ep
+        self.family = family or family_for(config)
+        self.part = self.family.cuda_part()(self)
         self.block_size = int(cfg.cache.block_size)
         levers = cfg.levers
         self._views: dict = {}
         # the streaming path's own table (gemm.skinny_cfg) still sends shapes it loses on to the tiled GEMM
         self.skinny_max_t = max(gemm.FMA_MAX_T, int(levers.gemv_max_rows))
         self.prefill_min_tokens = int(levers.prefill_attention_min_tokens)
-        if levers.prefill_attention_kernel not in ("mma", "fma"):
-            raise ValueError(f"levers.prefill_attention_kernel must be mma or fma, not '{levers.prefill_attention_kernel}'")
-        self.flash_prefill = levers.prefill_attention_kernel == "mma"
-        if levers.decode_attention_kernel not in ("mma", "fma"):
-            raise ValueError(f"levers.decode_attention_kernel must be mma or fma, not '{levers.decode_attention_kernel}'")
-        self.flash_decode = levers.decode_attention_kernel == "mma"
-        self._init_decode_fusion(levers)
-        # PDL is process-wide (it wraps Numba's launcher); the last backend built decides
-        self.pdl = pdl.enable(bool(getattr(levers, "pdl", True)))
-        self.use_graphs = bool(levers.cuda_graphs)
-        # the host a step ahead (engine: levers.overlap) needs the feeding embedding of the dense forward
-        self.overlap = bool(levers.overlap) and type(self)._run is CudaBackend._run
+        self.flash_prefill = _choice("prefill_attention_kernel", levers.prefill_attention_kernel, ("mma", "fma")) == "mma"
+        self.flash_decode = _choice("decode_attention_kernel", levers.decode_attention_kernel, ("mma", "fma")) == "mma"
+        self.use_graphs = bool(levers.cuda_graphs) and ep is None
+        self.overlap = bool(levers.overlap) and self.part.feeds_tokens     # the host a step ahead (engine)
         self.supports_overlap = self.overlap
         self.graph_sizes = sorted(int(s) for s in levers.graph_batch_sizes)
-        # prefill and mixed steps replayed from bucketed graphs: the dense forward only (the hybrid
-        # and MLA families keep per-step state or context-sized launches in those steps)
-        self.mixed_graphs = (self.use_graphs and bool(getattr(levers, "mixed_graphs", False))
-                             and type(self)._run is CudaBackend._run)
+        self.mixed_graphs = self.use_graphs and bool(levers.mixed_graphs) and self.part.mixed_graphs
+        self._init_decode_fusion(levers)
         self.max_model_len = min(c.max_position, cfg.scheduler.max_model_len or c.max_position)
-        refuse_window_beyond(c, self.max_model_len)   # no windowed kernels: full attention is exact only inside it
-        self.max_seqs = int(cfg.scheduler.max_num_seqs)
+        self.max_seqs = self.num_state_slots = int(cfg.scheduler.max_num_seqs)
         self.max_tokens = max(int(cfg.scheduler.max_num_batched_tokens), self.graph_sizes[-1] if self.graph_sizes else 1)
         self.max_rows = max(self.max_seqs, self.graph_sizes[-1] if self.graph_sizes else 1)
         self.max_seqs = max(self.max_seqs, self.max_rows)
         self.max_blocks = -(-self.max_model_len // self.block_size)
-        for name, dim in self._gemm_dims():
-            if dim % 64:
-                raise ValueError(f"the CUDA backend needs {name} to be a multiple of 64, got {dim}")
+        self._check_config()                           # before any device memory
+        self.cache_kinds = {kind: resolve(DEVICE_CACHES[kind]) for kind in self.family.caches}
+        self.ops_class = compose_ops(CudaOps, self.part.ops)
+        # PDL is process-wide (it wraps Numba's launcher); the last backend built decides
+        self.pdl = pdl.enable(bool(levers.pdl))
         self.stream = Stream()
         cuda.select_device(0)
         self.blas, self.blas_min_rows = None, int(levers.cublaslt_min_rows)
         self.use_blas = self._want_cublaslt(str(levers.gemm_library))
-
-        weight_bytes = self._weight_bytes()
-        self.pdl_trigger = self._pdl_trigger(str(getattr(levers, "pdl_trigger", "auto")), weight_bytes)
-        act_bytes = self._activation_bytes()
-        free, total = free_device_memory()
-        kv_bytes = kv_pool_bytes(free, total, float(cfg.cache.gpu_memory_utilization),
-                                 reserved=weight_bytes + act_bytes + GRAPH_RESERVE)
-        per_block = self._kv_block_bytes()
-        num_blocks = int(cfg.cache.num_blocks or kv_bytes // per_block)
-        if num_blocks < 1:
-            raise RuntimeError(f"no device memory left for the KV cache: {free / 2**30:.1f} GiB free of "
-                               f"{total / 2**30:.1f}, weights need {weight_bytes / 2**30:.1f} GiB")
-        self.num_blocks = num_blocks
-        self.pool = DevicePool(weight_bytes + act_bytes + num_blocks * per_block + (4 << 20),
-                               {"weights": weight_bytes, "activations": act_bytes, "kv": None})
-        self.weights = self._load_weights(weights, random_seed)
-        self._alloc_activations()
-        self._alloc_kv_cache(num_blocks)
+        self._plan_memory(levers, weights, random_seed)
         if self.use_blas:
             from metrale.runtime.cuda.cublaslt import CublasLt
             ws = self.act["blas_workspace"]
-            self.blas = CublasLt(_ptr(ws), ws.nbytes, autotune=int(getattr(levers, "cublaslt_autotune", 0)),
+            self.blas = CublasLt(_ptr(ws), ws.nbytes, autotune=int(levers.cublaslt_autotune),
                                  autotune_rows=set(self.graph_sizes) if self.use_graphs else None,
-                                 split_k=bool(getattr(levers, "cublaslt_split_k", True)))
+                                 split_k=bool(levers.cublaslt_split_k))
         self.graphs: dict[Geometry, CudaGraph] = {}
         self.mixed_ladder = token_ladder(self.max_tokens)
         self._mixed_lru: dict[Geometry, None] = {}      # mixed geometries in self.graphs, oldest first
@@ -437,41 +427,64 @@ class CudaBackend:
         if self.use_graphs:
             self._capture_ladder()
 
+    @classmethod
+    def from_config(cls, cfg, config: ModelConfig, weights, family: Family) -> "CudaBackend":
+        """The CUDA backend of a composed config; `weights` a zero-argument stream factory or None."""
+        return cls(config, weights() if weights is not None else None, cfg=cfg, random_seed=int(cfg.seed), family=family)
+
+    def _check_config(self) -> None:
+        """What the kernels cannot run, refused before the device is touched."""
+        refuse_window_beyond(self.config, self.max_model_len)   # no windowed kernels: full attention is exact inside it
+        self.part.check()
+        for name, dim in self.part.gemm_dims():
+            if dim % 64:
+                raise ValueError(f"the CUDA backend needs {name} to be a multiple of 64, got {dim}")
+        if self.flash_prefill and KV in self.family.caches:
+            try:                 # e.g. 256-dim heads: the mma prefill's tiles exceed 48 KB of shared memory
+                flash_prefill.flash_config(self.config.head_dim)
+            except ValueError as exc:
+                log.info("prefill attention: the FP32 kernel (%s)", exc)
+                self.flash_prefill = False
+
+    def _plan_memory(self, levers, weights: WeightStream | None, seed: int) -> None:
+        """One pool: weights, activations (with the slot caches' pools), then the paged caches in
+        what is left of cache.gpu_memory_utilization * total (or cache.num_blocks blocks)."""
+        weight_bytes = self.part.weight_bytes()
+        self.pdl_trigger = self._pdl_trigger(str(levers.pdl_trigger), weight_bytes)
+        act_bytes = self._activation_bytes() + sum(k.fixed_bytes(self) for k in self.cache_kinds.values())
+        free, total = free_device_memory()
+        kv_bytes = kv_pool_bytes(free, total, float(self.cfg.cache.gpu_memory_utilization),
+                                 reserved=weight_bytes + act_bytes + GRAPH_RESERVE)
+        per_block = self._kv_block_bytes()
+        num_blocks = int(self.cfg.cache.num_blocks or kv_bytes // per_block)
+        if num_blocks < 1:
+            raise RuntimeError(f"no device memory left for the KV cache: {free / 2**30:.1f} GiB free of "
+                               f"{total / 2**30:.1f}, weights need {weight_bytes / 2**30:.1f} GiB")
+        self.num_blocks = num_blocks
+        self.pool = DevicePool(weight_bytes + act_bytes + num_blocks * per_block + (4 << 20),
+                               {"weights": weight_bytes, "activations": act_bytes, "kv": None})
+        self.weights = self._load_weights(weights, seed)
+        if self.family.check_weights is not None:
+            self.family.check_weights(self.config, self.weights, self.ep)
+        self._alloc_activations()
+        self.caches = {kind: k.allocate(self, num_blocks if k.paged else self.num_state_slots)
+                       for kind, k in self.cache_kinds.items()}
+        self.kv = next((cache for cache in self.caches.values() if cache.paged), None)   # the block tables index it
+        self.states = self.caches.get(STATE)
+
     def _pdl_trigger(self, choice: str, weight_bytes: int) -> str:
         """levers.pdl_trigger -> the trigger mode kernels compiled from now on carry (pdl.set_trigger):
-        early, late or exit. auto: early for models of at least PDL_EARLY_MIN_BYTES of weights, else
-        late (H200, graph replay at batch 1: early wins on Llama-3-8B, 4,557 vs late 4,674 us;
-        late wins on Llama-3.2-1B, 1,018 vs early 1,076 / exit 1,058, and on SmolLM2-135M, 694 vs
-        911 / 780; docs/performance.md, Session 6)."""
+        early, late or exit; auto: early from PDL_EARLY_MIN_BYTES of weights, else late (the
+        measured crossover: docs/levers.md, pdl_trigger)."""
         if choice not in ("auto", "early", "late", "exit"):
             raise ValueError(f"levers.pdl_trigger must be auto, early, late or exit, not '{choice}'")
         mode = choice if choice != "auto" else ("early" if weight_bytes >= PDL_EARLY_MIN_BYTES else "late")
         pdl.set_trigger(mode)
         return mode
 
-    # ------------------------------------------------------------------ hooks of model families
-    def _gemm_dims(self) -> list[tuple[str, int]]:
-        """(name, size) of the dimensions the GEMM kernels need as multiples of 64."""
-        c = self.config
-        return [("hidden_size", c.hidden_size), ("intermediate_size", c.intermediate_size),
-                ("q+k+v size", c.q_size + 2 * c.kv_size), ("vocab_size", c.vocab_size)]
-
     def _kv_block_bytes(self) -> int:
-        """Device bytes of one cache block over the attention layers (K and V here; MLA: the latent
-        rows); hybrid models' recurrent layers keep no KV."""
-        c = self.config
-        return 2 * c.num_kv_layers * self.block_size * c.kv_size * 2
-
-    def _alloc_kv_cache(self, num_blocks: int) -> None:
-        c = self.config
-        shape = (c.num_kv_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
-        self.k_cache = self.pool.alloc("kv", shape, np.uint16)
-        self.v_cache = self.pool.alloc("kv", shape, np.uint16)
-        # Zero the pool once: graph padding rows read block 0, which must hold finite values.
-        device_memset(self.k_cache, 0, self.k_cache.nbytes)
-        device_memset(self.v_cache, 0, self.v_cache.nbytes)
-        self.k_cache64 = self.k_cache.view(np.uint64)
-        self.v_cache64 = self.v_cache.view(np.uint64)
+        """Device bytes of one cache block over the paged kinds (K/V, or MLA's latent rows)."""
+        return sum(k.block_bytes(self) for k in self.cache_kinds.values())
 
     def _rope_host_tables(self) -> tuple[np.ndarray, np.ndarray]:
         """float32 cos/sin [max_model_len, rotary dims / 2] of the model's RoPE, its scaling included."""
@@ -490,6 +503,15 @@ class CudaBackend:
             segs = [Segment(np.zeros(1, np.int32), 0, np.zeros(1, np.int32)) for _ in range(size)]
             self.forward_greedy(build_batch(segs, self.block_size))
 
+    def drop_graphs(self) -> None:
+        """Captured graphs hold old pointers once a cache moves (the state pool's re-carve): they
+        are re-captured on use."""
+        self.stream.synchronize()
+        for graph in self.graphs.values():
+            graph.close()
+        self.graphs.clear()
+        self._mixed_lru.clear()
+
     # ------------------------------------------------------------------ cuBLASLt
     @staticmethod
     def _want_cublaslt(choice: str) -> bool:
@@ -507,9 +529,8 @@ class CudaBackend:
 
     def blas_takes(self, rows: int, weight) -> bool:
         """cuBLASLt runs this product: from cublaslt_min_rows rows on matrices of at least
-        BLAS_SMALL_MATRIX elements, from BLAS_SMALL_MIN_ROWS rows on smaller ones (measured on the
-        H200, docs/gemm.md: on SmolLM2's 0.2-1.8 MB matrices the Numba streaming kernels win by
-        1-2 us up to 32-64 rows; on Llama-3-8B's cuBLASLt ties or wins from 2 rows)."""
+        BLAS_SMALL_MATRIX elements, from BLAS_SMALL_MIN_ROWS rows on smaller ones (the measured
+        crossover: docs/gemm.md)."""
         if self.blas is None or rows < self.blas_min_rows:
             return False
         return rows >= BLAS_SMALL_MIN_ROWS or weight.shape[0] * weight.shape[1] >= BLAS_SMALL_MATRIX
@@ -548,103 +569,58 @@ class CudaBackend:
 
     def _init_decode_fusion(self, levers) -> None:
         """levers.fuse_decode: one-row steps run RMSNorm and silu*mul inside the GEMV that reads
-        them (CudaOps.norm_linear / silu_mul_linear_residual)."""
-        self.fuse_decode = bool(getattr(levers, "fuse_decode", True))
-        self.prefetch_o_proj = bool(getattr(levers, "prefetch_o_proj", True))
-        gemm.GEMV_FORCE.update(warps=int(getattr(levers, "gemv_warps", 0)), unroll=int(getattr(levers, "gemv_unroll", 0)))
-        self.carry_norm_sums = bool(getattr(levers, "carry_norm_sums", False))
+        them (CudaOps.norm_linear / silu_mul_linear_residual); carried norm sums where the family's
+        op sequence allows them."""
+        self.fuse_decode = bool(levers.fuse_decode)
+        self.prefetch_o_proj = bool(levers.prefetch_o_proj)
+        gemm.GEMV_FORCE.update(warps=int(levers.gemv_warps), unroll=int(levers.gemv_unroll))
+        self.carry_norm_sums = bool(levers.carry_norm_sums) and self.part.carries_norm_sums
 
-    # ------------------------------------------------------------------ memory plan
-    def _weight_bytes(self) -> int:
-        c = self.config
-        n = c.num_parameters() * 2 + (2 * c.num_layers + 1) * c.hidden_size * 4
-        n += c.num_layers * (2 * c.head_dim * 4 + (c.q_size + 2 * c.kv_size) * 4)   # qk norms, biases
-        return n + 256 * (12 * c.num_layers + 8)                                       # alignment
-
-    def _activation_plan(self) -> dict[str, tuple[tuple[int, ...], type]]:
-        c, T, R = self.config, self.max_tokens, self.max_rows
-        plan = {"residual": ((T, c.hidden_size), np.float32), "h": ((T, c.hidden_size), np.float32),
-                "q": ((T, c.num_heads, c.head_dim), np.float32), "attn": ((T, c.num_heads, c.head_dim), np.float32),
-                "act": ((T, c.intermediate_size), np.float32), "rows": ((R, c.hidden_size), np.float32),
-                "normed_rows": ((R, c.hidden_size), np.float32), "argmax": ((R,), np.int32),
-                "argmax_work": ((argmax.argmax_work_size(R),), np.uint64)}
-        for n in {c.q_size + 2 * c.kv_size, c.hidden_size, 2 * c.intermediate_size}:
-            plan[f"out{n}"] = ((T, n), np.float32)
-        plan[f"out{c.vocab_size}"] = ((R, c.vocab_size), np.float32)
-        scratch = attention.paged_attention_scratch_shape(T, c.num_heads, c.num_kv_heads, c.head_dim,
-                                                          self.max_model_len)
-        plan["attn_scratch"] = (scratch, np.float32)
-        if self.use_blas:
-            from metrale.runtime.cuda.cublaslt import WORKSPACE_BYTES
-            widest = max(c.hidden_size, c.intermediate_size, c.q_size)
-            plan["x_bf16"] = ((T, widest), np.uint16)
-            plan["blas_workspace"] = ((WORKSPACE_BYTES,), np.uint8)
-        plan["norm_ss"] = ((2 * c.num_layers + 2,), np.uint64)    # carried RMSNorm sums, fixed point (gemm.SS_SCALE)
-        half = model_rotary_dim(c) // 2                          # partial RoPE: the rotated dims only
-        plan["cos"] = ((self.max_model_len, half), np.float32)
-        plan["sin"] = ((self.max_model_len, half), np.float32)
-        return plan
-
+    # ------------------------------------------------------------------ memory
     def _activation_bytes(self) -> int:
-        n = sum(math.prod(shape) * np.dtype(dt).itemsize + 256 for shape, dt in self._activation_plan().values())
+        n = sum(math.prod(shape) * np.dtype(dt).itemsize + 256 for shape, dt in self.part.activation_plan().values())
         meta = 4 * (8 * self.max_tokens + 4 * self.max_seqs + self.max_rows + self.max_seqs * self.max_blocks) + 4096
         return n + meta
 
     def _alloc_activations(self) -> None:
-        self.act = {name: self.pool.alloc("activations", shape, dt) for name, (shape, dt) in self._activation_plan().items()}
+        self.act = {name: self.pool.alloc("activations", shape, dt)
+                    for name, (shape, dt) in self.part.activation_plan().items()}
         self.attn_scratch = self.act["attn_scratch"]
-        if "argmax_work" in self.act:                      # argmax_rows keeps it zero between launches
-            self.act["argmax_work"].copy_to_device(np.zeros(self.act["argmax_work"].shape, np.uint64))
+        self.act["argmax_work"].copy_to_device(np.zeros(self.act["argmax_work"].shape, np.uint64))  # argmax_rows keeps it 0
         cos, sin = self._rope_host_tables()
         self.act["cos"].copy_to_device(np.ascontiguousarray(cos, np.float32))
         self.act["sin"].copy_to_device(np.ascontiguousarray(sin, np.float32))
         self.cos, self.sin = self.act["cos"], self.act["sin"]
         self.meta = MetaBuffers(self.pool, self.max_tokens, self.max_seqs, self.max_rows, self.max_blocks)
+        self.part.after_activations()
 
     def _load_weights(self, weights: WeightStream | None, seed: int) -> dict:
-        arena = self.pool["weights"]
-        out = {}
         if weights is None:
             return self._random_weights(seed)
-        for name, array in weights:
-            if array.ndim == 2:
-                out[name] = arena.upload(to_bf16_bits(array))
-            else:
-                out[name] = arena.upload(np.ascontiguousarray(array, dtype=np.float32))
-        return out
+        arena = self.pool["weights"]
+        return {name: arena.upload(array) for name, array in self.part.prepare(weights)}
 
     def _random_weights(self, seed: int) -> dict:
-        c, arena = self.config, self.pool["weights"]
-        out = {}
-
-        def mat(name: str, rows: int, cols: int, std: float):
-            a = arena.alloc((rows, cols), np.uint16)
-            fill_normal_bf16(a.reshape(rows * cols), seed + len(out), std)
-            out[name] = a
-
-        def vec(name: str, n: int):
-            out[name] = arena.upload((1.0 + 0.05 * np.random.default_rng(seed + len(out)).standard_normal(n)).astype(np.float32))
-
-        mat("embed", c.vocab_size, c.hidden_size, 0.5)
-        for i in range(c.num_layers):
-            p = f"layers.{i}."
-            vec(p + "attn_norm", c.hidden_size)
-            mat(p + "qkv", c.q_size + 2 * c.kv_size, c.hidden_size, c.hidden_size ** -0.5)
-            mat(p + "o", c.hidden_size, c.q_size, c.q_size ** -0.5)
-            vec(p + "mlp_norm", c.hidden_size)
-            mat(p + "gate_up", 2 * c.intermediate_size, c.hidden_size, c.hidden_size ** -0.5)
-            mat(p + "down", c.hidden_size, c.intermediate_size, c.intermediate_size ** -0.5)
-            if c.qk_norm:
-                vec(p + "q_norm", c.head_dim)
-                vec(p + "k_norm", c.head_dim)
-        vec("final_norm", c.hidden_size)
-        if not c.tie_word_embeddings:
-            mat("lm_head", c.vocab_size, c.hidden_size, c.hidden_size ** -0.5)
+        """The family's random layout (CudaPart.random_layout), matrices filled on the device."""
+        arena, out = self.pool["weights"], {}
+        for name, (shape, init) in self.part.random_layout(seed).items():
+            if isinstance(init, np.ndarray):
+                out[name] = arena.upload(np.ascontiguousarray(init, np.float32))
+            elif isinstance(init, str):          # "norm" ~ 1 or "bias" ~ 0
+                noise = 0.05 * np.random.default_rng(seed + len(out)).standard_normal(shape)
+                out[name] = arena.upload(((1.0 if init == "norm" else 0.0) + noise).astype(np.float32))
+            else:
+                a = arena.alloc(shape, np.uint16)
+                fill_normal_bf16(a.reshape(math.prod(shape)), seed + len(out), float(init))
+                out[name] = a
         return out
 
     # ------------------------------------------------------------------ forward
     def _geometry(self, batch: ForwardBatch, num_layers: int | None = None) -> tuple[Geometry, bool]:
         T, S, R = batch.num_tokens, batch.num_seqs, len(batch.logits_indices)
+        if num_layers is not None and num_layers < self.config.num_layers and not self.family.layer_prefix:
+            raise ValueError(f"a {self.family.name} model runs all its layers (a layer-prefix forward would "
+                             "advance only some layers' recurrent states)")
         if T > self.max_tokens or S > self.max_seqs or R > self.max_rows:
             raise ValueError(f"step of {T} tokens / {S} seqs / {R} logits rows exceeds the CUDA buffers "
                              f"({self.max_tokens} / {self.max_seqs} / {self.max_rows})")
@@ -666,17 +642,16 @@ class CudaBackend:
             self.mixed_stats["eager_steps"] += 1
         return Geometry(T, S, R, max_ctx, batch.max_query_len, num_layers), False
 
-    def _upload(self, batch: ForwardBatch, g: Geometry, token_src: np.ndarray | None = None) -> None:
-        self.meta.upload(batch, g, self.stream, token_src)
-
     def _run(self, g: Geometry) -> None:
-        logits = llama_forward(CudaOps(self, g), self.weights, self.config, g.num_layers)
+        logits = self.family.forward(self.ops_class(self, g), self.weights, self.config, g.num_layers)
         argmax.argmax_rows(logits, self.act["argmax"][:g.rows], self.act["argmax_work"], stream=self.stream.numba)
 
     def _execute(self, batch: ForwardBatch, num_layers: int | None = None,
                  token_src: np.ndarray | None = None) -> Geometry:
         g, graphed = self._geometry(batch, num_layers)
-        self._upload(batch, g, token_src)
+        for cache in self.caches.values():           # per-step cache metadata (state slots) before the replay
+            cache.before_forward(batch, g.seqs, graphed)
+        self.meta.upload(batch, g, self.stream, token_src)
         if not graphed:
             self._run(g)
         elif g in self.graphs:
@@ -756,19 +731,21 @@ class CudaBackend:
         return ids, self.hidden_rows(R)
 
     def export_weights(self) -> WeightStream:
-        """The weights as float32 host arrays (bf16 matrices widened): to build a NumPy oracle
-        that computes with exactly the weights this backend holds."""
-        from kernels_numba.bf16 import from_bf16_bits
-        for name, array in self.weights.items():
-            host = array.copy_to_host()
-            yield name, from_bf16_bits(host) if host.dtype == np.uint16 else host
+        """The canonical weights as float32 host arrays (bf16 matrices widened, the family's device
+        layout undone): a NumPy oracle then computes with exactly the weights this backend holds."""
+        host = ((name, _widened(array.copy_to_host())) for name, array in self.weights.items())
+        yield from self.part.export(host)
 
     def kv_tokens_that_fit(self, utilization: float = 0.9) -> int:
         """KV tokens the pool would hold at this utilization (without allocating them)."""
         _, total = free_device_memory()
-        c = self.config
-        left = utilization * total - self.pool.nbytes + self.num_blocks * self._kv_block_bytes()
-        return int(max(0, left - GRAPH_RESERVE) // c.kv_bytes_per_token(2))
+        per_block = self._kv_block_bytes()
+        left = utilization * total - self.pool.nbytes + self.num_blocks * per_block
+        return int(max(0, left - GRAPH_RESERVE) // (per_block // self.block_size))
+
+    def idle_step(self, num_layers: int | None = None) -> None:
+        if self.ep is not None:
+            self.part.idle_step(num_layers)
 
     def close(self) -> None:
         for graph in self.graphs.values():
@@ -786,4 +763,16 @@ class CudaBackend:
         return {"weights_bytes": usage["weights"].used, "activation_bytes": usage["activations"].used,
                 "kv_pool_bytes": usage["kv"].used, "kv_pool_tokens": self.num_blocks * self.block_size,
                 "device_used_bytes": total - free, "device_total_bytes": total, "graphs": len(self.graphs),
-                "mixed_graphs": len(self._mixed_lru), **{f"mixed_{k}": v for k, v in self.mixed_stats.items()}}
+                "mixed_graphs": len(self._mixed_lru), **{f"mixed_{k}": v for k, v in self.mixed_stats.items()},
+                **{k: v for cache in self.caches.values() for k, v in cache.memory().items()}}
+
+
+def _widened(host: np.ndarray) -> np.ndarray:
+    return from_bf16_bits(host) if host.dtype == np.uint16 else host
+
+
+def _choice(name: str, value, allowed: tuple[str, ...]) -> str:
+    value = str(value)
+    if value not in allowed:
+        raise ValueError(f"levers.{name} must be {' or '.join(allowed)}, not '{value}'")
+    return value

@@ -1,5 +1,6 @@
-"""DeepSeek-V2/V3 (MLA + MoE) on the CUDA backend: DeepseekCudaOps (the two ops deepseek_forward
-adds to the Llama ops) and DeepseekCudaBackend (CudaBackend with a latent cache instead of K/V).
+"""The DeepSeek-V2/V3 family (MLA + MoE) on the CUDA backend: its part (MlaCuda: weight layout,
+buffers, the expert-parallel exchange) and its ops (MlaCudaOps, a CudaOps mixin: mla_attention,
+moe_residual). Its LATENT cache kind is runtime/cuda/pages.py's DeviceLatentPages.
 
 MLA per layer (absorbed form for every row, decode and prefill alike):
   q = q_b(rmsnorm(q_a(h)))  or q(h)              [T, H, nope + rope]
@@ -14,9 +15,9 @@ kv_b is split at load into w_uk_t [H, r, nope] (W_UK transposed per head) and w_
 MoE per layer: router GEMM (rows padded to a multiple of 64 at load; the logits view keeps the
 first E columns), `moe.route`, `moe.moe_experts` (permutation + grouped GEMMs + weighted
 un-permutation added into the residual), shared experts as a dense SwiGLU added into the
-residual. With expert parallelism (`ep`, metrale.parallel.ExpertParallel over an
+residual. With expert parallelism (CudaBackend(ep=...), metrale.parallel.ExpertParallel over an
 Nccl4pyCommunicator) the routed part exchanges token rows with the other ranks (host sync for the
-counts: eager only, CUDA graphs are turned off).
+counts: eager only, the backend turns CUDA graphs off).
 
 CUDA graphs: every launch reads fixed buffers; mla_decode's split is fixed by the geometry's
 max_context (the graph's context bucket) and the MoE GEMM grids by the schedule capacity of T*K
@@ -24,19 +25,14 @@ slots, so a captured decode step replays for any routing and any context up to i
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
-from omegaconf import OmegaConf
 
 from kernels_numba import activation, argmax, gemm, mla, moe, qkv, rmsnorm
 from kernels_numba.bf16 import to_bf16_bits
-from kernels_numba.random_init import fill_normal_bf16
 from kernels_numba.rope import rope_inplace
 from metrale.models.config import ModelConfig
-from metrale.models.deepseek import deepseek_forward, deepseek_softmax_scale, route_config
-from metrale.models.checkpoint import WeightStream
-from metrale.runtime.cuda_backend import CudaBackend, CudaOps, Geometry, _ptr
+from metrale.models.deepseek import deepseek_softmax_scale, route_config
+from metrale.runtime.cuda_dense import CudaPart
 
 PAD = 64        # GEMM output rows are padded to this (the router's E)
 
@@ -70,8 +66,8 @@ def prepare_weights(items, config: ModelConfig):
 
 
 def random_weight_shapes(config: ModelConfig, num_local_experts: int | None = None) -> dict[str, tuple]:
-    """name -> (shape, std) of a random DeepSeek model in the CUDA layout (std None: a norm
-    vector ~ 1, 'bias': the router's correction bias); the bench builds these on the device."""
+    """name -> (shape, init) of a random DeepSeek model in the CUDA layout (CudaPart.random_layout:
+    'norm' a norm vector ~ 1, 'bias' the router's correction bias, a float the std of a matrix)."""
     c = config
     d, h, nope, rope, r, v = c.hidden_size, c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank, c.v_head_dim
     e = c.n_routed_experts if num_local_experts is None else num_local_experts
@@ -79,19 +75,19 @@ def random_weight_shapes(config: ModelConfig, num_local_experts: int | None = No
     out: dict[str, tuple] = {"embed": ((c.vocab_size, d), 0.5)}
     for i in range(c.num_layers):
         p = f"layers.{i}."
-        out[p + "attn_norm"] = ((d,), None)
+        out[p + "attn_norm"] = ((d,), "norm")
         if c.q_lora_rank:
             out[p + "q_a"] = ((c.q_lora_rank, d), d ** -0.5)
-            out[p + "q_a_norm"] = ((c.q_lora_rank,), None)
+            out[p + "q_a_norm"] = ((c.q_lora_rank,), "norm")
             out[p + "q_b"] = ((h * (nope + rope), c.q_lora_rank), c.q_lora_rank ** -0.5)
         else:
             out[p + "q"] = ((h * (nope + rope), d), d ** -0.5)
         out[p + "kv_a"] = ((r + rope, d), d ** -0.5)
-        out[p + "kv_a_norm"] = ((r,), None)
+        out[p + "kv_a_norm"] = ((r,), "norm")
         out[p + "w_uk_t"] = ((h, r, nope), r ** -0.5)
         out[p + "w_uv"] = ((h, v, r), r ** -0.5)
         out[p + "o"] = ((d, h * v), (h * v) ** -0.5)
-        out[p + "mlp_norm"] = ((d,), None)
+        out[p + "mlp_norm"] = ((d,), "norm")
         if c.is_moe_layer(i):
             out[p + "router"] = ((padded(c.n_routed_experts), d), d ** -0.5)
             if c.topk_method == "noaux_tc":
@@ -105,7 +101,7 @@ def random_weight_shapes(config: ModelConfig, num_local_experts: int | None = No
         else:
             out[p + "gate_up"] = ((2 * c.intermediate_size, d), d ** -0.5)
             out[p + "down"] = ((d, c.intermediate_size), c.intermediate_size ** -0.5)
-    out["final_norm"] = ((d,), None)
+    out["final_norm"] = ((d,), "norm")
     if not c.tie_word_embeddings:
         out["lm_head"] = ((c.vocab_size, d), d ** -0.5)
     return out
@@ -113,8 +109,9 @@ def random_weight_shapes(config: ModelConfig, num_local_experts: int | None = No
 
 # ------------------------------------------------------------------------------- ops
 
-class DeepseekCudaOps(CudaOps):
-    """CudaOps + mla_attention and moe_residual over the backend's fixed buffers."""
+class MlaCudaOps:
+    """CudaOps mixin: mla_attention over the latent pages (`b.kv`) and moe_residual, over the
+    backend's fixed buffers (the part `b.part` holds the routing and the MoE workspace)."""
 
     def _product(self, x, weight, out, accumulate: bool = False):
         """out (+)= x @ bf16(weight).T into a given buffer (cuBLASLt or the Numba GEMMs)."""
@@ -143,13 +140,13 @@ class DeepseekCudaOps(CudaOps):
         q3 = q.reshape(T, H, nope + rope)
         kv3 = kv.reshape(T, 1, r + rope)
         rope_inplace(q3[:, :, nope:], kv3[:, :, r:], self.positions, b.cos, b.sin, True, stream=s)
-        mla.store_latent(c_kv, kv[:, r:], self.slot_mapping, b.latent_cache[layer], stream=s)
+        mla.store_latent(c_kv, kv[:, r:], self.slot_mapping, b.kv.latent[layer], stream=s)
         q_abs = self._buf("ds_q_abs")
         mla.head_linear(q3[:, :, :nope], w[p + "w_uk_t"], q_abs[:, :, :r], stream=s)
         mla.copy_heads(q3[:, :, nope:], q_abs[:, :, r:], stream=s)
         lat = self._buf("ds_lat")
-        mla.mla_decode(q_abs, b.latent_cache32[layer], self.block_tables, self.token_seq, self.positions,
-                       b.softmax_scale, lat, scratch=b.attn_scratch, max_context=self.g.max_context, stream=s)
+        mla.mla_decode(q_abs, b.kv.latent32[layer], self.block_tables, self.token_seq, self.positions,
+                       b.part.softmax_scale, lat, scratch=b.attn_scratch, max_context=self.g.max_context, stream=s)
         out = self._buf("ds_attn")
         mla.head_linear(lat, w[p + "w_uv"], out.reshape(T, H, v), stream=s)
         return out
@@ -158,12 +155,12 @@ class DeepseekCudaOps(CudaOps):
         c, b, s = self.cfg, self.b, self.s
         logits = self._product(h, w[p + "router"], self._buf("ds_router"))[:, :c.n_routed_experts]
         ids, weights = self._buf("ds_topk_ids"), self._buf("ds_topk_w")
-        moe.route(logits, b.route_cfg, ids, weights, bias=w.get(p + "router_bias"), stream=s)
+        moe.route(logits, b.part.route_cfg, ids, weights, bias=w.get(p + "router_bias"), stream=s)
         gu, down = w[p + "experts_gate_up"], w[p + "experts_down"]
         if b.ep is None:
-            moe.moe_experts(h, ids, weights, gu, down, residual, b.moe_ws, accumulate=True, stream=s)
+            moe.moe_experts(h, ids, weights, gu, down, residual, b.part.moe_ws, accumulate=True, stream=s)
         else:
-            b.ep_experts(h, ids, weights, gu, down, residual)
+            ep_experts(b, h, ids, weights, gu, down, residual)
         if p + "shared_gate_up" in w:
             sg = self._product(h, w[p + "shared_gate_up"], self._buf("ds_shared_gu"))
             act = self._buf("ds_shared_act")
@@ -172,7 +169,7 @@ class DeepseekCudaOps(CudaOps):
         return residual
 
 
-# ------------------------------------------------------------------------------- backend
+# ------------------------------------------------------------------------------- the part
 
 def activation_plan(config: ModelConfig, max_tokens: int, max_rows: int, max_model_len: int,
                     num_local_experts: int, ep_world: int = 0) -> dict[str, tuple[tuple[int, ...], type]]:
@@ -225,23 +222,20 @@ def blas_widest(config: ModelConfig) -> int:
     return max(ks)
 
 
-class DeepseekCudaBackend(CudaBackend):
-    """CudaBackend for MLA (+ MoE) configs: latent cache [layers, blocks, block_size, r + rope]
-    (bf16), deepseek_forward with DeepseekCudaOps; `ep`: expert parallelism (graphs off)."""
+class MlaCuda(CudaPart):
+    """The MLA family's answers to the CUDA backend; with expert parallelism (`b.ep`) its MoE layers
+    hold this rank's experts only."""
+    ops = (MlaCudaOps,)
 
-    def __init__(self, config: ModelConfig, weights: WeightStream | None, *, cfg, random_seed: int = 0, ep=None):
-        if not config.is_mla:
-            raise ValueError(f"{config.name or config.architecture}: DeepseekCudaBackend needs an MLA config")
-        self.ep = ep
-        self.num_local_experts = (ep.num_local if ep is not None else config.n_routed_experts) if config.is_moe else 0
-        self.route_cfg = route_config(config) if config.is_moe else None
-        self.softmax_scale = deepseek_softmax_scale(config)
-        if ep is not None and bool(cfg.levers.cuda_graphs):   # the exchange syncs with the host
-            cfg = OmegaConf.merge(cfg, {"levers": {"cuda_graphs": False}})
-        super().__init__(config, weights, cfg=cfg, random_seed=random_seed)
+    def __init__(self, backend):
+        super().__init__(backend)
+        c, ep = self.config, backend.ep
+        self.num_local_experts = (ep.num_local if ep is not None else c.n_routed_experts) if c.is_moe else 0
+        self.route_cfg = route_config(c) if c.is_moe else None
+        self.softmax_scale = deepseek_softmax_scale(c)
+        self.moe_ws = None           # the MoE workspace over the activations (after_activations)
 
-    # ---------------------------------------------------------------- hooks
-    def _gemm_dims(self) -> list[tuple[str, int]]:
+    def gemm_dims(self) -> list[tuple[str, int]]:
         c = self.config
         dims = [("hidden_size", c.hidden_size), ("vocab_size", c.vocab_size),
                 ("kv_lora_rank + qk_rope_head_dim", c.latent_dim),
@@ -255,17 +249,7 @@ class DeepseekCudaBackend(CudaBackend):
             dims.append(("moe_intermediate_size", c.moe_intermediate_size))
         return dims
 
-    def _kv_block_bytes(self) -> int:
-        return self.config.num_layers * self.block_size * self.config.latent_dim * 2
-
-    def _alloc_kv_cache(self, num_blocks: int) -> None:
-        from numba.cuda.cudadrv.driver import device_memset
-        c = self.config
-        self.latent_cache = self.pool.alloc("kv", (c.num_layers, num_blocks, self.block_size, c.latent_dim), np.uint16)
-        device_memset(self.latent_cache, 0, self.latent_cache.nbytes)   # graph padding rows read block 0
-        self.latent_cache32 = self.latent_cache.view(np.uint32)
-
-    def _weight_bytes(self) -> int:
+    def weight_bytes(self) -> int:
         c = self.config
         n = c.num_parameters() * 2
         moe_layers = sum(c.is_moe_layer(i) for i in range(c.num_layers))
@@ -275,122 +259,103 @@ class DeepseekCudaBackend(CudaBackend):
         n += 2 * (c.hidden_size * (2 * c.num_layers + 1) + c.num_layers * ((c.q_lora_rank or 0) + c.kv_lora_rank + c.n_routed_experts))
         return n + 256 * (24 * c.num_layers + 8) + (1 << 20)
 
-    def _activation_plan(self) -> dict[str, tuple[tuple[int, ...], type]]:
-        world = self.ep.comm.world_size if self.ep is not None else 0
-        plan = activation_plan(self.config, self.max_tokens, self.max_rows, self.max_model_len,
-                               self.num_local_experts, world)
-        if self.use_blas:
+    def activation_plan(self) -> dict[str, tuple[tuple[int, ...], type]]:
+        b = self.b
+        world = b.ep.comm.world_size if b.ep is not None else 0
+        plan = activation_plan(self.config, b.max_tokens, b.max_rows, b.max_model_len, self.num_local_experts, world)
+        if b.use_blas:
             from metrale.runtime.cuda.cublaslt import WORKSPACE_BYTES
-            plan["x_bf16"] = ((self.max_tokens, blas_widest(self.config)), np.uint16)
+            plan["x_bf16"] = ((b.max_tokens, blas_widest(self.config)), np.uint16)
             plan["blas_workspace"] = ((WORKSPACE_BYTES,), np.uint8)
         return plan
 
-    def _alloc_activations(self) -> None:
-        super()._alloc_activations()
+    def after_activations(self) -> None:
         if self.config.is_moe:
-            a = self.act
-            self.moe_ws = moe.MoeWorkspace(a["moe_counts"], a["moe_base"], a["moe_offsets"], a["moe_tile_expert"],
-                                           a["moe_tile_row"], a["moe_sorted_slot"], a["moe_slot_row"],
-                                           a["moe_h"], a["moe_a"], a["moe_y"])
-            if "ep_ones" in a:
-                a["ep_ones"].copy_to_device(np.ones(a["ep_ones"].shape, np.float32))
+            self.moe_ws = moe_workspace(self.b.act)
 
-    def _load_weights(self, weights: WeightStream | None, seed: int) -> dict:
-        if weights is None:
-            return self._random_weights(seed)
-        arena = self.pool["weights"]
-        return {name: arena.upload(a) for name, a in prepare_weights(weights, self.config)}
+    def prepare(self, items):
+        return prepare_weights(items, self.config)
 
-    def _random_weights(self, seed: int) -> dict:
-        arena, out = self.pool["weights"], {}
-        for name, (shape, std) in random_weight_shapes(self.config, self.num_local_experts).items():
-            rng = np.random.default_rng(seed + len(out))
-            if std is None:
-                out[name] = arena.upload((1.0 + 0.05 * rng.standard_normal(shape)).astype(np.float32))
-            elif std == "bias":
-                out[name] = arena.upload((0.05 * rng.standard_normal(shape)).astype(np.float32))
-            else:
-                a = arena.alloc(shape, np.uint16)
-                fill_normal_bf16(a.reshape(math.prod(shape)), seed + len(out), float(std))
-                out[name] = a
-        return out
-
-    def _run(self, g: Geometry) -> None:
-        logits = deepseek_forward(DeepseekCudaOps(self, g), self.weights, self.config, g.num_layers)
-        argmax.argmax_rows(logits, self.act["argmax"][:g.rows], self.act["argmax_work"], stream=self.stream.numba)
-
-    def export_weights(self) -> WeightStream:
-        """The canonical weights as float32 host arrays (kv_b rebuilt, the router unpadded)."""
-        from kernels_numba.bf16 import from_bf16_bits
-        c = self.config
-        for name, array in self.weights.items():
-            host = array.copy_to_host()
-            host = from_bf16_bits(host) if host.dtype == np.uint16 else host
-            if name.endswith(".w_uk_t"):
-                w_uv = from_bf16_bits(self.weights[name[:-len("w_uk_t")] + "w_uv"].copy_to_host())
-                kv_b = np.concatenate([host.transpose(0, 2, 1), w_uv], axis=1)
-                yield name[:-len("w_uk_t")] + "kv_b", kv_b.reshape(c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), -1)
+    def export(self, items):
+        """The canonical weights from float host arrays of the device layout (kv_b rebuilt from
+        w_uk_t and w_uv, the router unpadded)."""
+        c, w_uk_t = self.config, {}
+        for name, host in items:
+            if name.endswith(".w_uk_t"):                  # prepare_weights yields it just before w_uv
+                w_uk_t[name[:-len("w_uk_t")]] = host
             elif name.endswith(".w_uv"):
-                continue
+                prefix = name[:-len("w_uv")]
+                kv_b = np.concatenate([w_uk_t.pop(prefix).transpose(0, 2, 1), host], axis=1)
+                yield prefix + "kv_b", kv_b.reshape(c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), -1)
             elif name.endswith(".router"):
                 yield name, host[:c.n_routed_experts]
             else:
                 yield name, host
 
-    # ---------------------------------------------------------------- expert parallelism
-    def _copy_host_rows(self, device_array, host: np.ndarray) -> None:
-        device_array.copy_to_device(np.ascontiguousarray(host), stream=self.stream.numba)
+    def random_layout(self, seed: int) -> dict[str, tuple[tuple[int, ...], object]]:
+        return random_weight_shapes(self.config, self.num_local_experts)
 
-    def ep_experts(self, h, ids, weights, gu, down, residual) -> None:
-        """residual[t] += sum_k w[t, k] * expert(h[t]) with the experts spread over the ranks:
-        token rows go to their experts' ranks (all_to_all_v on device buffers), this rank's
-        experts run on what it received, the outputs come back and are summed in k order."""
-        ep, a, s = self.ep, self.act, self.stream.numba
-        t, k = (0, self.config.num_experts_per_tok) if ids is None else ids.shape
-        flat = self._fetch(ids, np.empty((t, k), np.int32)).reshape(-1) if t else np.zeros(0, np.int32)
-        dest = ep.owner(flat)
-        order = np.argsort(dest, kind="stable").astype(np.int32)
-        counts = np.bincount(dest, minlength=ep.comm.world_size).astype(np.int64)
-        n = t * k
-        send = a["ep_send"][:n]
-        if n:
-            slot_row = np.empty(n, np.int32)
-            slot_row[order] = np.arange(n, dtype=np.int32)
-            self._copy_host_rows(a["ep_gather"][:n], order // k)
-            self._copy_host_rows(a["ep_slot_row"][:n], slot_row)
-            qkv.gather_rows(h, a["ep_gather"][:n], send, stream=s)
-        self.stream.synchronize()                     # NCCL runs on this stream too, but host inputs are staged
-        on_device = bool(getattr(ep.comm, "device_buffers", False))   # else a host communicator (tests)
-        rows, recv_counts = ep.comm.all_to_all_v(send if on_device else send.copy_to_host(), counts)
-        rids, _ = ep.comm.all_to_all_v(flat[order], counts, recv_counts)
-        m = int(recv_counts.sum())
-        y = a["ep_out"][:m]                           # not moe_y: moe_experts un-permutes from there
-        if m:
-            rows = rows if hasattr(rows, "__cuda_array_interface__") else _to_device(rows)
-            self._copy_host_rows(a["ep_ids"][:m], (np.asarray(rids, np.int32) - ep.expert_range[0]).reshape(m, 1))
-            moe.moe_experts(rows, a["ep_ids"][:m], a["ep_ones"][:m], gu, down, y, self.moe_ws, accumulate=False, stream=s)
-            self.stream.synchronize()
-        back, _ = ep.comm.all_to_all_v(y if on_device else y.copy_to_host(), recv_counts, counts)
-        if n:
-            back = back if hasattr(back, "__cuda_array_interface__") else _to_device(back)
-            moe.unpermute(back, a["ep_slot_row"][:n], weights, residual, accumulate=True, stream=s)
-            self.stream.synchronize()                 # `back` may be freed once this returns
-
-    def idle_step(self, num_layers: int | None = None) -> None:
+    def idle_step(self, num_layers: int | None) -> None:
         """A rank without tokens this step: serve its experts in every MoE layer."""
-        if self.ep is None:
-            return
-        c = self.config
+        b, c = self.b, self.config
         for i in range(c.num_layers if num_layers is None else num_layers):
             if c.is_moe_layer(i):
                 p = f"layers.{i}."
-                self.ep_experts(None, None, None, self.weights[p + "experts_gate_up"], self.weights[p + "experts_down"], None)
+                ep_experts(b, None, None, None, b.weights[p + "experts_gate_up"], b.weights[p + "experts_down"], None)
+
+
+def moe_workspace(act: dict) -> moe.MoeWorkspace:
+    """The MoE kernels' workspace over an activation plan's moe_* buffers (ep_ones set to 1)."""
+    if "ep_ones" in act:
+        act["ep_ones"].copy_to_device(np.ones(act["ep_ones"].shape, np.float32))
+    return moe.MoeWorkspace(act["moe_counts"], act["moe_base"], act["moe_offsets"], act["moe_tile_expert"],
+                            act["moe_tile_row"], act["moe_sorted_slot"], act["moe_slot_row"], act["moe_h"],
+                            act["moe_a"], act["moe_y"])
+
+
+# ---------------------------------------------------------------- expert parallelism
+
+def ep_experts(b, h, ids, weights, gu, down, residual) -> None:
+    """residual[t] += sum_k w[t, k] * expert(h[t]) with the experts spread over the ranks of `b.ep`:
+    token rows go to their experts' ranks (all_to_all_v on device buffers), this rank's experts run
+    on what it received, the outputs come back and are summed in k order. ids None: a rank without
+    tokens serving the others."""
+    ep, a, s = b.ep, b.act, b.stream.numba
+    t, k = (0, b.config.num_experts_per_tok) if ids is None else ids.shape
+    flat = b._fetch(ids, np.empty((t, k), np.int32)).reshape(-1) if t else np.zeros(0, np.int32)
+    dest = ep.owner(flat)
+    order = np.argsort(dest, kind="stable").astype(np.int32)
+    counts = np.bincount(dest, minlength=ep.comm.world_size).astype(np.int64)
+    n = t * k
+    send = a["ep_send"][:n]
+    if n:
+        slot_row = np.empty(n, np.int32)
+        slot_row[order] = np.arange(n, dtype=np.int32)
+        _copy_host_rows(b, a["ep_gather"][:n], order // k)
+        _copy_host_rows(b, a["ep_slot_row"][:n], slot_row)
+        qkv.gather_rows(h, a["ep_gather"][:n], send, stream=s)
+    b.stream.synchronize()                     # NCCL runs on this stream too, but host inputs are staged
+    on_device = bool(getattr(ep.comm, "device_buffers", False))   # else a host communicator (tests)
+    rows, recv_counts = ep.comm.all_to_all_v(send if on_device else send.copy_to_host(), counts)
+    rids, _ = ep.comm.all_to_all_v(flat[order], counts, recv_counts)
+    m = int(recv_counts.sum())
+    y = a["ep_out"][:m]                        # not moe_y: moe_experts un-permutes from there
+    if m:
+        rows = rows if hasattr(rows, "__cuda_array_interface__") else _to_device(rows)
+        _copy_host_rows(b, a["ep_ids"][:m], (np.asarray(rids, np.int32) - ep.expert_range[0]).reshape(m, 1))
+        moe.moe_experts(rows, a["ep_ids"][:m], a["ep_ones"][:m], gu, down, y, b.part.moe_ws, accumulate=False, stream=s)
+        b.stream.synchronize()
+    back, _ = ep.comm.all_to_all_v(y if on_device else y.copy_to_host(), recv_counts, counts)
+    if n:
+        back = back if hasattr(back, "__cuda_array_interface__") else _to_device(back)
+        moe.unpermute(back, a["ep_slot_row"][:n], weights, residual, accumulate=True, stream=s)
+        b.stream.synchronize()                 # `back` may be freed once this returns
+
+
+def _copy_host_rows(b, device_array, host: np.ndarray) -> None:
+    device_array.copy_to_device(np.ascontiguousarray(host), stream=b.stream.numba)
 
 
 def _to_device(a: np.ndarray):
     from numba import cuda
     return cuda.to_device(np.ascontiguousarray(a))
-
-
-__all__ = ["DeepseekCudaBackend", "DeepseekCudaOps", "activation_plan", "prepare_weights",
-           "random_weight_shapes", "padded", "_ptr"]

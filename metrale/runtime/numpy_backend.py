@@ -1,17 +1,18 @@
-"""NumPy backend: the CPU runtime and the oracle of the CUDA backend.
+"""NumPy backend: the CPU runtime and the oracle of the CUDA backend, for every model family.
 
-Arithmetic in float32 (or float64 with levers.numpy_dtype=float64 for exact comparisons).
-The paged KV pool is allocated lazily by the OS (np.zeros), so RSS grows with the tokens used.
+Arithmetic in float32 (or float64 with levers.numpy_dtype=float64 for exact comparisons). The
+family value (metrale.models.families) gives the forward, the extra ops and the cache kinds; the
+Ops class is chosen in one place (NumpyBackend.ops_class, or the ops_class argument).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from metrale.models.config import ModelConfig
-from metrale.models.llama import llama_forward
 from metrale.models.checkpoint import WeightStream
+from metrale.models.config import ModelConfig
+from metrale.models.families import KV, LATENT, STATE, Family, compose_ops, family_for, resolve
 from metrale.models.rope import model_rope
-from metrale.runtime.backend import ReadyTokens, feed_tokens
+from metrale.runtime.backend import Backend
 from metrale.runtime.batch import ForwardBatch
 
 
@@ -40,6 +41,10 @@ def attention_mask(positions: np.ndarray, ctx: int, window: int = 0) -> np.ndarr
 
 
 class NumpyOps:
+    """The Ops of a forward (models/llama.py) as NumPy arithmetic over one batch; a family's extra
+    ops are mixins composed onto it (Family.numpy_ops). `b` is the backend (or a drafter's model)
+    holding weights, `kv` (cache.kinds.HostKvPages) and `rope_for`."""
+
     def __init__(self, backend: "NumpyBackend", batch: ForwardBatch):
         self.b, self.batch, self.cfg = backend, batch, backend.config
 
@@ -87,8 +92,8 @@ class NumpyOps:
         """K and V of the batch's sequence s at positions [0, end), from the paged pool."""
         c, bt = self.cfg, self.batch
         blocks = bt.block_tables[s, :-(-end // bt.block_size)]
-        k = self.b.k_cache[layer, blocks].reshape(-1, c.num_kv_heads, c.head_dim)[:end]
-        v = self.b.v_cache[layer, blocks].reshape(-1, c.num_kv_heads, c.head_dim)[:end]
+        k = self.b.kv.k[layer, blocks].reshape(-1, c.num_kv_heads, c.head_dim)[:end]
+        v = self.b.kv.v[layer, blocks].reshape(-1, c.num_kv_heads, c.head_dim)[:end]
         return k, v
 
     def attend(self, q_rows, k, v, masked=None):
@@ -108,8 +113,8 @@ class NumpyOps:
     def qkv_to_cache(self, qkv, layer, q_norm, k_norm):
         c = self.cfg
         q, k, v = self.split_qkv(qkv, q_norm, k_norm)
-        flat_k = self.b.k_cache[layer].reshape(-1, c.num_kv_heads, c.head_dim)
-        flat_v = self.b.v_cache[layer].reshape(-1, c.num_kv_heads, c.head_dim)
+        flat_k = self.b.kv.k[layer].reshape(-1, c.num_kv_heads, c.head_dim)
+        flat_v = self.b.kv.v[layer].reshape(-1, c.num_kv_heads, c.head_dim)
         keep = self.batch.slot_mapping >= 0
         flat_k[self.batch.slot_mapping[keep]] = k[keep]
         flat_v[self.batch.slot_mapping[keep]] = v[keep]
@@ -135,54 +140,86 @@ class NumpyOps:
     def logits_rows(self, x):
         return x[self.batch.logits_indices]
 
-    def sigmoid_mul(self, x, gate):
-        return x / (1.0 + np.exp(-gate))
 
-    def gated_delta_net(self, proj, layer, conv, a_log, dt_bias, norm):
-        return self.b.states.gated_delta_net(self.batch, proj, layer, conv, a_log, dt_bias, norm, self.cfg.rms_norm_eps)
+# the cache kinds this backend keeps (metrale.cache.kinds), imported on use
+HOST_CACHES = {KV: "metrale.cache.kinds:HostKvPages", LATENT: "metrale.cache.kinds:HostLatentPages",
+               STATE: "metrale.models.hybrid:HostStatePool"}
 
 
-class NumpyBackend:
+class NumpyBackend(Backend):
     name = "cpu"
+    ops_class = NumpyOps          # the CPU Ops; the family's mixins are composed onto it
 
-    def __init__(self, config: ModelConfig, weights: WeightStream, *, num_blocks: int,
-                 block_size: int = 16, dtype: str = "float32", num_state_slots: int = 8,
-                 num_state_checkpoints: int | None = None, state_norm_bound: float = 0.0):
+    def __init__(self, config: ModelConfig, weights: WeightStream | dict, *, num_blocks: int,
+                 block_size: int = 16, dtype: str = "float32", family: Family | None = None,
+                 ops_class: type | None = None, num_state_slots: int = 8, num_state_checkpoints: int | None = None,
+                 state_norm_bound: float = 0.0, mla_mode: str = "auto", ep=None):
+        """num_state_*: a hybrid model's state pool (checkpoints default to one per slot; docs/hybrid.md).
+        mla_mode: MLA attention per segment, auto | naive | absorbed (models/deepseek.py). ep: expert
+        parallelism (metrale.parallel.ExpertParallel): this rank holds only its experts."""
         if dtype not in ("float32", "float64"):
             raise ValueError(f"levers.numpy_dtype must be float32 or float64, not '{dtype}'")
+        if mla_mode not in ("auto", "naive", "absorbed"):
+            raise ValueError(f"mla_mode must be auto, naive or absorbed, not '{mla_mode}'")
         self.config, self.block_size, self.num_blocks = config, block_size, num_blocks
-        self.dtype = np.dtype(dtype)
+        self.dtype, self.mla_mode, self.ep = np.dtype(dtype), mla_mode, ep
+        self.family = family or family_for(config)
         self.rope = model_rope(config)
-        self.weights = {name: np.ascontiguousarray(a, dtype=self.dtype) for name, a in weights}
-        shape = (config.num_kv_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.k_cache = np.zeros(shape, dtype=self.dtype)
-        self.v_cache = np.zeros(shape, dtype=self.dtype)
-        self.states = None   # hybrid models: conv + recurrent state slots and checkpoints (docs/hybrid.md)
-        if config.is_hybrid:
-            from metrale.models.hybrid import HostStatePool
-            ckpts = num_state_slots if num_state_checkpoints is None else num_state_checkpoints
-            self.states = HostStatePool(config, self.weights, num_state_slots, ckpts, self.dtype,
-                                        state_norm_bound=state_norm_bound)
+        items = weights.items() if isinstance(weights, dict) else weights
+        self.weights = {name: np.ascontiguousarray(a, dtype=self.dtype) for name, a in items}
+        if self.family.check_weights is not None:
+            self.family.check_weights(config, self.weights, ep)
+        self.num_state_slots = num_state_slots
+        self.num_state_checkpoints = num_state_slots if num_state_checkpoints is None else num_state_checkpoints
+        self.state_norm_bound = float(state_norm_bound)
+        self.caches = {}
+        for kind in self.family.caches:
+            cls = resolve(HOST_CACHES[kind])
+            self.caches[kind] = cls.allocate(self, num_blocks if cls.paged else num_state_slots)
+        self.kv = next((c for c in self.caches.values() if c.paged), None)   # the cache block tables index
+        self.states = self.caches.get(STATE)
+        self._ops = compose_ops(ops_class or self.ops_class, self.family.numpy_ops)
+        self._hidden: np.ndarray | None = None
+
+    @classmethod
+    def from_config(cls, cfg, config: ModelConfig, weights, family: Family) -> "NumpyBackend":
+        """The CPU backend of a composed config: cache.num_blocks (or cache.cpu_kv_tokens worth of
+        blocks), a state slot per sequence that can run; `weights` a zero-argument stream factory, or
+        None for the family's random weights."""
+        block_size = int(cfg.cache.block_size)
+        num_blocks = cfg.cache.num_blocks or max(1, cfg.cache.cpu_kv_tokens // block_size)
+        if weights is None and family.random_weights is None:
+            raise ValueError(f"{config.name or config.architecture}: the {family.name} family has no random "
+                             "weights; load a checkpoint")
+        stream = weights() if weights is not None else family.random_weights(config, int(cfg.seed))
+        return cls(config, stream, num_blocks=int(num_blocks), block_size=block_size, dtype=cfg.levers.numpy_dtype,
+                   family=family, num_state_slots=int(cfg.scheduler.max_num_seqs), num_state_checkpoints=0,
+                   state_norm_bound=float(cfg.levers.state_norm_bound))
 
     def rope_for(self, batch: ForwardBatch) -> tuple[np.ndarray, np.ndarray]:
         return self.rope.cos_sin(batch.positions)
 
     def forward(self, batch: ForwardBatch, num_layers: int | None = None, return_hidden: bool = False):
+        if num_layers is not None and num_layers < self.config.num_layers and not self.family.layer_prefix:
+            raise ValueError(f"a {self.family.name} model runs all its layers (a layer-prefix forward would "
+                             "advance only some layers' recurrent states)")
         with np.errstate(over="ignore"):
-            out = llama_forward(NumpyOps(self, batch), self.weights, self.config, num_layers, return_hidden)
-        return out
+            logits, rows = self.family.forward(self._ops(self, batch), self.weights, self.config, num_layers, True)
+        if self.dtype == np.float32:
+            logits = np.asarray(logits, np.float32)
+        self._hidden = rows
+        return (logits, rows) if return_hidden else logits
 
-    def forward_greedy(self, batch: ForwardBatch, num_layers: int | None = None) -> np.ndarray:
-        return np.argmax(self.forward(batch, num_layers), axis=-1).astype(np.int32)
+    def hidden_rows(self, rows: int) -> np.ndarray:
+        return self._hidden[:rows]
 
-    supports_overlap = False     # it computes at once: running ahead would hide nothing (tests build AheadLoop)
-
-    def launch_greedy(self, batch: ForwardBatch, prev=None, token_src: np.ndarray | None = None) -> ReadyTokens:
-        feed_tokens(batch, prev, token_src)
-        return ReadyTokens(self.forward_greedy(batch))
+    def idle_step(self, num_layers: int | None = None) -> None:
+        if self.ep is not None:                  # the MoE mixin serves this rank's experts
+            self._ops.serve_experts(self, num_layers)
 
     def memory_report(self) -> dict:
-        return {"weights_bytes": sum(a.nbytes for a in self.weights.values()),
-                "kv_pool_bytes": self.k_cache.nbytes + self.v_cache.nbytes,
-                "state_pool_bytes": self.states.nbytes if self.states is not None else 0,
-                "kv_pool_tokens": self.num_blocks * self.block_size}
+        report = {"weights_bytes": sum(a.nbytes for a in self.weights.values()), "kv_pool_bytes": 0,
+                  "state_pool_bytes": 0}
+        for cache in self.caches.values():
+            report.update(cache.memory())
+        return {**report, "kv_pool_tokens": self.num_blocks * self.block_size}

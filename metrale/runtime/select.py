@@ -1,9 +1,9 @@
-"""Backend selection: device=auto|cpu|cuda. auto picks CUDA when a GPU is present."""
+"""Backend selection: device=auto|cpu|cuda (auto picks CUDA when a GPU is present), one backend class per device."""
 from __future__ import annotations
 
-import logging
+from metrale.models.families import resolve
 
-log = logging.getLogger("metrale")
+BACKENDS = {"cpu": "metrale.runtime.numpy_backend:NumpyBackend", "cuda": "metrale.runtime.cuda_backend:CudaBackend"}
 
 
 def cuda_available() -> bool:
@@ -23,3 +23,8 @@ def resolve_device(device: str) -> str:
         raise RuntimeError("device=cuda but no usable CUDA GPU was found (numba.cuda.is_available() "
                            "is False); use device=cpu or device=auto")
     return device
+
+
+def backend_class(device: str) -> type:
+    """The backend class of a resolved device (imported on use: the CPU path never imports CUDA)."""
+    return resolve(BACKENDS[device])

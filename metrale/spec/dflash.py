@@ -46,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
+from metrale.cache.kinds import HostKvPages
 from metrale.models.config import ModelConfig
 from metrale.models.llama import llama_forward
 from metrale.models.rope import model_rope
@@ -127,9 +128,7 @@ class DFlashModel:
         self.num_layers, self.trained_block_size = num_layers, block_size
         self.block_size, self.num_blocks, self.dtype = pool_block_size, num_blocks, np.dtype(dtype)
         self.weights = {n: np.ascontiguousarray(a, dtype=self.dtype) for n, a in weights.items()}
-        shape = (num_layers, num_blocks, pool_block_size, config.num_kv_heads, config.head_dim)
-        self.k_cache = np.zeros(shape, dtype=self.dtype)
-        self.v_cache = np.zeros(shape, dtype=self.dtype)
+        self.kv = HostKvPages(num_layers, num_blocks, pool_block_size, config.num_kv_heads, config.head_dim, self.dtype)
         # the target's layer rows per slot (store_rows) and whether the slot's K/V above is their projection
         self.layer_rows = np.zeros((num_blocks * pool_block_size, len(self.target_layers) * D), dtype=self.dtype)
         self.projected = np.zeros(num_blocks * pool_block_size, dtype=bool)
@@ -182,8 +181,8 @@ class DFlashModel:
     def _write(self, slots: np.ndarray, kvs) -> None:
         c = self.config
         for i, (k, v) in enumerate(kvs):
-            self.k_cache[i].reshape(-1, c.num_kv_heads, c.head_dim)[slots] = k
-            self.v_cache[i].reshape(-1, c.num_kv_heads, c.head_dim)[slots] = v
+            self.kv.k[i].reshape(-1, c.num_kv_heads, c.head_dim)[slots] = k
+            self.kv.v[i].reshape(-1, c.num_kv_heads, c.head_dim)[slots] = v
         self.projected[slots] = True
         self.projected_rows += len(slots)
 

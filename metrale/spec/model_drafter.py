@@ -61,7 +61,7 @@ class ModelDrafter:
         """When the round's tokens exceed the backend's step budget (a draft model catching up with
         32 prompts at once), feed all but each segment's last token in forwards that fit, and
         return the one-token segments left for the round's own forward."""
-        budget = int(getattr(self.backend, "max_tokens", 0) or 0)
+        budget = self.backend.max_tokens
         if not budget or sum(len(s.token_ids) for s in segs) <= budget:
             return segs
         bs, batch, used, rest = self.backend.block_size, [], 0, []
@@ -81,7 +81,7 @@ class ModelDrafter:
 
     def _last_rows(self, segs: list[Segment]) -> np.ndarray:
         """The last row's logits of every segment, in forwards that fit the backend's step budget."""
-        budget = int(getattr(self.backend, "max_tokens", 0) or 0) or 1 << 30
+        budget = self.backend.max_tokens or 1 << 30
         bs, out, batch, used = self.backend.block_size, [], [], 0
         for s in segs + [None]:
             if batch and (s is None or used + len(s.token_ids) > budget):

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from metrale.cache.kinds import HostKvPages
 from metrale.models.config import ModelConfig
 from metrale.models.rope import model_rope
 from metrale.runtime.batch import ForwardBatch, Segment, build_batch
@@ -87,9 +88,7 @@ class MtpHead:
         self.rope = model_rope(self.config)
         self.block_size, self.num_blocks, self.dtype = block_size, num_blocks, np.dtype(dtype)
         self.weights = {n: np.ascontiguousarray(a, dtype=self.dtype) for n, a in weights.items()}
-        shape = (1, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.k_cache = np.zeros(shape, dtype=self.dtype)
-        self.v_cache = np.zeros(shape, dtype=self.dtype)
+        self.kv = HostKvPages(1, num_blocks, block_size, config.num_kv_heads, config.head_dim, self.dtype)
 
     def rope_for(self, batch: ForwardBatch):
         return self.rope.cos_sin(batch.positions)
@@ -152,7 +151,7 @@ class HiddenTap:
         return (logits, hidden) if return_hidden else logits
 
     def forward_greedy(self, batch, num_layers=None):
-        if self.on_layers is None and num_layers is None and hasattr(self.inner, "forward_greedy_hidden"):
+        if self.on_layers is None and num_layers is None:
             # CUDA: argmax on the device, only the hidden rows come to the host (not [R, V] logits)
             ids, self.hidden = self.inner.forward_greedy_hidden(batch)
             return ids
@@ -190,13 +189,12 @@ class _LayerRowOps(NumpyOps):
 def forward_with_layer_rows(backend, batch: ForwardBatch, layers: tuple[int, ...]):
     """((logits, hidden rows), [residual after layer l for every token, l in layers]) of one
     target forward on the NumPy backend."""
-    from metrale.models.llama import llama_forward
     from metrale.runtime.numpy_backend import NumpyBackend
     if not isinstance(backend, NumpyBackend):
         raise ValueError(f"capturing layer rows needs the NumPy backend, not {type(backend).__name__}")
     ops = _LayerRowOps(backend, batch, layers)
     with np.errstate(over="ignore"):
-        out = llama_forward(ops, backend.weights, backend.config, None, True)
+        out = backend.family.forward(ops, backend.weights, backend.config, None, True)
     return out, [ops.rows[i] for i in layers]
 
 
@@ -219,12 +217,11 @@ class MtpDrafter:
     @classmethod
     def from_config(cls, spec, backend, model_config: ModelConfig) -> "MtpDrafter":
         path = assets.resolve("mtp", getattr(spec, "mtp_head", None), model_config, lever="spec.mtp_head", method="mtp")
-        weights = getattr(backend, "weights", None)
-        if not isinstance(weights, dict) or not all(isinstance(a, np.ndarray) for a in weights.values()):
+        weights = backend.weights
+        if not all(isinstance(a, np.ndarray) for a in weights.values()):       # device arrays: to the host
             weights = {n: a for n, a in backend.export_weights() if n in ("embed", "final_norm", "lm_head")}
-        dtype = getattr(backend, "dtype", np.float32)
         head = load_head(path, model_config, weights, num_blocks=backend.num_blocks,
-                         block_size=backend.block_size, dtype=dtype if np.dtype(dtype).kind == "f" else np.float32)
+                         block_size=backend.block_size, dtype=backend.dtype)
         log.info("MTP head %s", path)
         return cls(head)
 

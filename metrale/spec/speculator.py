@@ -329,7 +329,7 @@ def make_speculator(cfg, backend, model_config, load_draft_backend) -> Speculato
                         shadow=lv.spec_shadow)
     log.info("speculative decoding: %s, up to %d drafts", drafter.name, spec.num_drafts)
     return Speculator(drafter, num_drafts=spec.num_drafts, gate=gate, min_confidence=lv.spec_min_confidence,
-                      max_rows=getattr(backend, "max_rows", None))
+                      max_rows=backend.max_rows)
 
 
 # CPU (NumPy + OpenBLAS, measured 2026-11-30 session 3, numbers in docs/spec.md): a
@@ -375,7 +375,7 @@ def gate_costs(lv, backend, drafter, method: str) -> dict:
     with the optimistic prior 0.8 (tests pin 0 to speculate on every step that can). On CUDA the
     host-side drafters (self, mtp) add CUDA_HOST_DRAFT_COST per draft token."""
     pinned = lv.spec_verify_cost >= 0
-    cpu = getattr(backend, "name", "") != "cuda"
+    cpu = backend.name != "cuda"
     step_fixed = lv.spec_step_fixed if lv.spec_step_fixed >= 0 else (CPU_STEP_FIXED if cpu and not pinned else 0.0)
     row_cost = lv.spec_row_cost if lv.spec_row_cost >= 0 else CPU_ROW_COST
     verify_cost = lv.spec_verify_cost if pinned else (CUDA_VERIFY_COST if not cpu else row_cost)
@@ -397,4 +397,4 @@ def _measured_gate(choice: str, backend) -> bool:
     decides, which keeps speculation deterministic for a given input."""
     if choice not in ("auto", "on", "off"):
         raise ValueError(f"levers.spec_measured_gate must be auto, on or off, not '{choice}'")
-    return choice == "on" or (choice == "auto" and getattr(backend, "name", "") == "cuda")
+    return choice == "on" or (choice == "auto" and backend.name == "cuda")

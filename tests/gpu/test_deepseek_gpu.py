@@ -1,4 +1,4 @@
-"""DeepSeek (MLA + MoE) on the CUDA backend against the NumPy DeepseekBackend (run on a GPU:
+"""DeepSeek (MLA + MoE) on the CUDA backend against the NumPy backend (run on a GPU:
 pytest -m gpu tests/gpu/test_deepseek_gpu.py). The tiny random model of tests/test_mla_model.py
 with every GEMM dimension a multiple of 64 (tiny_cuda_deepseek_hf_config)."""
 import numpy as np
@@ -30,16 +30,17 @@ def ckpt(tmp_path_factory):
 
 
 def cuda_backend(path, **levers):
-    from metrale.runtime.cuda_deepseek import DeepseekCudaBackend
+    from metrale.runtime.cuda_backend import CudaBackend
     config, _, stream = load_deepseek_dir(path)
-    return DeepseekCudaBackend(config, stream(), cfg=cfg(**levers))
+    return CudaBackend(config, stream(), cfg=cfg(**levers))
 
 
 def numpy_twin(path):
     """The NumPy backend with the device's bf16 weights (float32 compute)."""
     config, _, stream = load_deepseek_dir(path)
     weights = {n: (bf16_round(a) if a.ndim >= 2 else a) for n, a in stream()}
-    return DS.DeepseekBackend(config, weights, num_blocks=64, block_size=BS)
+    from metrale.runtime.numpy_backend import NumpyBackend
+    return NumpyBackend(config, weights, num_blocks=64, block_size=BS)
 
 
 def generate(backend, prompts, new: int, chunk: int) -> list[list[int]]:
@@ -92,8 +93,9 @@ def assert_same_tokens(got, want, twin, prompts):
 def test_latent_cache_instead_of_kv(ckpt):
     be = cuda_backend(ckpt)
     c = be.config
-    assert not hasattr(be, "k_cache")
-    assert be.latent_cache.shape == (c.num_layers, 64, BS, c.latent_dim)
+    from metrale.runtime.cuda.pages import DeviceLatentPages
+    assert list(be.caches) == ["latent"] and isinstance(be.kv, DeviceLatentPages)
+    assert be.kv.latent.shape == (c.num_layers, 64, BS, c.latent_dim)
     assert be.memory_report()["kv_pool_bytes"] == 64 * be._kv_block_bytes()
 
 
@@ -137,20 +139,20 @@ def test_graphs_on_equals_graphs_off(ckpt):
 
 def test_make_backend_sends_mla_to_cuda(ckpt):
     from metrale.models.assemble import make_backend
-    from metrale.runtime.cuda_deepseek import DeepseekCudaBackend
+    from metrale.runtime.cuda_backend import CudaBackend
     config, _, stream = load_deepseek_dir(ckpt)
     be = make_backend("cuda", cfg(), config, stream)
-    assert isinstance(be, DeepseekCudaBackend)
+    assert isinstance(be, CudaBackend) and be.family.name == "mla"
 
 
 def test_v2_lite_shape_random_weights_runs():
     """DeepSeek-V2-Lite's layer shapes (16 heads, latent 512 + 64, 64 experts top-6, 2 shared,
     no q_lora), 3 layers of random weights built on the device: prefill + graphed decode, finite."""
-    from metrale.runtime.cuda_deepseek import DeepseekCudaBackend
+    from metrale.runtime.cuda_backend import CudaBackend
     config = deepseek_model_config(DS.v2_lite_hf_config(num_hidden_layers=3))
     c = compose([f"cache.block_size={BS}", "cache.num_blocks=256", "scheduler.max_model_len=1024",
                  "scheduler.max_num_seqs=64", "scheduler.max_num_batched_tokens=512", "device=cuda"])
-    be = DeepseekCudaBackend(config, None, cfg=c)
+    be = CudaBackend(config, None, cfg=c)
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, config.vocab_size, 300)
     table = np.arange(1, 1 + -(-400 // BS), dtype=np.int32)

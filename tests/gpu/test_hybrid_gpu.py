@@ -115,9 +115,9 @@ def pair(model_dir):
 def test_backend_and_pool_shapes(pair):
     cu, _ = pair
     be = cu.backend
-    assert type(be).__name__ == "HybridCudaBackend" and be.states is not None
+    assert be.family.name == "hybrid" and be.states is not None and list(be.caches) == ["kv", "state"]
     c = be.config
-    assert be.k_cache.shape[0] == c.num_kv_layers == 2
+    assert be.kv.k.shape[0] == c.num_kv_layers == 2
     assert be.cos.shape[1] == c.rotary_dim // 2 == 16
     assert be.weights["layers.0.lin_conv"].dtype == np.float32
     assert be.states.num_slots == 16 and be.states.bytes_per_state == c.state_bytes_per_slot(4)

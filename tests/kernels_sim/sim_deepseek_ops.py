@@ -1,5 +1,5 @@
-"""DeepseekCudaOps (MLA + MoE as kernel launches) under the simulator against the NumPy
-DeepseekBackend with the same bf16 weights: a ragged step (a prefill chunk after an earlier
+"""MlaCudaOps (MLA + MoE as kernel launches) under the simulator against the NumPy backend
+of the MLA family with the same bf16 weights: a ragged step (a prefill chunk after an earlier
 chunk, a decode row), and the expert-parallel exchange with one rank (host communicator).
 The real backend needs the driver; here a stand-in holds the same buffers (activation_plan)."""
 from types import SimpleNamespace
@@ -8,14 +8,17 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from kernels_numba import gemm, mla, moe
+from kernels_numba import gemm, mla
 from kernels_numba.bf16 import bf16_round
 from metrale.models import deepseek as DS
 from metrale.models.deepseek import deepseek_forward
 from metrale.models.checkpoint import deepseek_model_config
+from metrale.models.families import compose_ops
 from metrale.runtime.batch import Segment, build_batch
-from metrale.runtime.cuda_backend import CudaBackend, Geometry
-from metrale.runtime.cuda_deepseek import DeepseekCudaBackend, DeepseekCudaOps, activation_plan, prepare_weights
+from metrale.runtime.cuda.pages import DeviceLatentPages
+from metrale.runtime.cuda_backend import CudaBackend, CudaOps, Geometry
+from metrale.runtime.cuda_deepseek import MlaCuda, MlaCudaOps, activation_plan, moe_workspace, prepare_weights
+from metrale.runtime.numpy_backend import NumpyBackend
 
 BS, NB, MAX_LEN = 4, 16, 32
 
@@ -44,9 +47,7 @@ class SimMeta:
 
 
 class SimBackend:
-    """The attributes DeepseekCudaOps reads, on simulator arrays."""
-    ep_experts = DeepseekCudaBackend.ep_experts
-    _copy_host_rows = DeepseekCudaBackend._copy_host_rows
+    """The attributes MlaCudaOps reads, on simulator arrays."""
     view = CudaBackend.view
     _cached = CudaBackend._cached
     overlap = False                  # the plain embedding (no tokens fed from a previous step)
@@ -54,22 +55,14 @@ class SimBackend:
     def __init__(self, config, host_weights: dict, ep=None):
         self.config, self.ep, self.block_size = config, ep, BS
         self._views = {}
-        self.num_local_experts = ep.num_local if ep is not None else config.n_routed_experts
-        self.route_cfg = DS.route_config(config)
-        self.softmax_scale = DS.deepseek_softmax_scale(config)
-        plan = activation_plan(config, 8, 8, MAX_LEN, self.num_local_experts, 0 if ep is None else ep.comm.world_size)
+        self.part = MlaCuda(self)            # routing, softmax scale, this rank's experts
+        plan = activation_plan(config, 8, 8, MAX_LEN, self.part.num_local_experts, 0 if ep is None else ep.comm.world_size)
         self.act = {k: cuda.to_device(np.zeros(shape, dt)) for k, (shape, dt) in plan.items()}
-        cos, sin = DeepseekCudaBackend._rope_host_tables(SimpleNamespace(config=config, max_model_len=MAX_LEN))
+        cos, sin = CudaBackend._rope_host_tables(SimpleNamespace(config=config, max_model_len=MAX_LEN))
         self.cos, self.sin = cuda.to_device(cos.astype(np.float32)), cuda.to_device(sin.astype(np.float32))
         self.attn_scratch = self.act["attn_scratch"]
-        a = self.act
-        self.moe_ws = moe.MoeWorkspace(a["moe_counts"], a["moe_base"], a["moe_offsets"], a["moe_tile_expert"],
-                                       a["moe_tile_row"], a["moe_sorted_slot"], a["moe_slot_row"], a["moe_h"],
-                                       a["moe_a"], a["moe_y"])
-        if "ep_ones" in a:
-            a["ep_ones"].copy_to_device(np.ones(a["ep_ones"].shape, np.float32))
-        self.latent_cache = cuda.to_device(np.zeros((config.num_layers, NB, BS, config.latent_dim), np.uint16))
-        self.latent_cache32 = self.latent_cache.view(np.uint32)
+        self.part.moe_ws = moe_workspace(self.act)
+        self.kv = DeviceLatentPages(cuda.to_device(np.zeros((config.num_layers, NB, BS, config.latent_dim), np.uint16)))
         self.weights = {n: cuda.to_device(w) for n, w in prepare_weights(host_weights.items(), config)}
         self.stream = SimpleNamespace(numba=0, synchronize=lambda: None)
         self.skinny_max_t = gemm.FMA_MAX_T
@@ -85,7 +78,7 @@ class SimBackend:
         g = Geometry(batch.num_tokens, batch.num_seqs, len(batch.logits_indices), int(batch.context_lens.max()),
                      batch.max_query_len)
         self.meta = SimMeta(batch, MAX_LEN // BS)
-        return deepseek_forward(DeepseekCudaOps(self, g), self.weights, self.config).copy_to_host()
+        return deepseek_forward(compose_ops(CudaOps, (MlaCudaOps,))(self, g), self.weights, self.config).copy_to_host()
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +107,7 @@ def _rel(a, b):
 
 def test_deepseek_ops_match_numpy(model):
     config, weights = model
-    want = _steps(DS.DeepseekBackend(config, weights, num_blocks=NB, block_size=BS))
+    want = _steps(NumpyBackend(config, weights, num_blocks=NB, block_size=BS))
     got = _steps(SimBackend(config, weights))
     assert np.isfinite(got).all()
     assert _rel(got, want) < 2e-2, _rel(got, want)

@@ -1,6 +1,8 @@
 """CudaOps.norm_linear / silu_mul_linear_residual (the CUDA backend's fused decode ops) under the
 simulator, on a stand-in backend: at one row they run gemm.gemv's prologues, at more rows (or with
 levers.fuse_decode off) the separate kernels; both equal the NumPy backend's composition."""
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -178,8 +180,8 @@ def test_norm_qkv_to_cache_rope_epilogue_equals_the_launches(fuse, monkeypatch):
         b = ops.b
         b.carry_norm_sums = False
         b.cos, b.sin = cuda.to_device(np.cos(ang).astype(np.float32)), cuda.to_device(np.sin(ang).astype(np.float32))
-        b.k_cache = [cuda.to_device(np.zeros((3, bs, hk, hd), np.uint16))]
-        b.v_cache = [cuda.to_device(np.zeros((3, bs, hk, hd), np.uint16))]
+        b.kv = SimpleNamespace(k=[cuda.to_device(np.zeros((3, bs, hk, hd), np.uint16))],
+                               v=[cuda.to_device(np.zeros((3, bs, hk, hd), np.uint16))])
         b.act.update({"q": cuda.to_device(np.zeros((1, hq, hd), np.float32)),
                       f"out{w.shape[0]}": cuda.to_device(np.zeros((1, w.shape[0]), np.float32))})
         ops.cfg.rope_interleaved, ops.cfg.q_size = False, hq * hd
@@ -188,8 +190,8 @@ def test_norm_qkv_to_cache_rope_epilogue_equals_the_launches(fuse, monkeypatch):
         monkeypatch.setattr(cb.qkv, "qkv_rope_store", lambda *a, **k: launched.append(1) or real(*a, **k))
         q = ops.norm_qkv_to_cache(cuda.to_device(x), cuda.to_device(nw), cuda.to_device(w), None, 0, None, None)
         assert bool(launched) == (not fused)
-        results.append((q.copy_to_host(), bf16_bits_to_f32(b.k_cache[0].copy_to_host()),
-                        bf16_bits_to_f32(b.v_cache[0].copy_to_host())))
+        results.append((q.copy_to_host(), bf16_bits_to_f32(b.kv.k[0].copy_to_host()),
+                        bf16_bits_to_f32(b.kv.v[0].copy_to_host())))
     (q1, k1, v1), (q0, k0, v0) = results
     assert _rel(q1, q0) < 1e-5 and np.abs(k1[1, 2]).max() > 0
     np.testing.assert_allclose(k1, k0, rtol=1e-2, atol=1e-3)

@@ -80,7 +80,7 @@ def gdn_inputs(rng, T):
 
 
 def run_passes(x, gate, w, a_log, dt, starts, positions, slots, conv, ssm, passes, chunk, stage=None):
-    """What HybridCudaOps.gated_delta_net launches per pass (plus staging copies on the host)."""
+    """What GdnCudaOps.gated_delta_net launches per pass (plus staging copies on the host)."""
     T = x.shape[0]
     d = dev(x, gate, w, a_log, dt, positions)
     d_conv, d_ssm = dev(conv, ssm)

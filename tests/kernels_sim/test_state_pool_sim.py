@@ -1,4 +1,4 @@
-"""DeviceStatePool + HybridCudaOps.gated_delta_net under the simulator against HostStatePool (the
+"""DeviceStatePool + GdnCudaOps.gated_delta_net under the simulator against HostStatePool (the
 NumPy backend's pool): the same GDN outputs and states through prefill (split at snapshot
 boundaries, with staging), decode, a checkpointed verify block, rollback with replay, and a
 snapshot stored then resumed into another slot. Streams, events and driver copies are faked
@@ -13,7 +13,9 @@ from numba import cuda
 import metrale.runtime.cuda.state_pool as sp
 from metrale.models.hybrid import HostStatePool, hybrid_model_config, random_hybrid_weights
 from metrale.runtime.batch import Segment, build_batch
-from metrale.runtime.cuda_hybrid import HybridCudaOps
+from metrale.models.families import compose_ops
+from metrale.runtime.cuda_backend import CudaOps
+from metrale.runtime.cuda_hybrid import GdnCudaOps
 
 CFG = {"model_type": "metrale_hybrid", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
@@ -90,7 +92,7 @@ def run_step(config, weights, dev_weights, host, device, segments, rng):
     act = {"gdn_conv": cuda.to_device(np.zeros((T, config.linear_conv_dim), np.float32)),
            "gdn_o": cuda.to_device(np.zeros((T, config.linear_value_dim), np.float32)),
            "gdn_out": cuda.to_device(np.zeros((T, config.linear_value_dim), np.float32))}
-    ops = object.__new__(HybridCudaOps)
+    ops = object.__new__(compose_ops(CudaOps, (GdnCudaOps,)))
     ops.b = SimpleNamespace(states=device, act=act,                 # CudaBackend.view, uncached
                             view=lambda name, n, shape=None: act[name][:n] if shape is None else act[name][:n].reshape(shape))
     ops.g = SimpleNamespace(tokens=T, seqs=batch.num_seqs, max_query_len=batch.max_query_len)

@@ -32,6 +32,7 @@ from typing import Callable
 import numpy as np
 
 from kernels_numba.gdn import causal_conv1d, gdn_recurrent, state_norm_clamp
+from metrale.cache.kinds import CacheKind
 from metrale.models.config import ModelConfig
 
 from .errors import cu
@@ -135,7 +136,32 @@ def pass_arrays(pieces: list[list[tuple[int, int]]], slots: np.ndarray, k: int) 
     return starts, out_slots
 
 
-class DeviceStatePool:
+class DeviceStatePool(CacheKind):
+    """The CUDA backend's STATE cache kind (metrale.cache.kinds): fixed_bytes is the budget of the
+    pool the engine will reserve, carved from the activations region by allocate."""
+    paged = False
+
+    @classmethod
+    def fixed_bytes(cls, backend) -> int:
+        return cls._budget(backend, backend.num_state_slots)[0] + 4096     # + the sub-arena's alignment
+
+    @classmethod
+    def _budget(cls, backend, n: int) -> tuple[int, Reservation]:
+        return budget(backend.config, backend.cfg, n, backend.max_seqs, backend.max_tokens, backend.block_size)
+
+    @classmethod
+    def allocate(cls, backend, n: int) -> "DeviceStatePool":
+        """n slots in a sub-arena of the activations region, reserved up front for the checkpoints and
+        snapshots the engine will ask for; a later re-carve drops the backend's graphs."""
+        nbytes, r = cls._budget(backend, n)
+        arena = Arena("states", backend.pool["activations"].reserve(nbytes), nbytes, backend.pool._make_array)
+        pool = cls(backend.config, backend.weights, arena, backend.stream, num_slots=n, max_seqs=backend.max_seqs,
+                   max_tokens=backend.max_tokens, state_norm_bound=float(backend.cfg.levers.state_norm_bound))
+        pool.reserve(num_checkpoints=r.num_checkpoints, max_trail=r.max_trail, num_snapshots=r.num_snapshots,
+                     snapshot_every=r.snapshot_every)
+        pool.on_realloc = backend.drop_graphs
+        return pool
+
     def __init__(self, config: ModelConfig, weights: dict, arena: Arena, stream: Stream, *, num_slots: int,
                  max_seqs: int, max_tokens: int, chunk: int = 64, state_norm_bound: float = 0.0):
         if num_slots < 1:
