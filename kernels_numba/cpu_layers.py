@@ -1,0 +1,289 @@
+"""CPU kernels of a decoder layer besides its products (Numba @njit): RMSNorm, silu(gate) * up,
+RoPE with the K/V write into the paged cache, and causal attention over the paged cache.
+
+Each has its NumPy reference beside it (`*_ref`, the arithmetic of metrale's NumPy backend);
+tests/test_cpu_layers.py compares them. float32 throughout; fast-math without the no-NaN /
+no-Inf assumptions (masked scores are -inf before the softmax, and the reference keeps inf/NaN).
+Shapes: x [T, D]; qkv [T, (Hq + 2 Hk) hd]; a layer's cache k, v [blocks, block_size, Hk, hd].
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+QUERY_TILE = 32          # query rows of one attention work item (they share its gathered keys)
+
+
+PARALLEL_MIN_ROWS = 16   # fewer rows than this: the row-wise kernels run on the calling thread
+                         # (a parallel region costs more than a few rows of work)
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def _rms_row(x, weight, eps, out, t):
+    D = x.shape[1]
+    ss = np.float32(0.0)
+    for d in range(D):
+        ss += x[t, d] * x[t, d]
+    inv = np.float32(1.0) / np.sqrt(ss / np.float32(D) + np.float32(eps))
+    for d in range(D):
+        out[t, d] = x[t, d] * inv * weight[d]
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _rms_norm_serial(x, weight, eps, out):
+    for t in range(x.shape[0]):
+        _rms_row(x, weight, eps, out, t)
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def _rms_norm_parallel(x, weight, eps, out):
+    for t in prange(x.shape[0]):
+        _rms_row(x, weight, eps, out, t)
+
+
+def rms_norm(x, weight, eps, out):
+    """out [T, D] = x / sqrt(mean(x^2) + eps) * weight."""
+    (_rms_norm_parallel if x.shape[0] >= PARALLEL_MIN_ROWS else _rms_norm_serial)(x, weight, eps, out)
+
+
+def rms_norm_ref(x, weight, eps):
+    var = np.mean(x * x, axis=-1, keepdims=True)
+    return x / np.sqrt(var + eps) * weight
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def _silu_row(gate_up, out, t):
+    F = out.shape[1]
+    for j in range(F):
+        g = gate_up[t, j]
+        out[t, j] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[t, F + j]
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _silu_mul_serial(gate_up, out):
+    for t in range(out.shape[0]):
+        _silu_row(gate_up, out, t)
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def _silu_mul_parallel(gate_up, out):
+    for t in prange(out.shape[0]):
+        _silu_row(gate_up, out, t)
+
+
+def silu_mul(gate_up, out):
+    """out [T, F] = silu(gate_up[:, :F]) * gate_up[:, F:]."""
+    (_silu_mul_parallel if out.shape[0] >= PARALLEL_MIN_ROWS else _silu_mul_serial)(gate_up, out)
+
+
+def silu_mul_ref(gate_up):
+    f = gate_up.shape[-1] // 2
+    g = gate_up[:, :f]
+    return g / (1.0 + np.exp(-g)) * gate_up[:, f:]
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def _head_norm(v, w, eps):
+    n = v.shape[0]
+    ss = np.float32(0.0)
+    for d in range(n):
+        ss += v[d] * v[d]
+    inv = np.float32(1.0) / np.sqrt(ss / np.float32(n) + np.float32(eps))
+    for d in range(n):
+        v[d] = v[d] * inv * w[d]
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def _rope(v, cos, sin, interleaved):
+    half = cos.shape[0]
+    if interleaved:
+        for i in range(half):
+            a, b = v[2 * i], v[2 * i + 1]
+            v[2 * i] = a * cos[i] - b * sin[i]
+            v[2 * i + 1] = a * sin[i] + b * cos[i]
+    else:
+        for i in range(half):
+            a, b = v[i], v[half + i]
+            v[i] = a * cos[i] - b * sin[i]
+            v[half + i] = a * sin[i] + b * cos[i]
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def _rope_row(t, qkv, cos, sin, interleaved, q_norm, k_norm, eps, slots, k_flat, v_flat, q_out):
+    Hq, hd = q_out.shape[1], q_out.shape[2]
+    Hk = k_flat.shape[1]
+    rot = 2 * cos.shape[1]
+    for h in range(Hq):
+        q = q_out[t, h]
+        q[:] = qkv[t, h * hd:(h + 1) * hd]
+        if q_norm.shape[0]:
+            _head_norm(q, q_norm, eps)
+        _rope(q[:rot], cos[t], sin[t], interleaved)
+    s = slots[t]
+    if s < 0:
+        return
+    for h in range(Hk):
+        k = k_flat[s, h]
+        k[:] = qkv[t, (Hq + h) * hd:(Hq + h + 1) * hd]
+        if k_norm.shape[0]:
+            _head_norm(k, k_norm, eps)
+        _rope(k[:rot], cos[t], sin[t], interleaved)
+        v_flat[s, h, :] = qkv[t, (Hq + Hk + h) * hd:(Hq + Hk + h + 1) * hd]
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _rope_serial(qkv, cos, sin, interleaved, q_norm, k_norm, eps, slots, k_flat, v_flat, q_out):
+    for t in range(q_out.shape[0]):
+        _rope_row(t, qkv, cos, sin, interleaved, q_norm, k_norm, eps, slots, k_flat, v_flat, q_out)
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def _rope_parallel(qkv, cos, sin, interleaved, q_norm, k_norm, eps, slots, k_flat, v_flat, q_out):
+    for t in prange(q_out.shape[0]):
+        _rope_row(t, qkv, cos, sin, interleaved, q_norm, k_norm, eps, slots, k_flat, v_flat, q_out)
+
+
+def rope_to_cache(qkv, cos, sin, interleaved, q_norm, k_norm, eps, slots, k_flat, v_flat, q_out):
+    """q_out [T, Hq, hd] = RoPE(norm(q)); k_flat[slot], v_flat[slot] [Hk, hd] = RoPE(norm(k)), v for
+    every token whose slots[t] >= 0. cos/sin [T, rot/2] float32 (rot <= hd: the first rot dims
+    rotate); q_norm/k_norm [hd] per-head RMSNorm weights, or empty for none."""
+    fn = _rope_parallel if q_out.shape[0] >= PARALLEL_MIN_ROWS else _rope_serial
+    fn(qkv, cos, sin, interleaved, q_norm, k_norm, eps, slots, k_flat, v_flat, q_out)
+
+
+@njit(cache=True)
+def _attention_items(seq_start, num_kv_heads):
+    """Work items (sequence, kv head, first query row, end query row): QUERY_TILE rows each."""
+    S = seq_start.shape[0] - 1
+    n = 0
+    for s in range(S):
+        n += (seq_start[s + 1] - seq_start[s] + QUERY_TILE - 1) // QUERY_TILE
+    items = np.empty((n * num_kv_heads, 4), np.int64)
+    i = 0
+    for s in range(S):
+        for a in range(seq_start[s], seq_start[s + 1], QUERY_TILE):
+            for h in range(num_kv_heads):
+                items[i, 0], items[i, 1], items[i, 2] = s, h, a
+                items[i, 3] = min(a + QUERY_TILE, seq_start[s + 1])
+                i += 1
+    return items
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def _attend_item(items, it, q, k_cache, v_cache, block_tables, positions, window, scale, out):
+    hd = q.shape[2]
+    bs, Hk = k_cache.shape[1], k_cache.shape[2]
+    G = q.shape[1] // Hk
+    s, kvh, a, b = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
+    last = positions[b - 1]
+    lo = max(0, positions[a] - window + 1) if window > 0 else 0
+    n = last + 1 - lo
+    kt = np.empty((hd, n), np.float32)
+    vv = np.empty((n, hd), np.float32)
+    for j in range(n):
+        pos = lo + j
+        blk, off = block_tables[s, pos // bs], pos % bs
+        for d in range(hd):
+            kt[d, j] = k_cache[blk, off, kvh, d]
+        vv[j, :] = v_cache[blk, off, kvh, :]
+    sc = np.empty(n, np.float32)
+    acc = np.empty(hd, np.float32)
+    for i in range(a, b):
+        p = positions[i]
+        j1 = p + 1 - lo
+        j0 = max(0, p - window + 1 - lo) if window > 0 else 0
+        for g in range(G):
+            h = kvh * G + g
+            for j in range(j0, j1):
+                sc[j] = 0.0
+            for d in range(hd):
+                qd = q[i, h, d] * np.float32(scale)
+                for j in range(j0, j1):
+                    sc[j] += qd * kt[d, j]
+            m = sc[j0]
+            for j in range(j0 + 1, j1):
+                m = max(m, sc[j])
+            total = np.float32(0.0)
+            for j in range(j0, j1):
+                e = np.exp(sc[j] - m)
+                sc[j] = e
+                total += e
+            acc[:] = 0.0
+            for j in range(j0, j1):
+                w = sc[j]
+                for d in range(hd):
+                    acc[d] += w * vv[j, d]
+            inv = np.float32(1.0) / total
+            for d in range(hd):
+                out[i, h, d] = acc[d] * inv
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _attention_serial(q, k_cache, v_cache, block_tables, seq_start, positions, window, scale, out):
+    items = _attention_items(seq_start, k_cache.shape[2])
+    for it in range(items.shape[0]):
+        _attend_item(items, it, q, k_cache, v_cache, block_tables, positions, window, scale, out)
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def _attention_parallel(q, k_cache, v_cache, block_tables, seq_start, positions, window, scale, out):
+    items = _attention_items(seq_start, k_cache.shape[2])
+    for it in prange(items.shape[0]):
+        _attend_item(items, it, q, k_cache, v_cache, block_tables, positions, window, scale, out)
+
+
+PARALLEL_MIN_SCORES = 4096      # query-key pairs (times query heads) from which attention runs in parallel
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, seq_start, positions, window, scale, out):
+    """out [T, Hq, hd] = softmax(q k^T * scale) v over each query's visible keys: positions j <= p
+    (and j > p - window when window > 0) of its sequence, read through its block table. GQA:
+    query head h reads kv head h // (Hq / Hk). The keys a work item (a sequence, a kv head and up to
+    QUERY_TILE query rows) needs are gathered once, K transposed, so a query's scores are one
+    contiguous FMA loop over keys."""
+    pairs = (int(positions.max()) + 1) * q.shape[0] * q.shape[1] if q.shape[0] else 0
+    fn = _attention_parallel if pairs >= PARALLEL_MIN_SCORES else _attention_serial
+    fn(q, k_cache, v_cache, block_tables, seq_start, positions, window, scale, out)
+
+
+def warm() -> None:
+    """Calls every kernel here once on tiny inputs of the runtime's types (compiles or loads them)."""
+    x = np.ones((1, 16), np.float32)
+    for fn in (_rms_norm_serial, _rms_norm_parallel):
+        fn(x, x[0], 1e-5, np.empty_like(x))
+    for fn in (_silu_mul_serial, _silu_mul_parallel):
+        fn(np.ones((1, 32), np.float32), np.empty((1, 16), np.float32))
+    k = np.zeros((2, 4, 1, 8), np.float32)
+    q = np.empty((1, 2, 8), np.float32)
+    cs = np.ones((1, 4), np.float32)
+    none = np.zeros(0, np.float32)
+    for fn in (_rope_serial, _rope_parallel):
+        fn(np.ones((1, 32), np.float32), cs, cs, True, none, none, 1e-5, np.zeros(1, np.int32),
+           k.reshape(-1, 1, 8), k.copy().reshape(-1, 1, 8), q)
+    for fn in (_attention_serial, _attention_parallel):
+        fn(q, k, k, np.zeros((1, 1), np.int32), np.array([0, 1], np.int32), np.zeros(1, np.int32), 0, 1.0,
+           np.empty_like(q))
+
+
+def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_start, positions, window, scale):
+    """The NumPy backend's arithmetic: per sequence, the cached keys up to its last position, masked."""
+    T, Hq, hd = q.shape
+    bs, Hk = k_cache.shape[1], k_cache.shape[2]
+    out = np.zeros_like(q)
+    for s in range(len(seq_start) - 1):
+        a, b = seq_start[s], seq_start[s + 1]
+        ctx = int(positions[b - 1]) + 1
+        blocks = block_tables[s, :-(-ctx // bs)]
+        k = k_cache[blocks].reshape(-1, Hk, hd)[:ctx]
+        v = v_cache[blocks].reshape(-1, Hk, hd)[:ctx]
+        keys, p = np.arange(ctx)[None, :], positions[a:b, None]
+        masked = (keys > p) | ((keys <= p - window) if window else False)
+        qs = q[a:b].reshape(b - a, Hk, Hq // Hk, hd)
+        scores = np.einsum("nkgd,ckd->kgnc", qs, k) * scale
+        scores[..., masked] = -np.inf
+        scores -= scores.max(axis=-1, keepdims=True)
+        w = np.exp(scores)
+        w /= w.sum(axis=-1, keepdims=True)
+        out[a:b] = np.einsum("kgnc,ckd->nkgd", w, v).reshape(b - a, Hq, hd)
+    return out

@@ -1,0 +1,203 @@
+"""The fast CPU Ops (levers.cpu_kernels=numba): NumpyOps whose products, RMSNorms, silu*mul, RoPE +
+K/V writes and attention run as Numba CPU kernels (kernels_numba/cpu_quant.py, cpu_layers.py),
+reading weights as the loader left them: QuantizedTensor (a GGUF file's blocks, never expanded)
+or float32 arrays. The NumPy backend's own arithmetic (NumpyOps) stays the reference: every
+kernel is tested against it, and levers.cpu_kernels=numpy selects it.
+
+Invariants: activations are float32 C-contiguous; a weight's kernel form (CpuMatrix: views of its
+parts as block records) is made once per backend and kept beside it; Numba's thread count is set
+per forward from levers.cpu_threads (Numba's setting is per calling thread).
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+from kernels_numba import cpu_layers as L
+from kernels_numba import cpu_quant as Q
+from metrale.models.quantized import QuantizedTensor
+from metrale.runtime.numpy_backend import NumpyOps
+
+_KIND = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q8_0": "q8_0",
+         "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
+
+
+class CpuMatrix:
+    """A weight [rows, cols] as the kernels read it: its parts as block records, grouped by kind
+    (one kernel call a kind), with each part's first output row."""
+
+    def __init__(self, weight):
+        if isinstance(weight, QuantizedTensor):
+            parts, col = [], 0
+            for p in weight.parts:
+                parts.append((Q.as_blocks(p.data, _KIND[p.ggml_type.name]), col))
+                col += p.rows
+            self.shape = weight.shape
+        else:
+            w = np.ascontiguousarray(weight, dtype=np.float32)
+            parts, self.shape = [(Q.as_blocks(w, "f32"), 0)], w.shape
+        self.parts = tuple(parts)
+        self.kinds = tuple(sorted({Q.kind_of(b.dtype) for b, _ in parts}))
+        self.groups = []
+        for kind in self.kinds:
+            mine = [(b, c) for b, c in parts if Q.kind_of(b.dtype) == kind]
+            self.groups.append((tuple(b for b, _ in mine), np.array([c for _, c in mine], np.int64)))
+
+    def matmul(self, x: np.ndarray, out: np.ndarray | None = None, accumulate: bool = False) -> np.ndarray:
+        """x [T, cols] -> out [T, rows] = x @ W.T (accumulate: out += x @ W.T)."""
+        if out is None:
+            out = np.empty((x.shape[0], self.shape[0]), np.float32)
+        if x.shape[0]:
+            for blocks, col0s in self.groups:
+                Q.matmul_into(blocks, col0s, x, out, accumulate)
+        return out
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """float32 [len(ids), cols]: the rows ids (an embedding lookup), decoded."""
+        ids = np.asarray(ids, np.int64)
+        out = np.empty((ids.shape[0], self.shape[1]), np.float32)
+        for blocks, col0 in self.parts:
+            mine = (ids >= col0) & (ids < col0 + blocks.shape[0])
+            if mine.all():
+                Q.decode_rows(blocks, ids - col0, out)
+            elif mine.any():
+                part = np.empty((int(mine.sum()), self.shape[1]), np.float32)
+                Q.decode_rows(blocks, ids[mine] - col0, part)
+                out[mine] = part
+        return out
+
+
+def cpu_matrix(backend, weight) -> CpuMatrix:
+    """The kernel form of one of backend's weights, made on first use and kept on the backend."""
+    cache = backend.__dict__.setdefault("_cpu_matrices", {})
+    hit = cache.get(id(weight))
+    if hit is None or hit[0] is not weight:
+        hit = cache[id(weight)] = (weight, CpuMatrix(weight))
+    return hit[1]
+
+
+def _f32(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+class CpuOps(NumpyOps):
+    reads_quantized = True      # the backend may hand it QuantizedTensor weights
+
+    def __init__(self, backend, batch):
+        super().__init__(backend, batch)
+        threads = int(getattr(backend, "cpu_threads", 0) or 0)
+        if threads:
+            import numba
+            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        self._cos_sin = None
+
+    def _m(self, weight) -> CpuMatrix:
+        return cpu_matrix(self.b, weight)
+
+    def embed(self, weight):
+        if isinstance(weight, np.ndarray):
+            return weight[self.batch.token_ids]
+        return self._m(weight).rows(self.batch.token_ids)
+
+    def rms_norm(self, x, weight):
+        if x.ndim != 2:
+            return super().rms_norm(x, weight)
+        x = _f32(x)
+        out = np.empty_like(x)
+        L.rms_norm(x, _f32(weight), float(self.cfg.rms_norm_eps), out)
+        return out
+
+    def linear(self, x, weight, bias=None):
+        y = self._m(weight).matmul(_f32(x))
+        return y if bias is None else y + bias
+
+    def linear_residual(self, x, weight, residual):
+        out = np.array(residual, dtype=np.float32, order="C")
+        return self._m(weight).matmul(_f32(x), out, accumulate=True)
+
+    def silu_mul(self, gate_up):
+        gate_up = _f32(gate_up)
+        out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
+        L.silu_mul(gate_up, out)
+        return out
+
+    def _rope_tables(self):
+        if self._cos_sin is None:
+            cos, sin = self.b.rope_for(self.batch)
+            self._cos_sin = _f32(cos), _f32(sin)
+        return self._cos_sin
+
+    def _kv(self, layer: int):
+        kv = getattr(self.b, "kv", None)
+        return (kv.k[layer], kv.v[layer]) if kv is not None else (self.b.k_cache[layer], self.b.v_cache[layer])
+
+    def qkv_to_cache(self, qkv, layer, q_norm, k_norm):
+        c = self.cfg
+        k, v = self._kv(layer)
+        cos, sin = self._rope_tables()
+        q = np.empty((qkv.shape[0], c.num_heads, c.head_dim), np.float32)
+        none = np.zeros(0, np.float32)
+        L.rope_to_cache(_f32(qkv), cos, sin, bool(c.rope_interleaved),
+                        none if q_norm is None else _f32(q_norm), none if k_norm is None else _f32(k_norm),
+                        float(c.rms_norm_eps), self.batch.slot_mapping,
+                        k.reshape(-1, c.num_kv_heads, c.head_dim), v.reshape(-1, c.num_kv_heads, c.head_dim), q)
+        return q
+
+    def attention(self, q, layer):
+        c, bt = self.cfg, self.batch
+        k, v = self._kv(layer)
+        out = np.empty((q.shape[0], c.num_heads, c.head_dim), np.float32)
+        L.paged_attention(_f32(q).reshape(out.shape), k, v, bt.block_tables, bt.seq_query_start, bt.positions,
+                          int(c.layer_window(layer)), float(1.0 / np.sqrt(c.head_dim)), out)
+        return out.reshape(q.shape[0], c.q_size)
+
+
+# ------------------------------------------------------------------------------ compile once
+
+def warm_up(backend, stream=sys.stderr) -> float:
+    """Runs every kernel the backend's weights need once, on tiny inputs, so that Numba compiles
+    (first start) or loads them from its disk cache (later starts) now rather than inside the first
+    request. Says one line on `stream` per kernel it has to compile. Returns the seconds taken."""
+    from numba.core import event
+    t0 = time.perf_counter()
+    listener = _compile_log(stream)
+    kinds = set()
+    for w in backend.weights.values():
+        if isinstance(w, QuantizedTensor) or (isinstance(w, np.ndarray) and w.ndim == 2):
+            kinds.update(cpu_matrix(backend, w).kinds)
+    with event.install_listener("numba:compile", listener):
+        for kind in sorted(kinds):
+            listener.label = f"products on {kind} weights"
+            for w in backend.weights.values():
+                if (isinstance(w, QuantizedTensor) or (isinstance(w, np.ndarray) and w.ndim == 2)) \
+                        and kind in cpu_matrix(backend, w).kinds:
+                    m = cpu_matrix(backend, w)
+                    m.matmul(np.zeros((1, m.shape[1]), np.float32))
+                    m.rows(np.zeros(1, np.int64))
+                    break
+        listener.label = "norms, RoPE and attention"
+        L.warm()
+    return time.perf_counter() - t0
+
+
+def _compile_log(stream):
+    from numba.core.event import Listener
+
+    class CompileLog(Listener):
+        """One line on `stream` when a kernel family starts compiling (a disk-cache load is silent)."""
+
+        def __init__(self):
+            self.label, self._said = "", set()
+
+        def on_start(self, ev):
+            if self.label not in self._said:
+                self._said.add(self.label)
+                print(f"metrale: compiling CPU kernels ({self.label}); cached for later starts",
+                      file=stream, flush=True)
+
+        def on_end(self, ev):
+            pass
+
+    return CompileLog()

@@ -1,0 +1,102 @@
+"""The Numba CPU products on quantized weights (kernels_numba/cpu_quant.py) against the gguf
+package's dequantization: every block type, decoded rows and dot products at 1 to 8 activation
+rows; the parallel multi-part product on the types real files carry (Q4_1 + Q8_0 SmolLM2, a
+Q4_K_M-style Q4_K + Q6_K stack, dense f32). Small shapes: each kernel compiles once per type."""
+import gguf
+import numpy as np
+import pytest
+from numba import njit
+
+from kernels_numba import cpu_quant as Q
+from metrale.models.quantized import QuantizedPart, QuantizedTensor
+
+GGML = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0", "q5_1": "Q5_1", "q8_0": "Q8_0",
+        "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K"}
+
+
+def random_rows(kind: str, rows: int, cols: int, rng) -> np.ndarray:
+    """uint8 [rows, bytes]: gguf.quants.quantize where it supports the type; K-quants (which it
+    cannot quantize) as random bytes with sane fp16 scales; dense kinds as their own bytes."""
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    if kind == "f32":
+        return x.view(np.uint8).reshape(rows, -1)
+    if kind == "f16":
+        return x.astype(np.float16).view(np.uint8).reshape(rows, -1)
+    if kind == "bf16":
+        return gguf.quants.quantize(x, gguf.GGMLQuantizationType.BF16)
+    if kind not in ("q4_k", "q5_k", "q6_k"):
+        return gguf.quants.quantize(x, gguf.GGMLQuantizationType[GGML[kind]])
+    block, nbytes = Q.KINDS[kind]
+    raw = rng.integers(0, 256, (rows, cols // block, nbytes), dtype=np.uint8)
+    scale = (rng.uniform(0.5, 2.0, (rows, cols // block, 1)) / 64).astype(np.float16).view(np.uint8)
+    if kind == "q6_k":
+        raw[..., 208:210] = scale
+    else:
+        raw[..., 0:2] = scale                      # d
+        raw[..., 2:4] = scale                      # dmin
+    return raw.reshape(rows, -1)
+
+
+@njit
+def _probe(w, x, rows_out, dots_out):
+    """Every row decoded; x . W[r] at 1 row a pass and at 8 rows a pass (the 1- and 8-row kernels)."""
+    xa, xs = x.ctypes.data, x.strides[0]
+    for r in range(w.shape[0]):
+        Q.row_decode(w, r, rows_out[r:].ctypes.data)
+        s8 = Q.row_dot(w, r, xa, xs, 8)
+        for t in range(8):
+            dots_out[0, t, r] = Q.row_dot(w, r, xa + t * xs, xs, 1)[0]
+            dots_out[1, t, r] = s8[t]
+
+
+@pytest.mark.parametrize("kind", sorted(Q.KINDS))
+def test_decode_and_dot_every_kind(kind, rng):
+    cols = 512 if Q.KINDS[kind][0] == 256 else 96
+    data = random_rows(kind, 6, cols, rng)
+    ref = Q.dequantize_ref(data, kind)
+    x = rng.standard_normal((8, cols)).astype(np.float32)
+    rows = np.empty((6, cols), np.float32)
+    dots = np.empty((2, 8, 6), np.float32)
+    _probe(Q.as_blocks(data, kind), x, rows, dots)
+    np.testing.assert_array_equal(rows, ref)
+    want = x.astype(np.float64) @ ref.astype(np.float64).T
+    tol = 1e-5 * np.abs(x).sum(1, keepdims=True) * np.abs(ref).max()
+    assert (np.abs(dots[0] - want) <= tol).all()
+    np.testing.assert_array_equal(dots[0], dots[1])      # a token's product does not depend on its batch
+
+
+def quantized(parts: list[tuple[str, int]], cols: int, rng) -> QuantizedTensor:
+    return QuantizedTensor(tuple(QuantizedPart(gguf.GGMLQuantizationType[GGML[k]], rows, cols,
+                                               random_rows(k, rows, cols, rng)) for k, rows in parts))
+
+
+@pytest.mark.parametrize("parts,cols", [([("q4_1", 40), ("q4_1", 24), ("q4_1", 24)], 64),   # SmolLM2's qkv
+                                        ([("q4_k", 24), ("q6_k", 40)], 256)])                 # Q4_K_M-style
+def test_matmul_parts_against_dequantize(parts, cols, rng):
+    from metrale.runtime.cpu_ops import CpuMatrix
+    w = quantized(parts, cols, rng)
+    m = CpuMatrix(w)
+    ref = w.dequantize().astype(np.float64)
+    for T in (1, 3, 13):
+        x = rng.standard_normal((T, cols)).astype(np.float32)
+        want = x @ ref.T
+        got = m.matmul(x)
+        tol = 1e-5 * np.abs(x).sum(1, keepdims=True) * np.abs(ref).max()
+        assert (np.abs(got - want) <= tol).all()
+        res = rng.standard_normal(got.shape).astype(np.float32)
+        np.testing.assert_allclose(m.matmul(x, res.copy(), accumulate=True), res + got, rtol=1e-6, atol=1e-6)
+    ids = np.array([0, len(ref) - 1, 30, 30])
+    np.testing.assert_array_equal(m.rows(ids), ref[ids].astype(np.float32))
+
+
+def test_matmul_dense_f32(rng):
+    from metrale.runtime.cpu_ops import CpuMatrix
+    w = rng.standard_normal((37, 48)).astype(np.float32)
+    x = rng.standard_normal((9, 48)).astype(np.float32)
+    np.testing.assert_allclose(CpuMatrix(w).matmul(x), x @ w.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(CpuMatrix(w).rows(np.array([3, 36])), w[[3, 36]])
+
+
+def test_as_blocks_refuses_rows_that_are_not_whole_blocks():
+    with pytest.raises(ValueError, match="q4_1: rows of 20-byte blocks"):
+        Q.as_blocks(np.zeros((2, 30), np.uint8), "q4_1")
