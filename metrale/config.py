@@ -20,6 +20,9 @@ class Levers:
                                          # before the last one's tokens are read (false: the synchronous loop)
     mixed_graphs: bool = True            # CUDA: replay prefill and mixed steps too, padded to bucketed
                                          # geometries (metrale/runtime/cuda/buckets.py; docs/runtime.md)
+    warm_mixed: bool = True              # CUDA with mixed_graphs: compile at start-up the kernels every
+                                         # token and rows bucket uses (cached on disk), so a new prompt
+                                         # length never waits for a compile while serving
     # decode batch sizes captured as CUDA graphs (a batch is padded to the next size)
     graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256])
     gemv_max_rows: int = 256             # rows up to which linear layers stream the weights (GEMV /

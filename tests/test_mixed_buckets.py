@@ -163,3 +163,21 @@ def test_padded_attention_leaves_the_step_unchanged():
     got = attention_ref(q, kc, vc, h["tables"], h["token_seq"], h["positions"], hd ** -0.5)
     np.testing.assert_allclose(got[:T], want, rtol=1e-12, atol=1e-12)
     assert np.isfinite(got).all()
+
+
+def test_warm_up_steps_cover_every_token_and_rows_bucket():
+    """levers.warm_mixed: one warm-up step per (token bucket, rows bucket) pair, each of them a
+    mixed-graph step (so the kernels its replay needs are compiled before serving)."""
+    from metrale.runtime.cuda_backend import CudaBackend
+    b = object.__new__(CudaBackend)
+    b.graph_sizes, b.max_rows, b.max_seqs, b.block_size = [1, 2, 4, 8, 16, 32, 64, 128, 256], 256, 256, 16
+    b.prefill_min_tokens, b.mixed_ladder = 64, token_ladder(2048)
+    batches = b.warm_mixed_batches()
+    tokens = {int(x.num_tokens) for x in batches}
+    rows = {len(x.logits_indices) for x in batches}
+    assert tokens == set(b.mixed_ladder) and rows == set(b.graph_sizes)
+    for x in batches:
+        assert x.max_query_len >= b.prefill_min_tokens
+        got = mixed_bucket(x.num_tokens, x.num_seqs, len(x.logits_indices), x.max_query_len, ladder=b.mixed_ladder,
+                           max_seqs=b.max_seqs, max_rows=b.max_rows, prefill_min_tokens=b.prefill_min_tokens)
+        assert got is not None and got[0] == x.num_tokens

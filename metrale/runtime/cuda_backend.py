@@ -426,6 +426,8 @@ class CudaBackend(Backend):
         cuda.synchronize()
         if self.use_graphs:
             self._capture_ladder()
+        if self.mixed_graphs and bool(levers.warm_mixed) and self.states is None:
+            self._warm_mixed()
 
     @classmethod
     def from_config(cls, cfg, config: ModelConfig, weights, family: Family) -> "CudaBackend":
@@ -502,6 +504,31 @@ class CudaBackend(Backend):
         for size in tqdm(sizes, desc="CUDA graphs", unit="graph", leave=False, disable=not sys.stderr.isatty()):
             segs = [Segment(np.zeros(1, np.int32), 0, np.zeros(1, np.int32)) for _ in range(size)]
             self.forward_greedy(build_batch(segs, self.block_size))
+
+    def warm_mixed_batches(self) -> list[ForwardBatch]:
+        """A step per mixed bucket pair (token bucket i, rows bucket i): one segment long enough for
+        the prefill attention kernel, then one-token segments for the rows, so every GEMM variant a
+        token or rows bucket selects is compiled. Tokens write block 0, which no sequence owns yet."""
+        rows_ladder = [r for r in self.graph_sizes if r <= self.max_rows] or [1]
+        tokens_ladder = [t for t in self.mixed_ladder if t >= self.prefill_min_tokens]
+        batches = []
+        for i in range(max(len(tokens_ladder), len(rows_ladder))):
+            tokens = tokens_ladder[min(i, len(tokens_ladder) - 1)]
+            rows = min(rows_ladder[min(i, len(rows_ladder) - 1)], tokens - self.prefill_min_tokens + 1, self.max_seqs)
+            first = tokens - (rows - 1)
+            table = np.zeros(-(-first // self.block_size), np.int32)
+            segs = [Segment(np.zeros(first, np.int32), 0, table, "last")]
+            segs += [Segment(np.zeros(1, np.int32), 0, np.zeros(1, np.int32), "last") for _ in range(rows - 1)]
+            batches.append(build_batch(segs, self.block_size))
+        return batches
+
+    def _warm_mixed(self) -> None:
+        import sys
+        from tqdm.auto import tqdm
+        batches = self.warm_mixed_batches()
+        log.info("compiling the kernels of %d mixed-step buckets", len(batches))
+        for batch in tqdm(batches, desc="mixed-step kernels", unit="bucket", leave=False, disable=not sys.stderr.isatty()):
+            self.forward_greedy(batch)
 
     def drop_graphs(self) -> None:
         """Captured graphs hold old pointers once a cache moves (the state pool's re-carve): they
