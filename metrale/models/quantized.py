@@ -32,6 +32,12 @@ class QuantizedPart:
         import gguf
         return np.ascontiguousarray(gguf.quants.dequantize(self.data, self.ggml_type), dtype=np.float32)
 
+    def repack(self) -> dict:
+        """The planes the CUDA kernels read (kernels_numba.quant_layout.repack): uint8 arrays
+        'qs', 'qh', 'sc', 'dm' (None where the type has no such plane), as many bytes as data."""
+        from kernels_numba.quant_layout import repack
+        return repack(int(self.ggml_type), self.data, self.cols)
+
 
 @dataclass(frozen=True)
 class QuantizedTensor:

@@ -1,0 +1,436 @@
+"""GEMV of few rows (T = 1..8) against a block-quantized weight, dequantized in registers:
+
+    out[t, n_off + n] = sum_k x_hat[t, k] w[n, k] (+ bias[n_off + n]) (+ res[t, n_off + n])
+
+x float32 [>= T, K] (read rows 0..T-1); w one part of a QuantizedTensor in the planes of
+quant_layout.repack (qs, qh, sc, dm: uint8 [N, bytes a row]); out / res float32 [>= T, N_total]
+(res may be out: the residual add of the decoder's o / down products); bias float32 [N_total].
+Accumulation is fp32 of exact int32 dot products.
+
+How (llama.cpp's mmvq, laid out for 16-byte loads). The block first quantizes x into shared
+memory the way llama.cpp's q8_1 does (int8 per value, a float scale d8 and the integer sum of
+each group of 32, in dynamic shared memory: 1.375 T K bytes for Q6_K, 1.25 T K otherwise), 8 lanes
+a group (one 16-byte load of x each, the group's absmax and sums by xor-shuffles), so activations
+need no extra launch. The weights then stream: lanes split K, one UNIT a lane at a time, U per
+step in flight: a unit is one group of 32 (legacy types: 16 bytes of qs in one `ld.global.nc.v4`,
+its 2-4 scale bytes, Q5 its 4 bytes of high bits) or a whole super-block of 256 (K-quants: 8 such
+16-byte loads, the 16-byte scale header once, so the 6-bit scales unpack with constant shifts).
+Each 32-bit word of codes becomes two dp4a operands with a mask and a shift (Q5 / Q6 add their
+high bits with a shift and a mask); dp4a against the int8 x words (`ld.shared.v4`) gives the
+group's integer dot, and the group's scale and offset are applied once per group in fp32:
+    Q4_0 / Q5_0: d d8 (dot - 8|16 sum)       Q8_0: d d8 dot
+    Q4_1 / Q5_1: d8 (d dot + m sum)          Q4_K / Q5_K: d8 (d sc dot - dmin m sum)
+    Q6_K: d d8 (s_a (dot_a - 32 sum_a) + s_b (dot_b - 32 sum_b))   (two 16-value halves)
+Geometry (gemv_cfg): W warps a block; a warp holds SPLIT lane groups of 32/SPLIT lanes, each
+group R rows; the loads of the first step go out before the PDL wait and the x staging. The
+lane-group sums meet by xor-shuffles; lane 0 of a group adds bias / residual and stores.
+
+Contracts: K % 32 == 0 (K-quants: K % 256 == 0); T <= 8 with the shared memory above <= 48 KB
+(`max_rows`); planes as repack makes them (16-byte aligned rows). The kernels allocate nothing.
+"""
+from __future__ import annotations
+
+
+import numpy as np
+from numba import cuda, float32, int32, uint32
+
+from kernels_numba.bf16 import device_function
+from kernels_numba.ptx import (SIM, grid_trigger_early, grid_trigger_late, grid_wait, ldg_f32x4,
+                               lds_u32x4, shfl_xor_f32)
+from kernels_numba.quant_layout import (KQUANTS, NAMES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K,
+                                        Q8_0, TYPES)
+from kernels_numba.quant_ptx import (bits_f32, dp4a_ss, dp4a_us, f32_bits, h2f, ldg_b2, ldg_b4,
+                                     ldg_b16, rni, shfl_xor_i32)
+
+__all__ = ["gemv", "gemv_cfg", "gemv_path", "max_rows", "smem_bytes", "py_kernel", "kernel",
+           "MAX_T", "SMEM_LIMIT"]
+
+MAX_T = 8
+SMEM_LIMIT = 48 * 1024
+
+M4 = np.uint32(0x0F0F0F0F)
+M10 = np.uint32(0x10101010)
+M30 = np.uint32(0x30303030)
+U0, U1, U2, U3, U4 = (np.uint32(i) for i in range(5))
+U8, U16, U24 = np.uint32(8), np.uint32(16), np.uint32(24)
+MASK16 = np.uint32(0xFFFF)
+B255 = np.uint32(255)
+
+
+# ----------------------------------------------------------------------------- decoding helpers
+@device_function
+def q4_ops(q0, q1, q2, q3):
+    """The 8 dp4a operand words (values 4w.. of half 0, then half 1) of a group's 4 qs words."""
+    return (q0 & M4, q1 & M4, q2 & M4, q3 & M4,
+            (q0 >> U4) & M4, (q1 >> U4) & M4, (q2 >> U4) & M4, (q3 >> U4) & M4)
+
+
+@device_function
+def q5_ops(q0, q1, q2, q3, h):
+    """q4_ops with bit 4 from the group's qh word (value 16h + 4w + b at bit 8b + 4h + w)."""
+    return ((q0 & M4) | ((h << U4) & M10), (q1 & M4) | ((h << U3) & M10),
+            (q2 & M4) | ((h << U2) & M10), (q3 & M4) | ((h << U1) & M10),
+            ((q0 >> U4) & M4) | (h & M10), ((q1 >> U4) & M4) | ((h >> U1) & M10),
+            ((q2 >> U4) & M4) | ((h >> U2) & M10), ((q3 >> U4) & M4) | ((h >> U3) & M10))
+
+
+@device_function
+def q6_ops(q0, q1, q2, q3, h0, h1):
+    """q4_ops with bits 4..5 from the group's two qh words (half h: bits 8b + 2w of word h)."""
+    return ((q0 & M4) | ((h0 << U4) & M30), (q1 & M4) | ((h0 << U2) & M30),
+            (q2 & M4) | (h0 & M30), (q3 & M4) | ((h0 >> U2) & M30),
+            ((q0 >> U4) & M4) | ((h1 << U4) & M30), ((q1 >> U4) & M4) | ((h1 << U2) & M30),
+            ((q2 >> U4) & M4) | (h1 & M30), ((q3 >> U4) & M4) | ((h1 >> U2) & M30))
+
+
+@device_function
+def kq_scale_min(s1, s2, s3, j):
+    """6-bit scale and min of group j (0..7) of a Q4_K / Q5_K super-block, from the header's
+    words 1..3 (the 12 scale bytes)."""
+    sh = uint32((j & 3) * 8)
+    a = s1 >> sh
+    b = s2 >> sh
+    c = s3 >> sh
+    if j < 4:
+        sc = a & uint32(63)
+        mn = b & uint32(63)
+    else:
+        sc = (c & uint32(15)) | ((a >> U2) & uint32(0x30))
+        mn = ((c >> U4) & uint32(15)) | ((b >> U2) & uint32(0x30))
+    return int32(sc), int32(mn)
+
+
+@device_function
+def sbyte(w, b):
+    """Signed byte b (0..3) of the word w, as int32."""
+    return int32(w << uint32(24 - 8 * b)) >> 24
+
+
+# ----------------------------------------------------------------------------- the kernel
+_GLOBALS = dict(cuda=cuda, float32=float32, int32=int32, uint32=uint32, min=min, max=max, abs=abs,
+                grid_wait=grid_wait, grid_trigger_early=grid_trigger_early,
+                grid_trigger_late=grid_trigger_late, ldg_f32x4=ldg_f32x4, lds_u32x4=lds_u32x4,
+                shfl_xor_f32=shfl_xor_f32, shfl_xor_i32=shfl_xor_i32, bits_f32=bits_f32,
+                f32_bits=f32_bits, dp4a_us=dp4a_us, dp4a_ss=dp4a_ss, h2f=h2f, rni=rni, ldg_b2=ldg_b2,
+                ldg_b4=ldg_b4, ldg_b16=ldg_b16, q4_ops=q4_ops, q5_ops=q5_ops, q6_ops=q6_ops,
+                kq_scale_min=kq_scale_min, sbyte=sbyte, MASK16=MASK16, U8=U8, U16=U16, U24=U24,
+                B255=B255)
+
+
+def _unit_words(qt: int) -> tuple[int, int, int, int]:
+    """(qs, qh, sc, dm) 32-bit words a unit holds in registers."""
+    kq = qt in KQUANTS
+    qs = 8 if qt == Q8_0 else (32 if kq else 4)
+    qh = {Q5_0: 1, Q5_1: 1, Q5_K: 8, Q6_K: 16}.get(qt, 0)
+    sc = 4 if kq else 0
+    dm = 1 if (not kq or qt == Q6_K) else 0
+    return qs, qh, sc, dm
+
+
+def _gemv_source(QT: int, TT: int, W: int, R: int, SPLIT: int, U: int, PIPE: bool, has_bias: bool,
+                 has_res: bool) -> str:
+    """The kernel's source, every loop over rows / units / groups / T written out (LLVM does not
+    unroll bodies this large, and a register array indexed in a loop it keeps goes to local
+    memory): the unit's words, the dp4a operands and the accumulators are scalars."""
+    assert SPLIT in (1, 2, 4) and QT in TYPES and 1 <= TT <= MAX_T
+    KQ = QT in KQUANTS
+    Q6 = QT == Q6_K
+    Q5 = QT in (Q5_0, Q5_1, Q5_K)
+    HAS_MIN = QT in (Q4_1, Q5_1)
+    OFFSET = {Q4_0: 8, Q5_0: 16}.get(QT, 0)
+    LG = 32 // SPLIT
+    NG = 8 if KQ else 1
+    QSW, QHW, SCW, DMW = _unit_words(QT)
+    O_QH, O_SC, O_DM = QSW, QSW + QHW, QSW + QHW + SCW
+    RR, UU, TR = range(R), range(U), range(TT)
+    L = []
+
+    def emit(ind, line):
+        L.append("    " * ind + line)
+
+    def load(ind, it, dst):
+        for v in UU:
+            emit(ind, f"u{v} = min(({it} * {U} + {v}) * {LG} + li, NUN - 1)")
+        for r in RR:
+            for v in UU:
+                w = f"{dst}{r}_{v}_"
+                if KQ:
+                    for j in range(8):
+                        emit(ind, f"q = ldg_b16(qs, nr{r}, ({j} * NSB + u{v}) << 4)")
+                        emit(ind, ", ".join(f"{w}{4 * j + e}" for e in range(4)) + " = q[0], q[1], q[2], q[3]")
+                    for j in range(QHW // 4):
+                        emit(ind, f"q = ldg_b16(qh, nr{r}, ({j} * NSB + u{v}) << 4)")
+                        emit(ind, ", ".join(f"{w}{O_QH + 4 * j + e}" for e in range(4)) + " = q[0], q[1], q[2], q[3]")
+                    emit(ind, f"q = ldg_b16(sc, nr{r}, u{v} << 4)")
+                    emit(ind, ", ".join(f"{w}{O_SC + e}" for e in range(4)) + " = q[0], q[1], q[2], q[3]")
+                    if Q6:
+                        emit(ind, f"{w}{O_DM} = ldg_b2(dm, nr{r}, u{v} << 1)")
+                else:
+                    for h in range(QSW // 4):
+                        off = f"({h} * G + u{v}) << 4" if QT == Q8_0 else f"u{v} << 4"
+                        emit(ind, f"q = ldg_b16(qs, nr{r}, {off})")
+                        emit(ind, ", ".join(f"{w}{4 * h + e}" for e in range(4)) + " = q[0], q[1], q[2], q[3]")
+                    if QHW:
+                        emit(ind, f"{w}{O_QH} = ldg_b4(qh, nr{r}, u{v} << 2)")
+                    if HAS_MIN:
+                        emit(ind, f"{w}{O_DM} = ldg_b4(dm, nr{r}, u{v} << 2)")
+                    else:
+                        emit(ind, f"{w}{O_DM} = ldg_b2(dm, nr{r}, u{v} << 1)")
+
+    def compute(ind, it, src):
+        for v in UU:
+            emit(ind, f"u = ({it} * {U} + {v}) * {LG} + li")
+            emit(ind, "ok = u < NUN")
+            emit(ind, "uc = min(u, NUN - 1)")
+            for r in RR:
+                w = f"{src}{r}_{v}_"
+                if Q6:
+                    emit(ind, f"dd{r} = h2f({w}{O_DM})")
+                elif KQ:
+                    emit(ind, f"dk{r} = h2f({w}{O_SC} & MASK16)")
+                    emit(ind, f"mk{r} = h2f({w}{O_SC} >> U16)")
+            for j in range(NG):
+                emit(ind, f"slot = {j} * NSB + uc" if KQ else "slot = uc")
+                for r in RR:
+                    w = f"{src}{r}_{v}_"
+                    qw = ", ".join(f"{w}{4 * j + e}" for e in range(4))
+                    dst = ", ".join(f"p{r}_{e}" for e in range(8))
+                    if QT == Q8_0:
+                        emit(ind, f"{dst} = " + ", ".join(f"{w}{e}" for e in range(8)))
+                    elif Q6:
+                        emit(ind, f"{dst} = q6_ops({qw}, {w}{O_QH + 2 * j}, {w}{O_QH + 2 * j + 1})")
+                    elif Q5:
+                        emit(ind, f"{dst} = q5_ops({qw}, {w}{O_QH + j})")
+                    else:
+                        emit(ind, f"{dst} = q4_ops({qw})")
+                    if Q6:
+                        sw = f"{w}{O_SC + j // 2}"
+                        emit(ind, f"sa{r} = sbyte({sw}, {2 * (j & 1)})")
+                        emit(ind, f"sb{r} = sbyte({sw}, {2 * (j & 1) + 1})")
+                    elif KQ:
+                        emit(ind, f"scj, mnj = kq_scale_min({w}{O_SC + 1}, {w}{O_SC + 2}, {w}{O_SC + 3}, {j})")
+                        emit(ind, f"f1{r} = dk{r} * float32(scj)")
+                        emit(ind, f"f2{r} = mk{r} * float32(mnj)")
+                    else:
+                        emit(ind, f"f1{r} = h2f({w}{O_DM} & MASK16)")
+                        if HAS_MIN:
+                            emit(ind, f"f2{r} = h2f({w}{O_DM} >> U16)")
+                for t in TR:
+                    emit(ind, f"xa = lds_u32x4(sm, (({2 * t}) * G + slot) * 4)")
+                    emit(ind, f"xb = lds_u32x4(sm, (({2 * t + 1}) * G + slot) * 4)")
+                    emit(ind, f"d8 = bits_f32(sm[XD + {t} * G + slot])")
+                    emit(ind, f"s32 = int32(sm[XS + {t} * G + slot])")
+                    if Q6:
+                        emit(ind, f"sh0 = int32(sm[XH + {t} * G + slot])")
+                    for r in RR:
+                        dp = "dp4a_ss" if QT == Q8_0 else "dp4a_us"
+                        xs = ["xa[0]", "xa[1]", "xa[2]", "xa[3]", "xb[0]", "xb[1]", "xb[2]", "xb[3]"]
+                        if Q6:
+                            emit(ind, f"da = {dp}(p{r}_0, xa[0], 0)")
+                            for e in range(1, 4):
+                                emit(ind, f"da = {dp}(p{r}_{e}, {xs[e]}, da)")
+                            emit(ind, f"db = {dp}(p{r}_4, xb[0], 0)")
+                            for e in range(5, 8):
+                                emit(ind, f"db = {dp}(p{r}_{e}, {xs[e]}, db)")
+                            emit(ind, f"S = int32(sa{r} * int32(da - 32 * sh0) + sb{r} * int32(db - 32 * (s32 - sh0)))")
+                            val = f"dd{r} * d8 * float32(S)"
+                        else:
+                            emit(ind, f"dot = {dp}(p{r}_0, xa[0], 0)")
+                            for e in range(1, 8):
+                                emit(ind, f"dot = {dp}(p{r}_{e}, {xs[e]}, dot)")
+                            if QT == Q8_0:
+                                val = f"f1{r} * d8 * float32(dot)"
+                            elif OFFSET:
+                                val = f"f1{r} * d8 * float32(int32(dot - {OFFSET} * s32))"
+                            elif HAS_MIN:
+                                val = f"d8 * (f1{r} * float32(dot) + f2{r} * float32(s32))"
+                            else:
+                                val = f"d8 * (f1{r} * float32(dot) - f2{r} * float32(s32))"
+                        emit(ind, f"acc{t}_{r} += ({val}) if ok else float32(0.0)")
+
+    emit(0, "def gemv(x, qs, qh, sc, dm, out, bias, res, n_off):")
+    emit(1, "K = x.shape[1]")
+    emit(1, "G = K >> 5")
+    emit(1, "NSB = K >> 8")
+    emit(1, f"NUN = {'NSB' if KQ else 'G'}")
+    emit(1, "N = qs.shape[0]")
+    emit(1, "tid = cuda.threadIdx.x")
+    emit(1, "lane = tid & 31")
+    emit(1, f"gi = lane // {LG}")
+    emit(1, f"li = lane - gi * {LG}")
+    emit(1, f"row0 = cuda.blockIdx.x * {W * R * SPLIT} + (tid >> 5) * {R * SPLIT} + gi")
+    emit(1, f"iters = (NUN + {LG * U - 1}) // {LG * U}")
+    emit(1, "sm = cuda.shared.array(0, uint32)")
+    emit(1, f"XD = {TT} * (K >> 2)")
+    emit(1, f"XS = XD + {TT} * G")
+    emit(1, f"XH = XS + {TT} * G")
+    for r in RR:
+        emit(1, f"nr{r} = min(row0 + {r * SPLIT}, N - 1)")
+    for t in TR:
+        for r in RR:
+            emit(1, f"acc{t}_{r} = float32(0.0)")
+    # the first step's weights go out before the PDL wait and the x staging
+    load(1, 0, "wr")
+    emit(1, "grid_wait()")
+    emit(1, "grid_trigger_early()")
+    emit(1, "KC = K >> 2")
+    emit(1, f"items = {TT} * KC")
+    emit(1, f"for base in range(0, items, {32 * W}):")
+    for ln in _STAGE.format(slot="(g & 7) * NSB + (g >> 3)" if KQ else "g", q6="" if Q6 else "#").splitlines():
+        emit(2, ln)
+    emit(1, "cuda.syncthreads()")
+    emit(1, "for it in range(iters):")
+    if PIPE:
+        names = [f"{r}_{v}_{k}" for r in RR for v in UU for k in range(QSW + QHW + SCW + DMW)]
+        for nm in names:
+            emit(2, f"wc{nm} = wr{nm}")
+        emit(2, "if it + 1 < iters:")
+        load(3, "(it + 1)", "wr")
+        compute(2, "it", "wc")
+    else:
+        compute(2, "it", "wr")
+        emit(2, "if it + 1 < iters:")
+        load(3, "(it + 1)", "wr")
+    emit(1, "grid_trigger_late()")
+    off = LG // 2
+    while off:
+        for t in TR:
+            for r in RR:
+                emit(1, f"acc{t}_{r} += shfl_xor_f32(acc{t}_{r}, {off})")
+        off //= 2
+    emit(1, "if li == 0:")
+    for r in RR:
+        emit(2, f"n = row0 + {r * SPLIT}")
+        emit(2, "if n < N:")
+        emit(3, "col = n_off + n")
+        for t in TR:
+            val = f"acc{t}_{r}"
+            if has_bias:
+                val += " + bias[col]"
+            if has_res:
+                val += f" + res[{t}, col]"
+            emit(3, f"out[{t}, col] = {val}")
+    return "\n".join(L) + "\n"
+
+
+# x -> int8 groups in shared memory: 8 lanes a group, 4 values a lane (one 16-byte load), the
+# group's absmax and sums by xor-shuffles inside the 8 lanes (all lanes take part: the loop is
+# block-uniform). Layout (words): x int8 at ((t 2 + half) G + slot) 4 + word, d8 at XD + t G + slot,
+# the group's sum at XS + ..., its first half's sum at XH + ... (Q6_K).
+_STAGE = """i = base + tid
+ic = min(i, items - 1)
+t = ic // KC
+c = ic - t * KC
+xv = ldg_f32x4(x, t, c << 2)
+a = max(max(abs(xv[0]), abs(xv[1])), max(abs(xv[2]), abs(xv[3])))
+a = max(a, shfl_xor_f32(a, 1))
+a = max(a, shfl_xor_f32(a, 2))
+a = max(a, shfl_xor_f32(a, 4))
+inv = float32(127.0) / a if a > float32(0.0) else float32(0.0)
+q0 = rni(xv[0] * inv)
+q1 = rni(xv[1] * inv)
+q2 = rni(xv[2] * inv)
+q3 = rni(xv[3] * inv)
+word = ((uint32(q0) & B255) | ((uint32(q1) & B255) << U8) | ((uint32(q2) & B255) << U16)
+        | ((uint32(q3) & B255) << U24))
+hs = int32(q0 + q1 + q2 + q3)
+hs = int32(hs + shfl_xor_i32(hs, 1))
+hs = int32(hs + shfl_xor_i32(hs, 2))
+tot = int32(hs + shfl_xor_i32(hs, 4))
+g = c >> 3
+cc = c & 7
+slot = {slot}
+if i < items:
+    sm[((t * 2 + (cc >> 2)) * G + slot) * 4 + (cc & 3)] = word
+    if cc == 0:
+        sm[XD + t * G + slot] = f32_bits(a / float32(127.0))
+        sm[XS + t * G + slot] = uint32(tot)
+        {q6}sm[XH + t * G + slot] = uint32(hs)"""
+
+
+def _make_gemv(*cfg):
+    src = _gemv_source(*cfg)
+    ns = dict(_GLOBALS)
+    exec(compile(src, f"<quant_gemv {NAMES[cfg[0]]} {cfg[1:]}>", "exec"), ns)
+    fn = ns["gemv"]
+    fn.__source__ = src
+    return fn
+
+
+# ----------------------------------------------------------------------------- kernel cache
+_PY: dict = {}
+_KERNELS: dict = {}
+
+
+def py_kernel(*cfg):
+    """The undecorated kernel of (qtype, T, warps, rows, split, unroll, pipe, has_bias, has_res)."""
+    if cfg not in _PY:
+        _PY[cfg] = _make_gemv(*cfg)
+    return _PY[cfg]
+
+
+def kernel(*cfg):
+    k = _KERNELS.get(cfg)
+    if k is None:
+        k = _KERNELS[cfg] = cuda.jit(py_kernel(*cfg))
+    return k
+
+
+# ----------------------------------------------------------------------------- configuration
+def smem_bytes(qtype: int, T: int, K: int) -> int:
+    """Dynamic shared memory of a launch: x as int8 + d8 + sums (+ half sums for Q6_K)."""
+    return 4 * (T * (K // 4) + T * (K // 32) * (3 if qtype == Q6_K else 2))
+
+
+def max_rows(qtype: int, K: int) -> int:
+    """Largest T one launch takes (<= MAX_T, the staged x within SMEM_LIMIT)."""
+    t = MAX_T
+    while t > 1 and smem_bytes(qtype, t, K) > SMEM_LIMIT:
+        t -= 1
+    return t
+
+
+def gemv_cfg(qtype: int, N: int, K: int, T: int = 1) -> tuple[int, int, int, int, bool]:
+    """(warps, rows, split, unroll, pipe). K-quants take a super-block a lane: split 2 (16 lanes a
+    row) when a row has at most 16 of them (K <= 4096), so no lane idles; legacy types take a group
+    a lane, 4 in flight (2 where that spans a row more evenly) with the next step's loads in
+    flight (pipe). Two rows a lane group for T <= 2, one above (registers: sm_90 ptxas, T = 8 and
+    two rows spills for Q5_K). To be tuned on the device (bench/quant_kernels.py --sweep)."""
+    rows = 2 if T <= 2 else 1
+    if qtype in KQUANTS:
+        split = 2 if K // 256 <= 16 else 1
+        return 4, 1 if qtype == Q6_K else rows, split, 1, False
+    G = K // 32
+    unroll = 1 if G <= 32 else (4 if G % 128 == 0 or G < 128 else 2)
+    return 4, rows, 1, unroll, T <= 2
+
+
+def gemv_path(qtype: int, N: int, K: int, T: int, *, warps=None, rows=None, split=None, unroll=None,
+              pipe=None):
+    d = gemv_cfg(qtype, N, K, T)
+    cfg = (d[0] if warps is None else warps, d[1] if rows is None else rows,
+           d[2] if split is None else split, d[3] if unroll is None else unroll,
+           d[4] if pipe is None else bool(pipe))
+    rpb = cfg[0] * cfg[1] * cfg[2]
+    return cfg, -(-N // rpb), 32 * cfg[0]
+
+
+def gemv(x, planes: dict, out, T: int, *, qtype: int, n_off: int = 0, bias=None, residual=None,
+         stream=0, path=None) -> None:
+    """out[:T, n_off:n_off+N] = x[:T] @ w.T (+ bias[n_off:]) (+ residual[:T, n_off:]) for one part
+    w (its device planes: 'qs', 'qh', 'sc', 'dm'; absent planes any small uint8 2-D array).
+    Device arrays in, nothing allocated (graph-capture safe)."""
+    qs = planes["qs"]
+    N = qs.shape[0]
+    K = x.shape[1]
+    assert 1 <= T <= MAX_T and x.shape[0] >= T and out.shape[0] >= T, f"quant gemv: T={T} rows"
+    assert K % (256 if qtype in KQUANTS else 32) == 0, f"{NAMES[qtype]}: K={K}"
+    assert x.dtype == np.float32 and out.dtype == np.float32, "x, out float32"
+    assert n_off + N <= out.shape[1], f"quant gemv: columns {n_off}+{N} past out {tuple(out.shape)}"
+    nbytes = smem_bytes(qtype, T, K)
+    assert nbytes <= SMEM_LIMIT, f"quant gemv: {T} rows of K={K} need {nbytes} bytes of shared memory"
+    cfg, grid, block = path or gemv_path(qtype, N, K, T)
+    k = kernel(qtype, T, *cfg, bias is not None, residual is not None)
+    k[grid, block, stream, nbytes](x, qs, planes["qh"], planes["sc"], planes["dm"], out,
+                                   out if bias is None else bias, out if residual is None else residual,
+                                   n_off)
