@@ -99,8 +99,11 @@ def _dequantize(tensor) -> np.ndarray:
     return np.ascontiguousarray(rows, dtype=np.float32).reshape(tuple(int(n) for n in reversed(tensor.shape)))
 
 
-def load_gguf(path: Path) -> tuple[ModelConfig, dict, Callable[[], WeightStream]]:
-    """Returns (config, metadata fields, a function that streams the weights)."""
+def load_gguf(path: Path, keep_quantized: bool = False) -> tuple[ModelConfig, dict, Callable[[], WeightStream]]:
+    """Returns (config, metadata fields, a function that streams the weights). keep_quantized:
+    matrices of a block type (Q4_0 ... Q6_K) stream as QuantizedTensor, the file's blocks left in
+    its memory map (qkv and gate_up as row-stacked parts, whose types may differ), and everything
+    else (norms, biases, dense F32/F16/BF16 tensors, a stack with a dense member) as float32."""
     from metrale.models.tokenizer import read_gguf_fields
     reader = _gguf_reader(path)
     fields = read_gguf_fields(reader)
@@ -115,25 +118,35 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict, Callable[[], WeightStream]
     if "token_embd.weight" not in tensors:
         raise ValueError(f"{path}: no token_embd.weight tensor")
 
+    def matrix(*names: str):
+        ts = [tensors[n] for n in names]
+        if keep_quantized and all(_is_block_type(t) for t in ts):
+            from metrale.models.quantized import QuantizedTensor, from_gguf_tensor
+            return QuantizedTensor.stack([from_gguf_tensor(t) for t in ts])
+        return np.concatenate([_dequantize(t) for t in ts]) if len(ts) > 1 else _dequantize(ts[0])
+
     def stream() -> WeightStream:
-        yield "embed", _dequantize(tensors["token_embd.weight"])
+        yield "embed", matrix("token_embd.weight")
         for i in range(config.num_layers):
             p = f"blk.{i}."
             for suffix, name in _GGUF_LAYER.items():
                 if p + suffix + ".weight" in tensors:
-                    yield f"layers.{i}.{name}", _dequantize(tensors[p + suffix + ".weight"])
-            yield f"layers.{i}.qkv", np.concatenate(
-                [_dequantize(tensors[p + f"attn_{x}.weight"]) for x in "qkv"])
+                    yield f"layers.{i}.{name}", matrix(p + suffix + ".weight")
+            yield f"layers.{i}.qkv", matrix(*(p + f"attn_{x}.weight" for x in "qkv"))
             if p + "attn_q.bias" in tensors:
                 yield f"layers.{i}.qkv_bias", np.concatenate(
                     [_dequantize(tensors[p + f"attn_{x}.bias"]) for x in "qkv"])
-            yield f"layers.{i}.gate_up", np.concatenate(
-                [_dequantize(tensors[p + "ffn_gate.weight"]), _dequantize(tensors[p + "ffn_up.weight"])])
+            yield f"layers.{i}.gate_up", matrix(p + "ffn_gate.weight", p + "ffn_up.weight")
         yield "final_norm", _dequantize(tensors["output_norm.weight"])
         if not config.tie_word_embeddings:
-            yield "lm_head", _dequantize(tensors["output.weight"])
+            yield "lm_head", matrix("output.weight")
 
     return config, fields, stream
+
+
+def _is_block_type(tensor) -> bool:
+    from metrale.models.quantized import BLOCK_TYPES
+    return int(tensor.tensor_type) in {int(t) for t in BLOCK_TYPES} and len(tensor.shape) == 2
 
 
 def _replace(config: ModelConfig, **changes) -> ModelConfig:
