@@ -1,4 +1,4 @@
-"""DeepseekCudaOps under the CUDA simulator (tests/kernels_sim/sim_deepseek_ops.py) in
+"""MlaCudaOps under the CUDA simulator (tests/kernels_sim/sim_deepseek_ops.py) in
 subprocesses: a few minutes of simulated kernels, so kept out of the kernels_sim directory run.
 One subprocess per test function of that file (each found here), so pytest-xdist can run them on
 different workers."""

@@ -1,8 +1,8 @@
 """State slots of hybrid models: one conv + recurrent state per running sequence, beside the KV
 blocks, and checkpoints of those states for speculative rollback.
 
-Owns slot and checkpoint ids only; the backend owns the memory (its `states`: the NumPy
-backend's HostStatePool) and does the copies and replays this manager asks for. Ids 0..num_slots-1
+Owns slot and checkpoint ids only; the backend owns the memory (its `states`, the STATE cache
+kind: HostStatePool or the CUDA DeviceStatePool) and does the copies and replays this manager asks for. Ids 0..num_slots-1
 are sequence slots, num_slots..num_slots+num_checkpoints-1 checkpoints.
 Invariants: a sequence holds at most one slot; every checkpoint belongs to one live slot and is
 released with it; a slot's state is meaningful only for the tokens its owner has computed (a

@@ -1,8 +1,8 @@
 """Rank 0 leads, the others follow: one StepPlan broadcast per step, every rank runs its share,
 the sampled ids come back to rank 0 (only token ids travel; logits stay on their rank).
 
-EPRank wraps one rank's Communicator and backend (a DeepseekBackend with ExpertParallel). Per
-step, every rank enters the same collectives in the same order: broadcast(plan), the MoE layers'
+EPRank wraps one rank's Communicator and backend (an MoE family's, built with ExpertParallel).
+Per step, every rank enters the same collectives in the same order: broadcast(plan), the MoE layers'
 all-to-alls (through forward or idle_step), gather(token ids). ep_generate is a minimal greedy
 leader (chunked prefill + decode, sequences dealt round-robin to ranks, attention data-parallel:
 each rank's sequences live in its own latent cache) used by the tests and the two-GPU run.

@@ -13,12 +13,14 @@ from typing import Any, Iterator, Protocol
 import numpy as np
 
 from metrale.models.config import ModelConfig
+from metrale.models.families import Family
 from metrale.runtime.batch import ForwardBatch
 
 
 class Backend(Protocol):
     name: str                    # "cpu" | "cuda" (tests: "fake")
     config: ModelConfig
+    family: Family               # config's model family (metrale.models.families)
     block_size: int
     num_blocks: int
     weights: dict                # canonical name -> array (host arrays on the CPU, device arrays on CUDA)

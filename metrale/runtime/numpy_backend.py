@@ -148,7 +148,8 @@ HOST_CACHES = {KV: "metrale.cache.kinds:HostKvPages", LATENT: "metrale.cache.kin
 
 class NumpyBackend(Backend):
     name = "cpu"
-    ops_class = NumpyOps          # the CPU Ops; the family's mixins are composed onto it
+    ops_class = NumpyOps          # the CPU Ops (or the ops_class argument); an instance holds it
+                                  # composed with the family's mixins
 
     def __init__(self, config: ModelConfig, weights: WeightStream | dict, *, num_blocks: int,
                  block_size: int = 16, dtype: str = "float32", family: Family | None = None,
@@ -178,7 +179,7 @@ class NumpyBackend(Backend):
             self.caches[kind] = cls.allocate(self, num_blocks if cls.paged else num_state_slots)
         self.kv = next((c for c in self.caches.values() if c.paged), None)   # the cache block tables index
         self.states = self.caches.get(STATE)
-        self._ops = compose_ops(ops_class or self.ops_class, self.family.numpy_ops)
+        self.ops_class = compose_ops(ops_class or type(self).ops_class, self.family.numpy_ops)
         self._hidden: np.ndarray | None = None
 
     @classmethod
@@ -204,7 +205,7 @@ class NumpyBackend(Backend):
             raise ValueError(f"a {self.family.name} model runs all its layers (a layer-prefix forward would "
                              "advance only some layers' recurrent states)")
         with np.errstate(over="ignore"):
-            logits, rows = self.family.forward(self._ops(self, batch), self.weights, self.config, num_layers, True)
+            logits, rows = self.family.forward(self.ops_class(self, batch), self.weights, self.config, num_layers, True)
         if self.dtype == np.float32:
             logits = np.asarray(logits, np.float32)
         self._hidden = rows
@@ -215,7 +216,7 @@ class NumpyBackend(Backend):
 
     def idle_step(self, num_layers: int | None = None) -> None:
         if self.ep is not None:                  # the MoE mixin serves this rank's experts
-            self._ops.serve_experts(self, num_layers)
+            self.ops_class.serve_experts(self, num_layers)
 
     def memory_report(self) -> dict:
         report = {"weights_bytes": sum(a.nbytes for a in self.weights.values()), "kv_pool_bytes": 0,

@@ -332,11 +332,10 @@ def make_speculator(cfg, backend, model_config, load_draft_backend) -> Speculato
                       max_rows=backend.max_rows)
 
 
-# CPU (NumPy + OpenBLAS, measured 2026-11-30 session 3, numbers in docs/spec.md): a
-# forward of M >= 2 rows costs ~2.45 + 0.1 M one-row decode steps (a 2-row GEMM ~6x a one-row GEMV
-# per weight matrix); a one-row step costs 1
+# The gate's cost model, in one-row decode steps (the measurements behind these: docs/spec.md).
+# CPU: a forward of M >= 2 rows costs CPU_STEP_FIXED + CPU_ROW_COST * M; CUDA: a verify row costs little
 CPU_STEP_FIXED, CPU_ROW_COST = 2.45, 0.1
-CUDA_VERIFY_COST = 0.1          # decode is memory-bound: a verify row costs little
+CUDA_VERIFY_COST = 0.1
 # prior per-token acceptance: n-gram drafts come from a match (optimistic); model drafters are
 # pessimistic until a sequence's own verifies say otherwise; a pinned spec_verify_cost keeps the
 # optimistic prior of the constant model for every drafter
@@ -344,17 +343,10 @@ PRIOR_ACCEPTANCE = {"ngram": 0.8, "self": 0.3, "mtp": 0.3, "dflash": 0.3, "draft
 # the gate drafts when the gain pays at one standard deviation below a sequence's acceptance
 # estimate (its Beta posterior); a pinned spec_verify_cost (tests) acts on the mean
 GATE_CAUTION = 1.0
-DFLASH_COST_PER_DRAFT = 0.6     # one DFlash forward over [last, MASK x k] per proposal, measured on CPU
-# CUDA: what a model drafter's draft token costs on top of its weight share, in plain decode steps.
-# Its drafts are made on the host: `self` copies [R, V] logits to the host and softmaxes them in
-# NumPy each round, the MTP head is a NumPy block + LM head. Measured on the H200 (session 4,
-# docs/bench/raw/s4_spec/spec_64.txt: one 1-token probe per sequence in 64-token requests):
-# a probe step cost ~2 (self) / ~4 (mtp) extra plain steps at batch 1 and ~11 / ~21 at batch 32,
-# far above the weight shares 0.47 / 0.24 the gate used (which let each sequence probe once,
-# 0.75-0.86x). The batch-1 figures are used (the lowest): either way a draft token costs more
-# than a decode step, so neither can gain on CUDA until its drafting moves to the device
-# (spec_draft_cost overrides). A draft model (`draft`) runs its own device forwards: its weight
-# share (1.0 for SmolLM2 drafting for itself) already keeps it off.
+DFLASH_COST_PER_DRAFT = 0.6     # one DFlash forward over [last, MASK x k] per proposal (CPU)
+# CUDA: a host-side drafter's draft token on top of its weight share (`self` softmaxes [R, V] logits
+# on the host, the MTP head is a NumPy block): more than a decode step, so neither gains on CUDA
+# until its drafting moves to the device (spec_draft_cost overrides); docs/spec.md, "CUDA drafter costs"
 CUDA_HOST_DRAFT_COST = {"self": 2.0, "mtp": 4.0}
 
 

@@ -1,8 +1,9 @@
-"""CUDA runtime for metrale: one device memory pool, streams/events and CUDA graphs.
+"""CUDA runtime for metrale: one device memory pool, streams/events and CUDA graphs (exported
+here), and the device cache kinds (pages.py, state_pool.py: imported by the backend on use).
 
 Built on cuda-python's driver API, shared with Numba (`numba.cuda`) kernels through Numba's
-primary context and external streams. Self-contained: imports nothing else from metrale, and
-touches no driver at import time (CPU-only machines import it fine).
+primary context and external streams. The pool, streams and graphs import nothing else from
+metrale; nothing here touches a driver at import time (CPU-only machines import it fine).
 """
 
 from .errors import CudaError, check, cu
