@@ -419,6 +419,7 @@ class CudaBackend(Backend):
         self.graphs: dict[Geometry, CudaGraph] = {}
         self.mixed_ladder = token_ladder(self.max_tokens)
         self._mixed_lru: dict[Geometry, None] = {}      # mixed geometries in self.graphs, oldest first
+        self._mixed_seen: set[Geometry] = set()         # mixed geometries run once (eagerly): captured next time
         self.mixed_stats = {"captures": 0, "replays": 0, "evictions": 0, "eager_steps": 0}
         self._argmax_host = cuda.pinned_array(self.max_rows, dtype=np.int32)
         self._ahead = [PendingTokens(cuda.pinned_array(self.max_rows, dtype=np.int32), Event(timing=False))
@@ -685,6 +686,10 @@ class CudaBackend(Backend):
             self.graphs[g].replay()
             if g.mixed:
                 self._mixed_used(g, captured=False)
+        elif g.mixed and g not in self._mixed_seen:   # a bucket's first step runs eagerly: most are rare
+            self._mixed_seen.add(g)
+            self.mixed_stats["eager_steps"] += 1
+            self._run(g)
         else:  # first use: the warm-up run computes this step, then the graph is captured
             self.graphs[g] = CudaGraph.capture(self.stream, lambda: self._run(g), warmup=1)
             if g.mixed:
