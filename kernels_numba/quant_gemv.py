@@ -128,7 +128,7 @@ def _unit_words(qt: int) -> tuple[int, int, int, int]:
 
 
 def _gemv_source(QT: int, TT: int, W: int, R: int, SPLIT: int, U: int, PIPE: bool, has_bias: bool,
-                 has_res: bool) -> str:
+                 has_res: bool, SB: int = 4) -> str:
     """The kernel's source, every loop over rows / units / groups / T written out (LLVM does not
     unroll bodies this large, and a register array indexed in a loop it keeps goes to local
     memory): the unit's words, the dp4a operands and the accumulators are scalars."""
@@ -148,9 +148,14 @@ def _gemv_source(QT: int, TT: int, W: int, R: int, SPLIT: int, U: int, PIPE: boo
     def emit(ind, line):
         L.append("    " * ind + line)
 
-    def load(ind, it, dst):
+    def load(ind, step, dst):
+        emit(ind, f"lt = ({step}) // iters")
+        emit(ind, f"lit = ({step}) - lt * iters")
+        emit(ind, f"lrow = (bid + lt * nblk) * {W * R * SPLIT} + wrow")
+        for r in RR:
+            emit(ind, f"nr{r} = min(lrow + {r * SPLIT}, N - 1)")
         for v in UU:
-            emit(ind, f"u{v} = min(({it} * {U} + {v}) * {LG} + li, NUN - 1)")
+            emit(ind, f"u{v} = min((lit * {U} + {v}) * {LG} + li, NUN - 1)")
         for r in RR:
             for v in UU:
                 w = f"{dst}{r}_{v}_"
@@ -258,58 +263,75 @@ def _gemv_source(QT: int, TT: int, W: int, R: int, SPLIT: int, U: int, PIPE: boo
     emit(1, "lane = tid & 31")
     emit(1, f"gi = lane // {LG}")
     emit(1, f"li = lane - gi * {LG}")
-    emit(1, f"row0 = cuda.blockIdx.x * {W * R * SPLIT} + (tid >> 5) * {R * SPLIT} + gi")
+    emit(1, f"wrow = (tid >> 5) * {R * SPLIT} + gi")
+    emit(1, "bid = cuda.blockIdx.x")
+    emit(1, "nblk = cuda.gridDim.x")
     emit(1, f"iters = (NUN + {LG * U - 1}) // {LG * U}")
+    emit(1, f"ntiles = (N + {W * R * SPLIT - 1}) // {W * R * SPLIT}")
+    emit(1, "total = ((ntiles - bid + nblk - 1) // nblk) * iters")
     emit(1, "sm = cuda.shared.array(0, uint32)")
     emit(1, f"XD = {TT} * (K >> 2)")
     emit(1, f"XS = XD + {TT} * G")
     emit(1, f"XH = XS + {TT} * G")
-    for r in RR:
-        emit(1, f"nr{r} = min(row0 + {r * SPLIT}, N - 1)")
     for t in TR:
         for r in RR:
             emit(1, f"acc{t}_{r} = float32(0.0)")
     # the first step's weights go out before the PDL wait and the x staging
-    load(1, 0, "wr")
+    load(1, "0", "wr")
     emit(1, "grid_wait()")
     emit(1, "grid_trigger_early()")
     emit(1, "KC = K >> 2")
     emit(1, f"items = {TT} * KC")
-    emit(1, f"for base in range(0, items, {32 * W}):")
-    for ln in _STAGE.format(slot="(g & 7) * NSB + (g >> 3)" if KQ else "g", q6="" if Q6 else "#").splitlines():
-        emit(2, ln)
+    emit(1, f"for base in range(0, items, {32 * W * SB}):")
+    for bq in range(SB):
+        emit(2, f"i{bq} = base + {bq * 32 * W} + tid")
+        emit(2, f"ic = min(i{bq}, items - 1)")
+        emit(2, f"t{bq} = ic // KC")
+        emit(2, f"c{bq} = ic - t{bq} * KC")
+        emit(2, f"xv{bq} = ldg_f32x4(x, t{bq}, c{bq} << 2)")
+    for bq in range(SB):
+        txt = _STAGE.format(slot="(g & 7) * NSB + (g >> 3)" if KQ else "g", q6="" if Q6 else "#", b=bq)
+        for ln in txt.splitlines():
+            emit(2, ln)
     emit(1, "cuda.syncthreads()")
-    emit(1, "for it in range(iters):")
+    emit(1, "for s in range(total):")
+    emit(2, "tl = s // iters")
+    emit(2, "it = s - tl * iters")
+    emit(2, f"row0 = (bid + tl * nblk) * {W * R * SPLIT} + wrow")
     if PIPE:
         names = [f"{r}_{v}_{k}" for r in RR for v in UU for k in range(QSW + QHW + SCW + DMW)]
         for nm in names:
             emit(2, f"wc{nm} = wr{nm}")
-        emit(2, "if it + 1 < iters:")
-        load(3, "(it + 1)", "wr")
+        emit(2, "if s + 1 < total:")
+        load(3, "s + 1", "wr")
         compute(2, "it", "wc")
     else:
         compute(2, "it", "wr")
-        emit(2, "if it + 1 < iters:")
-        load(3, "(it + 1)", "wr")
-    emit(1, "grid_trigger_late()")
+        emit(2, "if s + 1 < total:")
+        load(3, "s + 1", "wr")
+    emit(2, "if it == iters - 1:")
+    emit(3, "grid_trigger_late()")
     off = LG // 2
     while off:
         for t in TR:
             for r in RR:
-                emit(1, f"acc{t}_{r} += shfl_xor_f32(acc{t}_{r}, {off})")
+                emit(3, f"acc{t}_{r} += shfl_xor_f32(acc{t}_{r}, {off})")
         off //= 2
-    emit(1, "if li == 0:")
+    emit(3, "if li == 0:")
     for r in RR:
-        emit(2, f"n = row0 + {r * SPLIT}")
-        emit(2, "if n < N:")
-        emit(3, "col = n_off + n")
+        emit(4, f"n = row0 + {r * SPLIT}")
+        emit(4, "if n < N:")
+        emit(5, "col = n_off + n")
         for t in TR:
             val = f"acc{t}_{r}"
             if has_bias:
                 val += " + bias[col]"
             if has_res:
                 val += f" + res[{t}, col]"
-            emit(3, f"out[{t}, col] = {val}")
+            emit(5, f"out[{t}, col] = {val}")
+    for t in TR:
+        for r in RR:
+            emit(3, f"acc{t}_{r} = float32(0.0)")
     return "\n".join(L) + "\n"
 
 
@@ -317,35 +339,30 @@ def _gemv_source(QT: int, TT: int, W: int, R: int, SPLIT: int, U: int, PIPE: boo
 # group's absmax and sums by xor-shuffles inside the 8 lanes (all lanes take part: the loop is
 # block-uniform). Layout (words): x int8 at ((t 2 + half) G + slot) 4 + word, d8 at XD + t G + slot,
 # the group's sum at XS + ..., its first half's sum at XH + ... (Q6_K).
-_STAGE = """i = base + tid
-ic = min(i, items - 1)
-t = ic // KC
-c = ic - t * KC
-xv = ldg_f32x4(x, t, c << 2)
-a = max(max(abs(xv[0]), abs(xv[1])), max(abs(xv[2]), abs(xv[3])))
+_STAGE = """a = max(max(abs(xv{b}[0]), abs(xv{b}[1])), max(abs(xv{b}[2]), abs(xv{b}[3])))
 a = max(a, shfl_xor_f32(a, 1))
 a = max(a, shfl_xor_f32(a, 2))
 a = max(a, shfl_xor_f32(a, 4))
 inv = float32(127.0) / a if a > float32(0.0) else float32(0.0)
-q0 = rni(xv[0] * inv)
-q1 = rni(xv[1] * inv)
-q2 = rni(xv[2] * inv)
-q3 = rni(xv[3] * inv)
+q0 = rni(xv{b}[0] * inv)
+q1 = rni(xv{b}[1] * inv)
+q2 = rni(xv{b}[2] * inv)
+q3 = rni(xv{b}[3] * inv)
 word = ((uint32(q0) & B255) | ((uint32(q1) & B255) << U8) | ((uint32(q2) & B255) << U16)
         | ((uint32(q3) & B255) << U24))
 hs = int32(q0 + q1 + q2 + q3)
 hs = int32(hs + shfl_xor_i32(hs, 1))
 hs = int32(hs + shfl_xor_i32(hs, 2))
 tot = int32(hs + shfl_xor_i32(hs, 4))
-g = c >> 3
-cc = c & 7
+g = c{b} >> 3
+cc = c{b} & 7
 slot = {slot}
-if i < items:
-    sm[((t * 2 + (cc >> 2)) * G + slot) * 4 + (cc & 3)] = word
+if i{b} < items:
+    sm[((t{b} * 2 + (cc >> 2)) * G + slot) * 4 + (cc & 3)] = word
     if cc == 0:
-        sm[XD + t * G + slot] = f32_bits(a / float32(127.0))
-        sm[XS + t * G + slot] = uint32(tot)
-        {q6}sm[XH + t * G + slot] = uint32(hs)"""
+        sm[XD + t{b} * G + slot] = f32_bits(a / float32(127.0))
+        sm[XS + t{b} * G + slot] = uint32(tot)
+        {q6}sm[XH + t{b} * G + slot] = uint32(hs)"""
 
 
 def _make_gemv(*cfg):
@@ -390,29 +407,56 @@ def max_rows(qtype: int, K: int) -> int:
     return t
 
 
+def _lanes(nun: int, unrolls) -> tuple[int, int]:
+    """(split, unroll) whose steps (32 / split lanes x unroll units) cover a row's nun units with the
+    fewest idle lanes; ties: the fewest lane groups, then the unroll nearest 4."""
+    best = None
+    for split in (1, 2, 4):
+        lg = 32 // split
+        for u in unrolls:
+            idle = -(-nun // (lg * u)) * lg * u - nun
+            key = (idle, split, abs(u - 4))
+            if best is None or key < best[0]:
+                best = (key, split, u)
+    return best[1], best[2]
+
+
 def gemv_cfg(qtype: int, N: int, K: int, T: int = 1) -> tuple[int, int, int, int, bool]:
-    """(warps, rows, split, unroll, pipe). K-quants take a super-block a lane: split 2 (16 lanes a
-    row) when a row has at most 16 of them (K <= 4096), so no lane idles; legacy types take a group
-    a lane, 4 in flight (2 where that spans a row more evenly) with the next step's loads in
-    flight (pipe). Two rows a lane group for T <= 2, one above (registers: sm_90 ptxas, T = 8 and
-    two rows spills for Q5_K). To be tuned on the device (bench/quant_kernels.py --sweep)."""
-    rows = 2 if T <= 2 else 1
+    """(warps, rows, split, unroll, pipe). K-quants take a super-block a lane, one a step (8
+    16-byte loads a row); legacy types a group a lane, up to 4 a step (Q8_0: 2; each two 16-byte
+    loads), with the next step's loads in flight (pipe) for T <= 2. split and unroll leave the
+    fewest lanes idle (K = 4096: 16 lanes a Q4_K row, one step; 14336: 8 lanes, 7 steps). One row a
+    lane group: the weight words of one row (36 registers for Q4_K) with the staged x batch keep
+    sm_90 ptxas at <= ~128 registers, 4 blocks of 128 threads a multiprocessor. To be tuned on the
+    device (bench/quant_kernels.py --sweep)."""
     if qtype in KQUANTS:
-        split = 2 if K // 256 <= 16 else 1
-        return 4, 1 if qtype == Q6_K else rows, split, 1, False
-    G = K // 32
-    unroll = 1 if G <= 32 else (4 if G % 128 == 0 or G < 128 else 2)
-    return 4, rows, 1, unroll, T <= 2
+        split, _ = _lanes(K // 256, (1,))
+        return 4, 1, split, 1, False
+    split, unroll = _lanes(K // 32, (1, 2) if qtype == Q8_0 else (1, 2, 3, 4))
+    return 4, 1, split, unroll, T <= 2
+
+
+PERSIST = 4          # blocks a multiprocessor: the grid is min(row tiles, PERSIST x SMs)
+_SMS: list = []
+
+
+def sm_count() -> int:
+    if not _SMS:
+        _SMS.append(1 if SIM else int(cuda.get_current_device().MULTIPROCESSOR_COUNT))
+    return _SMS[0]
 
 
 def gemv_path(qtype: int, N: int, K: int, T: int, *, warps=None, rows=None, split=None, unroll=None,
-              pipe=None):
+              pipe=None, persist=None):
+    """(cfg, grid, block): gemv_cfg with overrides; a persistent grid of at most persist x SMs
+    blocks, each staging x once and walking row tiles bid, bid + grid, ... (the next tile's first
+    loads in flight while the current one finishes)."""
     d = gemv_cfg(qtype, N, K, T)
     cfg = (d[0] if warps is None else warps, d[1] if rows is None else rows,
            d[2] if split is None else split, d[3] if unroll is None else unroll,
            d[4] if pipe is None else bool(pipe))
-    rpb = cfg[0] * cfg[1] * cfg[2]
-    return cfg, -(-N // rpb), 32 * cfg[0]
+    tiles = -(-N // (cfg[0] * cfg[1] * cfg[2]))
+    return cfg, min(tiles, (PERSIST if persist is None else persist) * sm_count()), 32 * cfg[0]
 
 
 def gemv(x, planes: dict, out, T: int, *, qtype: int, n_off: int = 0, bias=None, residual=None,

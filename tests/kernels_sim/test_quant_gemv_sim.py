@@ -32,23 +32,24 @@ def _relerr(a, b):
     return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
-# (type, N, K, T, warps, rows, split, unroll, bias): a handful of blocks each (the simulator runs a
-# Python thread per CUDA thread). N leaves a partial last row tile; K leaves lanes idle in the last
-# step (legacy: 5 groups over 16-lane groups x unroll 2; K-quants: 2-3 super-blocks over 16 lanes).
+# (type, N, K, T, warps, rows, split, unroll, bias, persist): a handful of blocks each (the simulator
+# runs a Python thread per CUDA thread). N leaves a partial last row tile; K leaves lanes idle in the
+# last step (legacy: 5 groups over 16-lane groups x unroll 2; K-quants: 2-3 super-blocks over 16
+# lanes); persist 1 (the simulator counts 1 multiprocessor): one block walks every row tile.
 CASES = [
-    (L.Q4_0, 7, 160, 2, 1, 2, 2, 2, False),
-    (L.Q4_1, 5, 160, 1, 1, 1, 2, 2, True),
-    (L.Q5_0, 5, 96, 3, 1, 2, 1, 1, False),
-    (L.Q5_1, 7, 160, 1, 1, 2, 2, 2, False),
-    (L.Q8_0, 5, 160, 2, 1, 1, 2, 2, True),
-    (L.Q4_K, 7, 512, 2, 1, 2, 2, 1, False),
-    (L.Q5_K, 5, 768, 1, 1, 1, 2, 1, True),
-    (L.Q6_K, 7, 512, 1, 1, 2, 2, 1, False),
+    (L.Q4_0, 7, 160, 2, 1, 2, 2, 2, False, 1),
+    (L.Q4_1, 5, 160, 1, 1, 1, 2, 2, True, 4),
+    (L.Q5_0, 5, 96, 3, 1, 2, 1, 1, False, 1),
+    (L.Q5_1, 7, 160, 1, 1, 2, 2, 2, False, 4),
+    (L.Q8_0, 5, 160, 2, 1, 1, 2, 2, True, 1),
+    (L.Q4_K, 7, 512, 2, 1, 2, 2, 1, False, 1),
+    (L.Q5_K, 5, 768, 1, 1, 1, 2, 1, True, 4),
+    (L.Q6_K, 7, 512, 1, 1, 2, 2, 1, False, 1),
 ]
 
 
-@pytest.mark.parametrize("qt,N,K,T,warps,rows,split,unroll,bias", CASES, ids=[L.NAMES[c[0]] for c in CASES])
-def test_gemv_and_dequant(qt, N, K, T, warps, rows, split, unroll, bias):
+@pytest.mark.parametrize("qt,N,K,T,warps,rows,split,unroll,bias,persist", CASES, ids=[L.NAMES[c[0]] for c in CASES])
+def test_gemv_and_dequant(qt, N, K, T, warps, rows, split, unroll, bias, persist):
     rng = np.random.default_rng(qt * 7 + N)
     data = L.random_blocks(qt, N, K, rng)
     w = L.gguf_dequantize(qt, data)                     # the independent reference
@@ -58,7 +59,9 @@ def test_gemv_and_dequant(qt, N, K, T, warps, rows, split, unroll, bias):
     res = rng.standard_normal((T, N + off + 2)).astype(np.float32)
     b = rng.standard_normal(N + off + 2).astype(np.float32) if bias else None
     d_out = cuda.to_device(res.copy())
-    path = QG.gemv_path(qt, N, K, T, warps=warps, rows=rows, split=split, unroll=unroll, pipe=qt not in L.KQUANTS)
+    path = QG.gemv_path(qt, N, K, T, warps=warps, rows=rows, split=split, unroll=unroll,
+                        pipe=qt not in L.KQUANTS, persist=persist)
+    assert path[1] < -(-N // (warps * rows * split)) or persist > 1
     QG.gemv(cuda.to_device(x), planes, d_out, T, qtype=qt, n_off=off, residual=d_out,
             bias=None if b is None else cuda.to_device(b), stream=0, path=path)
     out = d_out.copy_to_host()

@@ -1,0 +1,90 @@
+"""The quantized kernels compile for sm_90 (compile_ptx, no GPU) in the configurations the
+launchers pick at real sizes (Llama-3-8B: K = 4096 and 14336): no local memory (every register
+array of the generated GEMV is a scalar), no float64, ptxas (through nvJitLink) within its
+register budget and without spills; the GEMV issues its 16-byte weight loads (the first step's
+before `griddepcontrol.wait`), one dp4a per 4 weights per row of x, 16-byte shared loads of x."""
+import re
+
+import pytest
+from numba import cuda, types
+
+from kernels_numba import quant_dequant as QD
+from kernels_numba import quant_gemv as QG
+from kernels_numba import quant_layout as L
+from kernels_numba.ptx import SIM
+from ptx_util import no_gpu_needed, sass_info  # noqa: F401  (device functions compile for a stand-in sm_90)
+
+pytestmark = pytest.mark.skipif(SIM, reason="compile_ptx needs the real CUDA target")
+
+F2 = types.Array(types.float32, 2, "C")
+F1 = types.Array(types.float32, 1, "C")
+U8 = types.Array(types.uint8, 2, "C")
+U16 = types.Array(types.uint16, 2, "C")
+I1 = types.Array(types.int32, 1, "C")
+MAX_REGS = 192      # 2 blocks of 128 threads a multiprocessor at worst (T = 8)
+
+
+def _checked(ptx: str) -> tuple[str, tuple | None]:
+    body = ptx.split(".entry", 1)[1]
+    assert ".local" not in body, "register arrays spilled to local memory"
+    assert not re.search(r"\b(add|mul|fma|sub|div|setp\.\w+|cvt\.rn\.f32)\S*\.f64", body), "float64 arithmetic"
+    info = sass_info(ptx)
+    if info is not None:
+        regs, spills = info
+        assert spills == 0 and regs <= MAX_REGS, f"ptxas: {regs} registers, {spills} bytes spilled"
+    return body, info
+
+
+def _gemv_ptx(qt, T, cfg, bias=False, res=True):
+    sig = (F2, U8, U8, U8, U8, F2, F1 if bias else F2, F2, types.int64)
+    ptx, _ = cuda.compile_ptx(QG.py_kernel(qt, T, *cfg, bias, res), sig, cc=(9, 0))
+    return _checked(ptx)
+
+
+def _loads_a_unit(qt):
+    """16-byte weight loads a unit (one row, one step)."""
+    return {L.Q8_0: 2, L.Q4_K: 9, L.Q5_K: 11, L.Q6_K: 13}.get(qt, 1)
+
+
+# (type, T, K): each type at batch 1 for the 4096-wide products, the down product's K, and the
+# heaviest register cases at T = 8 (Q5_K: 8 loads + 2 of high bits a unit; Q8_0 two loads a group)
+CASES = [(qt, 1, 4096) for qt in L.TYPES] + [(L.Q4_K, 1, 14336), (L.Q6_K, 1, 14336), (L.Q4_0, 1, 14336),
+                                            (L.Q5_K, 8, 4096), (L.Q8_0, 4, 4096)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qt,T,K", CASES, ids=[f"{L.NAMES[c[0]]}-T{c[1]}-K{c[2]}" for c in CASES])
+def test_gemv_ptx(qt, T, K):
+    cfg = QG.gemv_cfg(qt, 4096, K, T)
+    warps, rows, split, unroll, pipe = cfg
+    body, info = _gemv_ptx(qt, T, cfg, bias=(qt == L.Q8_0))
+    groups = 8 if qt in L.KQUANTS else 1
+    # two load sites: the first step (before the PDL wait) and the next step's, in the loop
+    assert body.count("ld.global.nc.v4.u32") == 2 * rows * unroll * _loads_a_unit(qt)
+    assert body.count("dp4a") == 8 * groups * rows * unroll * T
+    assert body.count("ld.shared.v4.u32") == 2 * groups * unroll * T
+    lines = body.splitlines()
+    wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
+    first = next(i for i, ln in enumerate(lines) if "ld.global.nc.v4.u32" in ln)
+    assert first < wait, "the first weight loads go out before the PDL wait"
+    assert "bar.sync" in body and body.count("shfl.sync.bfly") >= 6
+    print(L.NAMES[qt], T, K, cfg, "ptxas (registers, spill bytes):", info)
+
+
+@pytest.mark.parametrize("qt", L.TYPES, ids=[L.NAMES[t] for t in L.TYPES])
+def test_dequant_ptx(qt):
+    for gather, sig in ((False, (U8, U8, U8, U8, I1, U16, types.int64)), (True, (U8, U8, U8, U8, I1, F2, types.int64))):
+        ptx, _ = cuda.compile_ptx(QD.py_kernel(qt, gather), sig, cc=(9, 0))
+        body, _ = _checked(ptx)
+        assert body.count("st.global.v4") == (8 if gather else 4) * (2 if gather else 1)
+        assert "ld.global.nc.v4.u32" in body
+
+
+def test_cfg_covers_rows_evenly():
+    """The launch configuration leaves no lane idle on the Llama shapes' K (4096, 14336)."""
+    for qt in L.TYPES:
+        for K in (4096, 14336):
+            warps, rows, split, unroll, pipe = QG.gemv_cfg(qt, 4096, K, 1)
+            units = K // (256 if qt in L.KQUANTS else 32)
+            assert units % ((32 // split) * unroll) == 0, (L.NAMES[qt], K)
+    assert QG.max_rows(L.Q6_K, 14336) == 2 and QG.max_rows(L.Q4_K, 4096) == 8
