@@ -33,6 +33,8 @@ def cache_dir() -> Path:
 
 
 def _configure() -> None:
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":   # the simulator compiles nothing (and importing
+        return                                          # the real target's config would break it)
     from numba.cuda.core import config
     if CACHE and not config.CACHE_DIR:
         config.CACHE_DIR = str(cache_dir())

@@ -38,7 +38,9 @@ class ServerDraining(RuntimeError):
 @dataclass
 class _Live:
     """What the loop knows about one request it runs: its sink is an asyncio.Queue of `aloop`,
-    or (aloop None) a thread's queue.SimpleQueue."""
+    or (aloop None) a thread's queue.SimpleQueue. `aloop` may be anything with
+    `call_soon_threadsafe(fn, *args)`: a dispatch hands it all of a step's (sink, delta) pairs in
+    one call (the engine process's outbox turns that call into one pipe message)."""
     aloop: asyncio.AbstractEventLoop | None
     sink: Any
     arrival: float
@@ -79,7 +81,7 @@ class EngineLoop:
         aloop = asyncio.get_running_loop()
         done = aloop.create_future()
         live = _Live(aloop, sink, arrival if arrival is not None else time.perf_counter(),
-                     set(range(getattr(params, "n", 1))))
+                     set(range(params.n)))
         self._commands.put(("add", request_id, prompt, params, live, done, chat))
         try:
             return await done
@@ -93,9 +95,28 @@ class EngineLoop:
         if not self.accepting or not self.alive:
             raise ServerDraining("the engine loop is not running")
         done: concurrent.futures.Future = concurrent.futures.Future()
-        live = _Live(None, sink, time.perf_counter(), set(range(getattr(params, "n", 1))))
+        live = _Live(None, sink, time.perf_counter(), set(range(params.n)))
         self._commands.put(("add", request_id, prompt, params, live, done, chat))
         return done.result()
+
+    def add_nowait(self, request_id: str, prompt, params, sink, done: concurrent.futures.Future, *,
+                   aloop=None, arrival: float | None = None, chat: bool = False) -> None:
+        """`add` for a caller that must not wait (the engine process's pipe reader): the prompt
+        length, or the refusal, settles `done` (through `aloop` when given, as a delta would)."""
+        live = _Live(aloop, sink, arrival if arrival is not None else time.perf_counter(),
+                     set(range(params.n)))
+        if not self.accepting or not self.alive:
+            _resolve(aloop, done, exc=ServerDraining("the server is shutting down"))
+            return
+        self._commands.put(("add", request_id, prompt, params, live, done, chat))
+
+    def call(self, fn: Callable[[Any], Any], done: concurrent.futures.Future) -> None:
+        """Runs fn(engine) on the loop thread between steps; its result (or exception) settles
+        `done` (the engine process's debug queries: block-manager state)."""
+        if not self.alive:
+            _settle(done, None, ServerDraining("the engine loop is not running"))
+            return
+        self._commands.put(("call", fn, done))
 
     def stream(self, request_id: str, prompt, params, chat: bool = False) -> Iterator[StreamDelta]:
         """One request's deltas, for a caller on any thread, until each of its completions ended;
@@ -219,6 +240,13 @@ class EngineLoop:
             self._dispatch(self.engine.abort_completions(cmd[1]))
             if cmd[2] is not None:
                 _settle(cmd[2], None, None)
+        elif kind == "call":
+            try:
+                value = cmd[1](self.engine)
+            except Exception as exc:
+                _settle(cmd[2], None, exc)
+            else:
+                _settle(cmd[2], value, None)
         elif kind == "stop":
             self._finish_all("abort")
             return False
@@ -297,6 +325,8 @@ class EngineLoop:
                 _resolve(cmd[4].aloop, cmd[5], exc=ServerDraining("the server is shutting down"))
             elif cmd[0] == "abort" and cmd[2] is not None:
                 _settle(cmd[2], None, None)
+            elif cmd[0] == "call":
+                _settle(cmd[2], None, ServerDraining("the engine loop stopped"))
 
 
 def _deliver(items: list[tuple[asyncio.Queue, StreamDelta]]) -> None:

@@ -66,7 +66,7 @@ class Engine:
         self.config: ModelConfig = self.model_config
         bs = self.backend.block_size
         hybrid = self.model_config.is_hybrid
-        self._states = getattr(self.backend, "states", None)   # hybrid models: the recurrent-state pool
+        self._states = self.backend.states                  # hybrid models: the recurrent-state pool
         num_snapshots = max(int(cfg.levers.state_snapshots), 0) if self._states is not None else 0
         prefix_caching = cfg.levers.prefix_caching and (not hybrid or num_snapshots > 0)
         if hybrid and cfg.levers.prefix_caching and not prefix_caching:
@@ -115,7 +115,7 @@ class Engine:
         self._driver_lock = threading.Lock()
         # levers.overlap: plain greedy decode runs a step ahead (metrale/overlap.py); backends say
         # whether they can feed a step's ids to the next on the device
-        self.ahead = AheadLoop(self) if cfg.levers.overlap and getattr(self.backend, "supports_overlap", False) else None
+        self.ahead = AheadLoop(self) if cfg.levers.overlap and self.backend.supports_overlap else None
 
     @property
     def backend(self):

@@ -8,9 +8,12 @@ stop checks, streaming and finishing a step late. A row that finished at step N 
 token computed at N+1: it is never emitted, and its KV write lands past the sequence's committed
 blocks (a freed block is reused only by later steps of the same stream).
 
-Only plain greedy decode steps run ahead: no speculation, no recurrent state, no host-side
-logits work (penalties, grammar, logprobs, sampling), nothing waiting for admission. Any other
-step first drains the one in flight and runs synchronously.
+Decode steps whose rows the device alone can draw run ahead: plain greedy rows (the argmax) and
+sampled rows whose sampling reads nothing the last token changes (temperature, top-k/p, min-p,
+a logit bias; `SamplingState.device_only`), drawn by the device pipeline with the seeded draw
+counter one step further, their tokens copied where the next embedding reads them. Not ahead:
+speculation, recurrent state, penalties, grammars, logprobs, a min_tokens ban, anything waiting
+for admission. Any other step first reads the one in flight and runs synchronously.
 """
 from __future__ import annotations
 
@@ -29,7 +32,22 @@ from metrale.scheduler.sequence import Sequence
 class Inflight:
     """A launched decode step whose ids the host has not read yet."""
     seqs: list[Sequence]
-    handle: object                     # Backend.launch_greedy's result
+    handle: object                     # Backend.launch_greedy's result, or a SampledStep
+
+
+class SampledStep:
+    """A launched step of device-sampled rows: its Drawn (and ids) once read."""
+
+    def __init__(self, sampler, handle) -> None:
+        self.sampler, self.handle, self._drawn = sampler, handle, None
+
+    def drawn(self) -> list[Drawn]:
+        if self._drawn is None:
+            self._drawn = self.sampler.ahead_drawn(self.handle)
+        return self._drawn
+
+    def tokens(self) -> np.ndarray:
+        return np.fromiter((d.token for d in self.drawn()), dtype=np.int32)
 
 
 class AheadLoop:
@@ -40,11 +58,11 @@ class AheadLoop:
 
     # ------------------------------------------------------------------ eligibility
     def eligible(self, scheduled, states) -> bool:
-        """A step of plain greedy decode rows (ScheduledSeqs) that can start running ahead."""
+        """A step of decode rows (ScheduledSeqs) the device alone can draw, that can start running ahead."""
         e = self.engine
         return (e.speculator is None and e.recurrent is None and not e.scheduler.waiting
                 and len(states) == len(scheduled) and all(s.num_tokens == 1 and not s.draft for s in scheduled)
-                and e.sampler.plain_greedy(states))
+                and e.sampler.can_run_ahead(states))
 
     def _next_rows(self, cur: Inflight) -> list[tuple[int, Sequence]] | None:
         """(row in cur, sequence) of the step after cur, or None when it cannot run ahead: a
@@ -58,7 +76,7 @@ class AheadLoop:
             state = e.requests.get(seq.request_id)
             if seq.is_finished or state is None or self._ends_with_pending(seq):
                 continue                      # it ends at cur: no row after it
-            if not e.sampler.plain_greedy([state]):
+            if not e.sampler.can_run_ahead([state]):
                 return None
             rows.append((i, seq))
         if not rows or not all(e.blocks.grow(s, s.num_tokens + 1) for _, s in rows):
@@ -74,7 +92,7 @@ class AheadLoop:
     # ------------------------------------------------------------------ the loop
     def start(self, step) -> StepOutput:
         """Launches a prepared decode step (runner.prepare's), then advances."""
-        self.inflight = Inflight([s.seq for s in step.scheduled], self.engine.backend.launch_greedy(step.batch))
+        self.inflight = Inflight([s.seq for s in step.scheduled], self._launch_rows(step.batch, step.states, None, None, 0))
         return self.advance()
 
     def advance(self) -> StepOutput:
@@ -86,9 +104,10 @@ class AheadLoop:
         if rows is not None:
             nxt = self._launch(rows, cur)
             self.steps_ahead += 1
-        tokens = cur.handle.tokens()
+        handle = cur.handle
+        drawn = handle.drawn() if isinstance(handle, SampledStep) else [Drawn(int(t)) for t in handle.tokens()]
         self.inflight = nxt
-        return StepOutput([], [ScheduledSeq(seq, 1) for seq in cur.seqs], [[Drawn(int(t))] for t in tokens])
+        return StepOutput([], [ScheduledSeq(seq, 1) for seq in cur.seqs], [[d] for d in drawn])
 
     def _launch(self, rows: list[tuple[int, Sequence]], cur: Inflight) -> Inflight:
         """The step after `cur`: each row's input is its sequence's pending token (at position
@@ -100,4 +119,15 @@ class AheadLoop:
         if e.step_log is not None:
             e.step_log.append((len(rows), int(batch.context_lens.sum())))
         src = np.fromiter((i for i, _ in rows), dtype=np.int32, count=len(rows))
-        return Inflight([s for _, s in rows], e.backend.launch_greedy(batch, cur.handle, src))
+        states = [e.requests[s.request_id] for _, s in rows]
+        return Inflight([s for _, s in rows], self._launch_rows(batch, states, cur.handle, src, 1))
+
+    def _launch_rows(self, batch, states, prev, token_src, step_ahead: int):
+        """The argmax step when every row is plain greedy, else the logits and the device pipeline
+        (step_ahead 1: the rows' last token is not accepted yet)."""
+        e = self.engine
+        backend = e.runner.backend
+        if e.sampler.plain_greedy(states):
+            return backend.launch_greedy(batch, prev, token_src)
+        logits = backend.launch_logits(batch, prev, token_src)
+        return SampledStep(e.sampler, e.sampler.launch_ahead(logits, states, step_ahead, backend.feed_buffer))

@@ -39,7 +39,7 @@ class FakeBackend(Backend):
         self.kv = np.full(num_blocks * block_size, -1, dtype=np.int64)
         self.batches = []   # the ForwardBatches seen, for assertions
 
-    def forward(self, batch) -> np.ndarray:
+    def forward(self, batch, num_layers=None, return_hidden=False) -> np.ndarray:
         self.batches.append(batch)
         keep = batch.slot_mapping >= 0
         self.kv[batch.slot_mapping[keep]] = batch.token_ids[keep]
@@ -53,7 +53,7 @@ class FakeBackend(Backend):
             logits[r, next_token(ctx)] = 10.0
         return logits
 
-    def forward_greedy(self, batch) -> np.ndarray:
+    def forward_greedy(self, batch, num_layers=None) -> np.ndarray:
         return np.argmax(self.forward(batch), axis=-1).astype(np.int32)
 
     supports_overlap = True

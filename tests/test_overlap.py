@@ -9,7 +9,17 @@ from metrale import SamplingParams
 from metrale.overlap import AheadLoop
 
 
-def _run(overlap: bool, seed: int, num_blocks: int = 256):
+def _params(i: int, mode: str, max_tokens: int, stop) -> SamplingParams:
+    """greedy: every request; sampled: greedy, seeded top-p sampling (device-only rows, ahead) and
+    penalized sampling (rows that need the host: synchronous steps) in turn."""
+    if mode == "greedy" or i % 3 == 0:
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=stop)
+    if i % 3 == 1:
+        return SamplingParams(max_tokens=max_tokens, temperature=0.9, top_p=0.9, seed=i, stop_token_ids=stop)
+    return SamplingParams(max_tokens=max_tokens, temperature=0.7, presence_penalty=0.5, seed=i, stop_token_ids=stop)
+
+
+def _run(overlap: bool, seed: int, num_blocks: int = 256, mode: str = "greedy"):
     """A random workload stepped by hand: requests arrive between steps, a few are aborted."""
     rng = np.random.default_rng(seed)
     e = fake_engine(num_blocks=num_blocks, **{"levers.overlap": overlap, "scheduler.max_num_seqs": 8})
@@ -21,7 +31,7 @@ def _run(overlap: bool, seed: int, num_blocks: int = 256):
     while pending or e.has_unfinished():
         if pending and (step % 3 == 0 or not e.has_unfinished()):
             i = pending.pop(0)
-            sp = SamplingParams(max_tokens=lens[i], temperature=0.0, stop_token_ids=stop.get(i))
+            sp = _params(i, mode, lens[i], stop.get(i))
             e.add_request(prompts[i], sp, request_id=f"r{i}")
         for i, at in abort_at.items():
             if step == at and e.is_running(f"r{i}"):
@@ -54,6 +64,26 @@ def test_same_tokens_as_the_synchronous_loop(seed):
     ahead, e, _ = _run(True, seed)
     _same(ahead, sync, aborted)
     assert e.ahead.steps_ahead > 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_sampled_rows_same_tokens_as_the_synchronous_loop(seed):
+    """Seeded sampling: the rows drawn ahead on the device pipeline (their draw counter one step
+    further) give the synchronous loop's tokens; penalized rows make steps synchronous between."""
+    sync, _, aborted = _run(False, seed, mode="sampled")
+    ahead, e, _ = _run(True, seed, mode="sampled")
+    _same(ahead, sync, aborted)
+    assert e.ahead.steps_ahead > 0
+
+
+def test_only_device_sampled_rows_run_ahead():
+    e = fake_engine(num_blocks=64, **{"levers.overlap": True})
+    e.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0.8, top_k=20, seed=3))
+    assert e.ahead.steps_ahead > 0
+    e.ahead.steps_ahead = 0
+    e.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0.8, repetition_penalty=1.2, seed=3))
+    e.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0.8, logprobs=2, seed=3))
+    assert e.ahead.steps_ahead == 0
 
 
 def test_preemption_under_a_small_pool_is_the_same():

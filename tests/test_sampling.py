@@ -114,7 +114,7 @@ def test_penalties_and_bias_reference():
 class SpreadBackend(FakeBackend):
     """The fake model with a spread distribution: logit = -0.4 * circular distance to next_token."""
 
-    def forward(self, batch):
+    def forward(self, batch, num_layers=None, return_hidden=False):
         peak = np.argmax(super().forward(batch), axis=-1)
         d = np.abs(np.arange(VOCAB)[None, :] - peak[:, None])
         return (-0.4 * np.minimum(d, VOCAB - d)).astype(np.float32)

@@ -62,6 +62,14 @@ class Backend(Protocol):
         feed_tokens(batch, prev, token_src)
         return ReadyTokens(self.forward_greedy(batch))
 
+    def launch_logits(self, batch: ForwardBatch, prev=None, token_src: np.ndarray | None = None):
+        """forward_device with fed tokens (as launch_greedy's), queued without waiting: the logits a
+        device sampling step reads next (metrale/overlap.py runs sampled rows ahead this way)."""
+        feed_tokens(batch, prev, token_src)
+        return self.forward_device(batch)
+
+    feed_buffer = None   # the device array launch_greedy / launch_logits feed tokens from (CUDA: the argmax rows)
+
     def idle_step(self, num_layers: int | None = None) -> None:
         """An expert-parallel rank without tokens this step serves its experts to the others
         (every rank enters each MoE layer's collectives); nothing to do without expert parallelism."""

@@ -750,6 +750,18 @@ class CudaBackend(Backend):
         slot.rows = R
         return slot
 
+    def launch_logits(self, batch: ForwardBatch, prev=None, token_src: np.ndarray | None = None):
+        """forward_device with fed tokens: the device logits of a sampled step queued ahead; the
+        sampler copies its drawn tokens into feed_buffer for the step after it."""
+        if token_src is not None and not self.overlap:
+            raise RuntimeError("launch_logits with fed tokens needs levers.overlap (the embedding that feeds them)")
+        self._execute(batch, token_src=token_src)
+        return self.act[f"out{self.config.vocab_size}"][:len(batch.logits_indices)]
+
+    @property
+    def feed_buffer(self):
+        return self.act["argmax"]
+
     def hidden_rows(self, rows: int) -> np.ndarray:
         """The last forward's hidden rows before the final norm, [rows, hidden], to the host."""
         return self._fetch(self.act["rows"], np.empty((rows, self.config.hidden_size), np.float32))

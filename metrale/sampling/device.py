@@ -12,7 +12,7 @@ import numpy as np
 from numba import cuda
 
 from kernels_numba import sampling as K
-from metrale.runtime.cuda import cu
+from metrale.runtime.cuda import Event, cu
 
 TOP = K.MAX_TOP_LOGPROBS
 
@@ -26,23 +26,42 @@ def device_logits(backend, batch):
     return backend.forward_device(batch)
 
 
+class PendingDraw:
+    """A launched sampling step: `result()` waits for its event and returns (tokens, logprobs,
+    top ids, top logprobs) of its rows."""
+
+    def __init__(self, host: np.ndarray, event, rows: int) -> None:
+        self.host, self.event, self.rows = host, event, rows
+
+    def result(self):
+        self.event.synchronize()
+        R, out = self.rows, self.host[:self.rows * (2 + 2 * TOP)].copy()
+        return (out[0:R], out[R:2 * R].view(np.float32), out[2 * R:2 * R + R * TOP].reshape(R, TOP),
+                out[2 * R + R * TOP:].view(np.float32).reshape(R, TOP))
+
+
 class DevicePipeline:
     def __init__(self, backend, vocab_size: int):
         self.stream = backend.stream
         self.words = -(-vocab_size // 32)
-        self.max_rows = int(getattr(backend, "max_rows", 256))
+        self.max_rows = int(backend.max_rows)
         self.capacity = 0
+        self._turn = 0                  # which of the two staging / result buffers the next step uses
         self._alloc(4096)
         R = self.max_rows
         self.out_dev = cuda.device_array(R * (2 + 2 * TOP), np.int32)
-        self.out_host = cuda.pinned_array(R * (2 + 2 * TOP), np.int32)
+        self.out_hosts = [cuda.pinned_array(R * (2 + 2 * TOP), np.int32) for _ in range(2)]
+        self.events = [Event(timing=False) for _ in range(2)]
         self.lse = cuda.device_array(R, np.float32)
 
     def _alloc(self, capacity: int) -> None:
+        """Two pinned staging buffers: a step queued ahead packs into one while the other's copy
+        may still be waiting on the stream."""
         R = self.max_rows
+        self.stream.synchronize()       # no queued copy still reads the old buffers
         self.capacity = capacity
         n = R * (K.NI + K.NF + self.words) + 3 * capacity
-        self.in_host = cuda.pinned_array(n, np.int32)
+        self.in_hosts = [cuda.pinned_array(n, np.int32) for _ in range(2)]
         self.in_dev = cuda.device_array(n, np.int32)
         self.raw_saved = cuda.device_array(max(capacity, 1), np.float32)
 
@@ -50,13 +69,20 @@ class DevicePipeline:
         return device_logits(backend, batch)
 
     def run(self, logits, mask: np.ndarray, rows):
+        return self.launch(logits, mask, rows).result()
+
+    def launch(self, logits, mask: np.ndarray, rows, feed=None) -> PendingDraw:
+        """Queues the pipeline over `logits` on the backend's stream; feed: a device int32 array the
+        drawn tokens are copied into as well (the next step's embedding reads them there)."""
         R, N = rows.fparams.shape[0], rows.adj_token.size
         if R > self.max_rows:
             raise ValueError(f"{R} sampling rows exceed the device sampler's {self.max_rows}")
         if N > self.capacity:
             self._alloc(max(N, 2 * self.capacity))
+        turn = self._turn
+        self._turn ^= 1
         W = mask.shape[1]
-        h, d = self.in_host, self.in_dev
+        h, d = self.in_hosts[turn], self.in_dev
         spans, off = {}, 0
         for name, size in (("i", R * K.NI), ("f", R * K.NF), ("tok", N), ("rep", N), ("add", N), ("mask", R * W)):
             spans[name] = (off, off + size)
@@ -87,9 +113,10 @@ class DevicePipeline:
         st = s.numba
         K.prepare_rows(logits, fparams, iparams, tok, rep, add, self.raw_saved, self.lse, top_ids, top_lps, stream=st)
         K.sample_rows(logits, mask_d, fparams, iparams, tok, self.raw_saved, self.lse, tokens, lps, stream=st)
+        if feed is not None:
+            cu("cuMemcpyDtoDAsync", _ptr(feed), _ptr(o), R * 4, s.handle)
         n_out = R * (2 + 2 * TOP)
-        cu("cuMemcpyDtoHAsync", self.out_host.ctypes.data, _ptr(o), n_out * 4, s.handle)
-        s.synchronize()
-        out = self.out_host[:n_out].copy()
-        return (out[0:R], out[R:2 * R].view(np.float32), out[2 * R:2 * R + R * TOP].reshape(R, TOP),
-                out[2 * R + R * TOP:].view(np.float32).reshape(R, TOP))
+        host = self.out_hosts[turn]
+        cu("cuMemcpyDtoHAsync", host.ctypes.data, _ptr(o), n_out * 4, s.handle)
+        self.events[turn].record(s)
+        return PendingDraw(host, self.events[turn], R)

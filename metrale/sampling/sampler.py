@@ -61,7 +61,7 @@ class Sampler:
         self.min_p_floor = float(min_p_floor)
         self.masks = MaskWorker(self.vocab_size)
         self.device = None
-        if getattr(backend, "name", "") == "cuda":
+        if backend.name == "cuda":
             from metrale.sampling.device import DevicePipeline
             self.device = DevicePipeline(backend, self.vocab_size)
         self._warned_empty = False
@@ -81,7 +81,7 @@ class Sampler:
     def forward(self, backend, batch, states=()):
         """The logits of the sampling rows [R, V] (a device array on CUDA). Requests that asked for
         prompt_logprobs and whose prompt runs in this step get extra rows, consumed here."""
-        extra = self._prompt_rows(batch, states, getattr(backend, "max_rows", None))
+        extra = self._prompt_rows(batch, states, backend.max_rows)
         if extra:
             batch = dataclasses.replace(batch, logits_indices=np.concatenate(
                 [batch.logits_indices] + [rows for _, rows, _ in extra]).astype(np.int32))
@@ -122,7 +122,9 @@ class Sampler:
             st.sampling.accept(int(t))
         return tokens
 
-    def pack(self, states, grammar_masks: np.ndarray | None) -> PackedRows:
+    def pack(self, states, grammar_masks: np.ndarray | None, step_ahead: int = 0) -> PackedRows:
+        """The rows' sampling inputs; step_ahead 1 packs the step after the one whose token is not
+        accepted yet (the loop ahead: the seeded draw counter one further)."""
         R = len(states)
         rows = PackedRows(R, self.words)
         f, i = rows.fparams, rows.iparams
@@ -139,7 +141,7 @@ class Sampler:
             i[r, K.I_NUM_LOGPROBS] = min(int(p.logprobs), K.MAX_TOP_LOGPROBS) if ss.want_logprobs else -1
             i[r, K.I_SEED_LO] = np.uint32(ss.seed_lo).view(np.int32)
             i[r, K.I_SEED_HI] = np.uint32(ss.seed_hi).view(np.int32)
-            i[r, K.I_STEP] = np.uint32(ss.step & 0xFFFFFFFF).view(np.int32)
+            i[r, K.I_STEP] = np.uint32((ss.step + step_ahead) & 0xFFFFFFFF).view(np.int32)
             forced = ss.forced_token()
             grammar_done = False
             if forced is not None:
@@ -178,12 +180,34 @@ class Sampler:
         """The pipeline over the rows, advancing no state: each row's token with its logprobs (what
         `SamplingState.accept` takes), and the packed rows (for `row_distribution`)."""
         rows = self.pack(states, grammar_masks)
-        mask = rows.mask if rows.mask is not None else np.zeros((len(states), 1), np.uint32)
+        return self.drawn(states, rows, self._launch(logits, rows, None).result()), rows
+
+    def can_run_ahead(self, states) -> bool:
+        """Every row's next tokens come from the device alone (metrale/overlap.py)."""
+        return all(st.sampling.plain_greedy(st.eos_masked) or st.sampling.device_only(st.eos_masked) for st in states)
+
+    def launch_ahead(self, logits, states, step_ahead: int, feed=None):
+        """The pipeline over device-only rows, queued without waiting; `ahead_drawn(handle)` gives
+        their Drawn. feed: where the drawn tokens are copied on the device for the next step."""
+        rows = self.pack(states, None, step_ahead)
+        return states, rows, self._launch(logits, rows, feed)
+
+    def ahead_drawn(self, handle) -> list["Drawn"]:
+        states, rows, pending = handle
+        return self.drawn(states, rows, pending.result())
+
+    def _launch(self, logits, rows: PackedRows, feed):
+        R = rows.fparams.shape[0]
+        mask = rows.mask if rows.mask is not None else np.zeros((R, 1), np.uint32)
         if self.device is not None:
-            tokens, lps, top_ids, top_lps = self.device.run(logits, mask, rows)
-        else:
-            tokens, lps, top_ids, top_lps = K.sample_rows_ref(np.asarray(logits)[:len(states)], mask, rows.fparams,
-                                                              rows.iparams, rows.adj_token, rows.adj_rep, rows.adj_add)
+            return self.device.launch(logits, mask, rows, feed)
+        out = K.sample_rows_ref(np.asarray(logits)[:R], mask, rows.fparams, rows.iparams, rows.adj_token,
+                                rows.adj_rep, rows.adj_add)
+        return _Computed(out)
+
+    def drawn(self, states, rows: PackedRows, outputs) -> list["Drawn"]:
+        """Each row's Drawn from the pipeline's (tokens, logprobs, top ids, top logprobs)."""
+        tokens, lps, top_ids, top_lps = outputs
         out = []
         for r, st in enumerate(states):
             ss = st.sampling
@@ -200,7 +224,7 @@ class Sampler:
                 n = min(int(st.params.logprobs), K.MAX_TOP_LOGPROBS)
                 top = {int(top_ids[r, j]): float(top_lps[r, j]) for j in range(n) if top_ids[r, j] >= 0}
             out.append(Drawn(tok, lp, top, rows.forced[r] is not None))
-        return out, rows
+        return out
 
     def row_distribution(self, logits, rows: PackedRows, r: int) -> tuple[np.ndarray, np.ndarray]:
         """(probabilities, raw log-softmax) of row r, float64 [V] each: the distribution `draw`
@@ -217,6 +241,16 @@ class Sampler:
                                    float(f[K.F_LOG_MIN_P]))
         lse = K.logprob_stats_ref(raw, 0)[0]
         return probs, (raw - lse).astype(np.float64)
+
+
+class _Computed:
+    """The host pipeline's outputs as a launched step's handle."""
+
+    def __init__(self, outputs) -> None:
+        self.outputs = outputs
+
+    def result(self):
+        return self.outputs
 
 
 class Drawn(NamedTuple):

@@ -131,6 +131,14 @@ class SamplingState:
         return (p.greedy and not self.penalized and not p.logit_bias and not eos_masked
                 and not self.want_logprobs and not self.wants_prompt_logprobs and not self.needs_mask())
 
+    def device_only(self, eos_masked: bool) -> bool:
+        """The device pipeline alone draws this row's next tokens: nothing it reads changes with the
+        tokens drawn (no penalty counts, min_tokens ban, grammar, forced token or logprobs), so a
+        step may be queued before the last one's token is read (metrale/overlap.py)."""
+        p = self.params
+        return (not self.penalized and not eos_masked and self.grammar is None and not p.require_tool_call
+                and not self.want_logprobs and not self.wants_prompt_logprobs)
+
     def adjustments(self, banned: set[int] | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(token ids, repetition flags, additive terms) of this row's sparse adjustments."""
         p = self.params
