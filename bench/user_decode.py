@@ -18,9 +18,9 @@ import resource
 import numpy as np
 
 
-def user_tok_s(engine, batch: int, tokens: int, reps: int) -> float:
+def user_tok_s(engine, batch: int, tokens: int, reps: int, **sampling) -> float:
     from bench.harness import PointSpec, decode_tok_s, prompts
-    spec = PointSpec(batch=batch, prompt_tokens=16, tokens=tokens, reps=reps)
+    spec = PointSpec(batch=batch, prompt_tokens=16, tokens=tokens, reps=reps, **sampling)
     return decode_tok_s(engine, spec, prompts(engine, spec))
 
 
@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--device", default="cuda")
     p.add_argument("--json")
+    p.add_argument("--sampled", action="store_true",
+                   help="also temperature 0.7 + top_p 0.9 (device-only rows) and a repetition penalty")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     from metrale import Engine
@@ -70,6 +72,13 @@ def main(argv: list[str] | None = None) -> int:
              "generate_sync_tok_s": sync, "generate_ahead_tok_s": over, "ahead_over_replay": over / replay,
              "sync_over_replay": sync / replay, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
              "device_used_gb": mem.get("device_used_bytes", 0) / 2**30}
+        if args.sampled:
+            r["sampled_tok_s"] = user_tok_s(engine, batch, args.tokens, args.reps, temperature=0.7, top_p=0.9)
+            r["penalized_tok_s"] = user_tok_s(engine, batch, args.tokens, args.reps, temperature=0.7,
+                                              repetition_penalty=1.1)
+            print(f"user_decode {args.model} B={batch}: sampled (T 0.7, top_p 0.9) {r['sampled_tok_s']:,.0f} tok/s "
+                  f"({r['sampled_tok_s'] / over:.3f} of greedy) | with a repetition penalty "
+                  f"{r['penalized_tok_s']:,.0f} ({r['penalized_tok_s'] / over:.3f})", flush=True)
         out.append(r)
         print(f"user_decode {args.model} B={batch}: graph replay {replay:,.0f} tok/s | generate ahead {over:,.0f} "
               f"({r['ahead_over_replay']:.3f} of replay) | synchronous {sync:,.0f} ({r['sync_over_replay']:.3f}) | "
