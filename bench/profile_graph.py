@@ -50,7 +50,7 @@ def profile(model: str, batches: list[int], context: int, overrides: list[str], 
         backend.forward_greedy(b)                      # captures the graph of this geometry if needed
         g, graphed = backend._geometry(b)
         assert graphed and g in backend.graphs, "this step does not run as a CUDA graph"
-        backend._upload(b, g)
+        backend.meta.upload(b, g, backend.stream)
         backend.stream.synchronize()
         us = replay_us(backend.graphs[g], backend.stream)
         print(f"replay: {model} B={batch} ctx={context} pdl={backend.pdl}: {us:.1f} us a step "

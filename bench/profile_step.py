@@ -44,7 +44,7 @@ def profile(backend, batch: int, context: int = 512, reps: int = 30) -> None:
         b = build_batch(segs, bs)
         t1 = time.perf_counter()
         g, graphed = backend._geometry(b)
-        backend._upload(b, g)
+        backend.meta.upload(b, g, backend.stream)
         t2 = time.perf_counter()
         backend.graphs[g].replay()
         t3 = time.perf_counter()
@@ -88,7 +88,7 @@ def profile(backend, batch: int, context: int = 512, reps: int = 30) -> None:
     try:
         b = build_batch(segs, bs)
         g, _ = backend._geometry(b)
-        backend._upload(b, g)
+        backend.meta.upload(b, g, backend.stream)
         for _ in range(3):
             per_op.clear()
             backend._run(g)

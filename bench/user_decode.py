@@ -36,7 +36,7 @@ def replay_tok_s(engine, batch: int, context: int) -> float:
     backend.forward_greedy(b)
     g, graphed = backend._geometry(b)
     assert graphed and g in backend.graphs, "this step does not run as a CUDA graph"
-    backend._upload(b, g)
+    backend.meta.upload(b, g, backend.stream)
     backend.stream.synchronize()
     return batch / replay_us(backend.graphs[g], backend.stream, reps=100) * 1e6
 

@@ -172,6 +172,7 @@ def test_warm_up_steps_cover_every_token_and_rows_bucket():
     b = object.__new__(CudaBackend)
     b.graph_sizes, b.max_rows, b.max_seqs, b.block_size = [1, 2, 4, 8, 16, 32, 64, 128, 256], 256, 256, 16
     b.prefill_min_tokens, b.mixed_ladder = 64, token_ladder(2048)
+    b.max_model_len, b.max_blocks = 4096, 256
     batches = b.warm_mixed_batches()
     tokens = {int(x.num_tokens) for x in batches}
     rows = {len(x.logits_indices) for x in batches}
@@ -181,3 +182,17 @@ def test_warm_up_steps_cover_every_token_and_rows_bucket():
         got = mixed_bucket(x.num_tokens, x.num_seqs, len(x.logits_indices), x.max_query_len, ladder=b.mixed_ladder,
                            max_seqs=b.max_seqs, max_rows=b.max_rows, prefill_min_tokens=b.prefill_min_tokens)
         assert got is not None and got[0] == x.num_tokens
+
+
+def test_warm_up_steps_respect_a_short_context():
+    """max_model_len 64 (the window tests): no warm-up segment is longer than the context, and a
+    context shorter than the prefill kernel's minimum warms nothing."""
+    from metrale.runtime.cuda_backend import CudaBackend
+    b = object.__new__(CudaBackend)
+    b.graph_sizes, b.max_rows, b.max_seqs, b.block_size = [1, 2, 4, 8], 8, 8, 16
+    b.prefill_min_tokens, b.mixed_ladder, b.max_model_len, b.max_blocks = 64, token_ladder(512), 64, 4
+    batches = b.warm_mixed_batches()
+    assert batches and all(int(x.max_query_len) <= 64 and x.block_tables.shape[1] <= 4 for x in batches)
+    assert {int(x.num_tokens) for x in batches} <= set(b.mixed_ladder)
+    b.max_model_len = 32
+    assert b.warm_mixed_batches() == []

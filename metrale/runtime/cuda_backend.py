@@ -425,10 +425,14 @@ class CudaBackend(Backend):
         self._ahead = [PendingTokens(cuda.pinned_array(self.max_rows, dtype=np.int32), Event(timing=False))
                        for _ in range(2)]     # launch_greedy's results, used in turn
         cuda.synchronize()
-        if self.use_graphs:
-            self._capture_ladder()
-        if self.mixed_graphs and bool(levers.warm_mixed) and self.states is None:
-            self._warm_mixed()
+        try:
+            if self.use_graphs:
+                self._capture_ladder()
+            if self.mixed_graphs and bool(levers.warm_mixed) and self.states is None:
+                self._warm_mixed()
+        except BaseException:         # free the device memory and graphs now, not in a finalizer at exit
+            self.close()
+            raise
 
     @classmethod
     def from_config(cls, cfg, config: ModelConfig, weights, family: Family) -> "CudaBackend":
@@ -507,19 +511,26 @@ class CudaBackend(Backend):
             self.forward_greedy(build_batch(segs, self.block_size))
 
     def warm_mixed_batches(self) -> list[ForwardBatch]:
-        """A step per mixed bucket pair (token bucket i, rows bucket i): one segment long enough for
-        the prefill attention kernel, then one-token segments for the rows, so every GEMM variant a
-        token or rows bucket selects is compiled. Tokens write block 0, which no sequence owns yet."""
+        """A step per mixed bucket pair (token bucket i, rows bucket i): prefill segments long
+        enough for the prefill attention kernel (none longer than max_model_len), then one-token
+        segments for the rows, so every GEMM variant a token or rows bucket selects is compiled.
+        Tokens write block 0, which no sequence owns yet."""
+        seg = min(self.max_model_len, self.max_blocks * self.block_size)
+        if seg < self.prefill_min_tokens:
+            return []                                   # no step reaches the prefill attention kernel
         rows_ladder = [r for r in self.graph_sizes if r <= self.max_rows] or [1]
         tokens_ladder = [t for t in self.mixed_ladder if t >= self.prefill_min_tokens]
         batches = []
         for i in range(max(len(tokens_ladder), len(rows_ladder))):
             tokens = tokens_ladder[min(i, len(tokens_ladder) - 1)]
-            rows = min(rows_ladder[min(i, len(rows_ladder) - 1)], tokens - self.prefill_min_tokens + 1, self.max_seqs)
-            first = tokens - (rows - 1)
-            table = np.zeros(-(-first // self.block_size), np.int32)
-            segs = [Segment(np.zeros(first, np.int32), 0, table, "last")]
-            segs += [Segment(np.zeros(1, np.int32), 0, np.zeros(1, np.int32), "last") for _ in range(rows - 1)]
+            long = -(-(tokens - min(rows_ladder[min(i, len(rows_ladder) - 1)], tokens)) // seg) or 1
+            rows = max(min(rows_ladder[min(i, len(rows_ladder) - 1)], self.max_seqs), long)
+            prefill, ones = tokens - (rows - long), rows - long
+            if prefill < self.prefill_min_tokens or long > self.max_seqs:
+                continue
+            sizes = [prefill // long + (j < prefill % long) for j in range(long)]
+            segs = [Segment(np.zeros(n, np.int32), 0, np.zeros(-(-n // self.block_size), np.int32), "last") for n in sizes]
+            segs += [Segment(np.zeros(1, np.int32), 0, np.zeros(1, np.int32), "last") for _ in range(ones)]
             batches.append(build_batch(segs, self.block_size))
         return batches
 
