@@ -194,5 +194,10 @@ def test_warm_up_steps_respect_a_short_context():
     batches = b.warm_mixed_batches()
     assert batches and all(int(x.max_query_len) <= 64 and x.block_tables.shape[1] <= 4 for x in batches)
     assert {int(x.num_tokens) for x in batches} <= set(b.mixed_ladder)
+    b.max_seqs = b.max_rows = 64
+    b.graph_sizes, b.mixed_ladder = [1, 2, 4, 8, 16, 32, 64], token_ladder(2048)
+    batches = b.warm_mixed_batches()
+    assert batches and all(int(x.max_query_len) <= 64 and x.block_tables.shape[1] <= 4 for x in batches)
+    assert all(int(x.num_seqs) <= 64 for x in batches)
     b.max_model_len = 32
     assert b.warm_mixed_batches() == []

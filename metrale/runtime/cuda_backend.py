@@ -523,14 +523,16 @@ class CudaBackend(Backend):
         batches = []
         for i in range(max(len(tokens_ladder), len(rows_ladder))):
             tokens = tokens_ladder[min(i, len(tokens_ladder) - 1)]
-            long = -(-(tokens - min(rows_ladder[min(i, len(rows_ladder) - 1)], tokens)) // seg) or 1
-            rows = max(min(rows_ladder[min(i, len(rows_ladder) - 1)], self.max_seqs), long)
-            prefill, ones = tokens - (rows - long), rows - long
-            if prefill < self.prefill_min_tokens or long > self.max_seqs:
+            rows = min(rows_ladder[min(i, len(rows_ladder) - 1)], self.max_seqs)
+            long = max(1, -(-(tokens - rows) // (seg - 1)))     # prefill segments of at most seg tokens
+            if long >= rows:                                    # all prefill: no one-token rows
+                long = rows = max(1, -(-tokens // seg))
+            prefill = tokens - (rows - long)
+            if long > self.max_seqs or -(-prefill // long) < self.prefill_min_tokens:
                 continue
             sizes = [prefill // long + (j < prefill % long) for j in range(long)]
             segs = [Segment(np.zeros(n, np.int32), 0, np.zeros(-(-n // self.block_size), np.int32), "last") for n in sizes]
-            segs += [Segment(np.zeros(1, np.int32), 0, np.zeros(1, np.int32), "last") for _ in range(ones)]
+            segs += [Segment(np.zeros(1, np.int32), 0, np.zeros(1, np.int32), "last") for _ in range(rows - long)]
             batches.append(build_batch(segs, self.block_size))
         return batches
 
