@@ -2,6 +2,9 @@
 RoPE with the K/V write into the paged cache, and causal attention over the paged cache.
 
 Each has its NumPy reference beside it (`*_ref`, the arithmetic of metrale's NumPy backend);
+exp is `fast_exp` (Cephes' expf, vectorizable; np.exp would be a scalar libm call per element).
+Row bodies are separate @njit functions called from the prange loops (inlined there, Numba's parfor
+passes would turn their slice assignments into nested parallel loops).
 tests/test_cpu_layers.py compares them. float32 throughout; fast-math without the no-NaN /
 no-Inf assumptions (masked scores are -inf before the softmax, and the reference keeps inf/NaN).
 Shapes: x [T, D]; qkv [T, (Hq + 2 Hk) hd]; a layer's cache k, v [blocks, block_size, Hk, hd].
@@ -9,17 +12,50 @@ Shapes: x [T, D]; qkv [T, (Hq + 2 Hk) hd]; a layer's cache k, v [blocks, block_s
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 QUERY_TILE = 32          # query rows of one attention work item (they share its gathered keys)
+
+
+@intrinsic
+def _pow2(typingctx, k):
+    """2.0 ** k for int32 k in [-126, 127], by building the float's exponent bits."""
+    sig = types.float32(types.int32)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        bits = builder.shl(builder.add(args[0], ir.Constant(i32, 127)), ir.Constant(i32, 23))
+        return builder.bitcast(bits, ir.FloatType())
+
+    return sig, codegen
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def fast_exp(x):
+    """expf as Cephes computes it (range reduction by ln 2, a degree-7 polynomial; ~1e-7 relative),
+    written so LLVM's loop vectorizer can vectorize it (np.exp is a scalar libm call here).
+    Arguments are clamped to [-87, 88]: below, the result is 2^-126 * e^(x+87) ~ 0, not a subnormal."""
+    x = min(max(x, np.float32(-87.0)), np.float32(88.0))
+    k = np.floor(x * np.float32(1.44269504) + np.float32(0.5))
+    r = x - k * np.float32(0.693359375) + k * np.float32(2.12194440e-4)
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * r * r + r + np.float32(1.0)
+    return p * _pow2(np.int32(k))
 
 
 PARALLEL_MIN_ROWS = 16   # fewer rows than this: the row-wise kernels run on the calling thread
                          # (a parallel region costs more than a few rows of work)
 
 
-@njit(fastmath=FASTMATH, inline="always")
+@njit(fastmath=FASTMATH)
 def _rms_row(x, weight, eps, out, t):
     D = x.shape[1]
     ss = np.float32(0.0)
@@ -52,12 +88,12 @@ def rms_norm_ref(x, weight, eps):
     return x / np.sqrt(var + eps) * weight
 
 
-@njit(fastmath=FASTMATH, inline="always")
+@njit(fastmath=FASTMATH)
 def _silu_row(gate_up, out, t):
     F = out.shape[1]
     for j in range(F):
         g = gate_up[t, j]
-        out[t, j] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[t, F + j]
+        out[t, j] = g / (np.float32(1.0) + fast_exp(-g)) * gate_up[t, F + j]
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -109,7 +145,7 @@ def _rope(v, cos, sin, interleaved):
             v[half + i] = a * sin[i] + b * cos[i]
 
 
-@njit(fastmath=FASTMATH, inline="always")
+@njit(fastmath=FASTMATH)
 def _rope_row(t, qkv, cos, sin, interleaved, q_norm, k_norm, eps, slots, k_flat, v_flat, q_out):
     Hq, hd = q_out.shape[1], q_out.shape[2]
     Hk = k_flat.shape[1]
@@ -170,53 +206,52 @@ def _attention_items(seq_start, num_kv_heads):
     return items
 
 
-@njit(fastmath=FASTMATH, inline="always")
+@njit(fastmath=FASTMATH)
 def _attend_item(items, it, q, k_cache, v_cache, block_tables, positions, window, scale, out):
     hd = q.shape[2]
     bs, Hk = k_cache.shape[1], k_cache.shape[2]
     G = q.shape[1] // Hk
     s, kvh, a, b = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
-    last = positions[b - 1]
     lo = max(0, positions[a] - window + 1) if window > 0 else 0
-    n = last + 1 - lo
-    kt = np.empty((hd, n), np.float32)
-    vv = np.empty((n, hd), np.float32)
+    n = positions[b - 1] + 1 - lo
+    kt = np.empty((hd, n), np.float32)         # the item's keys and values, transposed: every
+    vt = np.empty((hd, n), np.float32)         # inner loop below runs over keys, contiguous
     for j in range(n):
         pos = lo + j
         blk, off = block_tables[s, pos // bs], pos % bs
         for d in range(hd):
             kt[d, j] = k_cache[blk, off, kvh, d]
-        vv[j, :] = v_cache[blk, off, kvh, :]
-    sc = np.empty(n, np.float32)
-    acc = np.empty(hd, np.float32)
+            vt[d, j] = v_cache[blk, off, kvh, d]
+    scores = np.empty(n, np.float32)
     for i in range(a, b):
         p = positions[i]
-        j1 = p + 1 - lo
         j0 = max(0, p - window + 1 - lo) if window > 0 else 0
+        m = p + 1 - lo - j0                    # visible keys; the loops index views from 0, which
+        sc = scores[j0:j0 + m]                 # keeps Numba's negative-index check out of them
         for g in range(G):
             h = kvh * G + g
-            for j in range(j0, j1):
+            for j in range(m):
                 sc[j] = 0.0
             for d in range(hd):
                 qd = q[i, h, d] * np.float32(scale)
-                for j in range(j0, j1):
-                    sc[j] += qd * kt[d, j]
-            m = sc[j0]
-            for j in range(j0 + 1, j1):
-                m = max(m, sc[j])
+                kd = kt[d, j0:j0 + m]
+                for j in range(m):
+                    sc[j] += qd * kd[j]
+            top = sc[0]
+            for j in range(1, m):
+                top = max(top, sc[j])
             total = np.float32(0.0)
-            for j in range(j0, j1):
-                e = np.exp(sc[j] - m)
+            for j in range(m):
+                e = fast_exp(sc[j] - top)
                 sc[j] = e
                 total += e
-            acc[:] = 0.0
-            for j in range(j0, j1):
-                w = sc[j]
-                for d in range(hd):
-                    acc[d] += w * vv[j, d]
             inv = np.float32(1.0) / total
             for d in range(hd):
-                out[i, h, d] = acc[d] * inv
+                vd = vt[d, j0:j0 + m]
+                acc = np.float32(0.0)
+                for j in range(m):
+                    acc += sc[j] * vd[j]
+                out[i, h, d] = acc * inv
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -250,14 +285,16 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_start, positions, win
 def warm() -> None:
     """Calls every kernel here once on tiny inputs of the runtime's types (compiles or loads them)."""
     x = np.ones((1, 16), np.float32)
+    ro = np.ones(16, np.float32)
+    ro.flags.writeable = False               # weights reach the kernels read-only
     for fn in (_rms_norm_serial, _rms_norm_parallel):
-        fn(x, x[0], 1e-5, np.empty_like(x))
+        fn(x, ro, 1e-5, np.empty_like(x))
     for fn in (_silu_mul_serial, _silu_mul_parallel):
         fn(np.ones((1, 32), np.float32), np.empty((1, 16), np.float32))
     k = np.zeros((2, 4, 1, 8), np.float32)
     q = np.empty((1, 2, 8), np.float32)
     cs = np.ones((1, 4), np.float32)
-    none = np.zeros(0, np.float32)
+    none = ro[:0]
     for fn in (_rope_serial, _rope_parallel):
         fn(np.ones((1, 32), np.float32), cs, cs, True, none, none, 1e-5, np.zeros(1, np.int32),
            k.reshape(-1, 1, 8), k.copy().reshape(-1, 1, 8), q)

@@ -50,7 +50,9 @@ def as_blocks(data: np.ndarray, kind: str) -> np.ndarray:
         raise ValueError(f"{kind}: rows of {KINDS[kind][1]}-byte blocks expected, got {data.dtype} {data.shape}")
     if data.strides[1] != 1:
         raise ValueError(f"{kind}: each row's bytes must be contiguous")
-    return data.view(_DTYPES[kind])
+    blocks = data.view(_DTYPES[kind])
+    blocks.flags.writeable = False          # one kernel signature whatever the source (a file's map is read-only)
+    return blocks
 
 
 def kind_of(dtype) -> str:
@@ -377,21 +379,31 @@ def _chunk(w, x, y, col0, r0, r1, accumulate):
             t += 1
 
 
+MAX_PARTS = 4            # block arrays one matmul_into call takes (a tuple of this length, padded)
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def matmul_into(parts, col0s, x, y, accumulate):
-    """y[:, col0s[p]:col0s[p] + R_p] = x @ W_p.T (accumulate: +=) for each block array W_p [R_p,
-    blocks] of the tuple `parts` (one kind: as_blocks), all in one parallel loop over row chunks."""
-    n = len(parts)
-    first = np.zeros(n + 1, np.int64)
-    for p in range(n):
+def matmul_into(parts, count, col0s, x, y, accumulate):
+    """y[:, col0s[p]:col0s[p] + R_p] = x @ W_p.T (accumulate: +=) for the first `count` block arrays
+    W_p [R_p, blocks] of the tuple `parts` (one kind, as_blocks; MAX_PARTS long, so one compiled
+    kernel a kind: `pad_parts`), all in one parallel loop over row chunks."""
+    first = np.zeros(count + 1, np.int64)
+    for p in range(count):
         first[p + 1] = first[p] + (parts[p].shape[0] + ROWS_A_CHUNK - 1) // ROWS_A_CHUNK
-    for c in prange(first[n]):
+    for c in prange(first[count]):
         p = 0
         while c >= first[p + 1]:
             p += 1
         w = parts[p]
         r0 = (c - first[p]) * ROWS_A_CHUNK
         _chunk(w, x, y, col0s[p], r0, min(w.shape[0], r0 + ROWS_A_CHUNK), accumulate)
+
+
+def pad_parts(blocks: list) -> tuple:
+    """Up to MAX_PARTS block arrays of one kind as matmul_into's tuple (repeats fill it)."""
+    if not 1 <= len(blocks) <= MAX_PARTS:
+        raise ValueError(f"1 to {MAX_PARTS} parts a call, got {len(blocks)}")
+    return tuple(blocks) + (blocks[0],) * (MAX_PARTS - len(blocks))
 
 
 @njit(parallel=True, cache=True)

@@ -38,6 +38,10 @@ class Levers:
     preempt_mode: str = "recompute"      # recompute | abort  (what happens to a preempted request)
     min_p_floor: bool = True             # raise min_p to the model's floor
     numpy_dtype: str = "float32"         # float32 | float64: arithmetic of the NumPy backend
+    cpu_kernels: str = "numba"           # numba | numpy: device=cpu runs Numba CPU kernels on the weights as
+                                         # stored (GGUF blocks stay quantized; metrale/runtime/cpu_ops.py) or
+                                         # the float32 NumPy reference (weights expanded at load)
+    cpu_threads: int = 0                 # Numba CPU kernels' threads (0: one per core)
     prefill_attention_min_tokens: int = 64  # segments this long use the tiled prefill kernel
     prefill_attention_kernel: str = "mma"   # mma (tensor cores, flash_prefill.py) | fma (FP32, attention.py)
     decode_attention_kernel: str = "mma"    # mma (tensor cores, flash_decode.py; H200: 2-2.9x at B>=128) | fma (attention.py)
@@ -172,6 +176,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "levers.gemm_library": ("auto", "numba", "cublaslt"),
     "levers.preempt_mode": ("recompute", "abort"),
     "levers.numpy_dtype": ("float32", "float64"),
+    "levers.cpu_kernels": ("numba", "numpy"),
     "levers.prefill_attention_kernel": ("mma", "fma"),
     "levers.decode_attention_kernel": ("mma", "fma"),
     "levers.pdl_trigger": ("auto", "early", "late", "exit"),
@@ -187,7 +192,7 @@ MINIMUMS: dict[str, int] = {
     "levers.gemv_max_rows": 0, "levers.cublaslt_min_rows": 0, "levers.cublaslt_autotune": 0,
     "levers.gemv_warps": 0, "levers.gemv_unroll": 0, "levers.prefill_attention_min_tokens": 0,
     "levers.spec_probe_interval": 0, "levers.spec_max_batch": 0, "levers.spec_measured_min_steps": 0,
-    "levers.state_snapshots": 0,
+    "levers.state_snapshots": 0, "levers.cpu_threads": 0,
 }
 
 

@@ -13,7 +13,7 @@ collect_ignore = ["kernels_sim"]   # run in a subprocess with NUMBA_ENABLE_CUDAS
 def smollm2():
     """The real embedded model on the NumPy backend, loaded once per test session."""
     from metrale import Engine
-    return Engine(model="smollm2-135m", device="cpu")
+    return Engine(model="smollm2-135m", device="cpu", levers={"cpu_kernels": "numpy"})   # the NumPy oracle
 
 
 @contextmanager

@@ -8,9 +8,11 @@ import pytest
 from metrale.models.quantized import QuantizedPart, QuantizedTensor
 
 
-def write_tiny_gguf(path, rng, layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, vocab=96):
-    """A tiny llama GGUF of Q4_K_M's mix: Q4_K q/k/gate/up/o, Q6_K v/down, Q8_0 embeddings, f32 norms
-    (K-quants as random bytes with sane scales: gguf cannot quantize them)."""
+def write_tiny_gguf(path, rng, layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=288,
+                    low="q4_1", high="q8_0"):
+    """A tiny llama GGUF mixing block types as Q4_K_M files do (`low` q/k/gate/up/o, `high` v/down,
+    Q8_0 embeddings, f32 norms). The defaults are SmolLM2's two types, whose kernels the suite
+    compiles anyway; the K-quant decoders are covered in test_cpu_quant.py."""
     import gguf
     from test_cpu_quant import random_rows
     T = gguf.GGMLQuantizationType
@@ -23,6 +25,10 @@ def write_tiny_gguf(path, rng, layers=2, hidden=256, ffn=512, heads=4, kv_heads=
     w.add_uint32("llama.context_length", 256)
     w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
     w.add_uint32("llama.vocab_size", vocab)
+    from test_gguf_export import byte_tokenizer
+    for key, (value, vtype, sub) in byte_tokenizer(258).items():
+        if not (isinstance(value, list) and not value):
+            w.add_key_value(key, value, vtype, sub)
     hd = hidden // heads
 
     def add(name, kind, rows, cols):
@@ -34,13 +40,13 @@ def write_tiny_gguf(path, rng, layers=2, hidden=256, ffn=512, heads=4, kv_heads=
         p = f"blk.{i}."
         for n in ("attn_norm", "ffn_norm"):
             w.add_tensor(p + n + ".weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
-        add(p + "attn_q.weight", "q4_k", heads * hd, hidden)
-        add(p + "attn_k.weight", "q4_k", kv_heads * hd, hidden)
-        add(p + "attn_v.weight", "q6_k", kv_heads * hd, hidden)
-        add(p + "attn_output.weight", "q4_k", hidden, heads * hd)
-        add(p + "ffn_gate.weight", "q4_k", ffn, hidden)
-        add(p + "ffn_up.weight", "q4_k", ffn, hidden)
-        add(p + "ffn_down.weight", "q6_k", hidden, ffn)
+        add(p + "attn_q.weight", low, heads * hd, hidden)
+        add(p + "attn_k.weight", low, kv_heads * hd, hidden)
+        add(p + "attn_v.weight", high, kv_heads * hd, hidden)
+        add(p + "attn_output.weight", low, hidden, heads * hd)
+        add(p + "ffn_gate.weight", low, ffn, hidden)
+        add(p + "ffn_up.weight", low, ffn, hidden)
+        add(p + "ffn_down.weight", high, hidden, ffn)
     w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -51,15 +57,17 @@ def write_tiny_gguf(path, rng, layers=2, hidden=256, ffn=512, heads=4, kv_heads=
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
-    return write_tiny_gguf(tmp_path_factory.mktemp("cpu") / "tiny-q4_k_m.gguf", np.random.default_rng(7))
+    return write_tiny_gguf(tmp_path_factory.mktemp("cpu") / "tiny-mixed.gguf", np.random.default_rng(7))
 
 
-def test_load_gguf_keeps_block_matrices_quantized(tiny_gguf):
+@pytest.mark.parametrize("low,high", [("q4_1", "q8_0"), ("q4_k", "q6_k")])
+def test_load_gguf_keeps_block_matrices_quantized(low, high, tmp_path):
     from metrale.models.checkpoint import load_gguf
-    config, _, quant = load_gguf(tiny_gguf, keep_quantized=True)
-    _, _, dense = load_gguf(tiny_gguf)
-    kinds = {"embed": ["Q8_0"], "qkv": ["Q4_K", "Q4_K", "Q6_K"], "gate_up": ["Q4_K", "Q4_K"], "o": ["Q4_K"],
-             "down": ["Q6_K"]}
+    path = write_tiny_gguf(tmp_path / "t.gguf", np.random.default_rng(1), hidden=256, ffn=256, low=low, high=high)
+    config, _, quant = load_gguf(path, keep_quantized=True)
+    _, _, dense = load_gguf(path)
+    lo, hi = low.upper(), high.upper()
+    kinds = {"embed": ["Q8_0"], "qkv": [lo, lo, hi], "gate_up": [lo, lo], "o": [lo], "down": [hi]}
     names = []
     for (name, q), (name2, d) in zip(quant(), dense(), strict=True):
         assert name == name2
@@ -75,3 +83,36 @@ def test_load_gguf_keeps_block_matrices_quantized(tiny_gguf):
     assert "lm_head" not in names and config.tie_word_embeddings
 
 
+
+
+def tiny_engines(path):
+    from metrale import Engine
+    return [Engine(model=str(path), device="cpu", levers={"cpu_kernels": k}) for k in ("numba", "numpy")]
+
+
+def test_fast_path_against_numpy_on_quantized_weights(tiny_gguf):
+    """CpuOps on the file's blocks (mixed Q4_K / Q6_K / Q8_0) against NumpyOps on their float32
+    expansion: logits of a prefill of two sequences and of decode steps, the lever choosing the Ops."""
+    from conftest import scratch_blocks
+    from metrale.runtime.batch import Segment, build_batch
+    from metrale.runtime.cpu_ops import CpuOps
+    from metrale.runtime.numpy_backend import NumpyOps
+    fast, ref = tiny_engines(tiny_gguf)
+    assert issubclass(fast.backend.ops_class, CpuOps) and fast.backend.ops_class is not NumpyOps
+    assert ref.backend.ops_class is NumpyOps
+    assert isinstance(fast.backend.weights["layers.0.qkv"], QuantizedTensor)
+    assert isinstance(ref.backend.weights["layers.0.qkv"], np.ndarray)
+    assert fast.backend.memory_report()["weights_bytes"] < ref.backend.memory_report()["weights_bytes"] / 4
+    rng = np.random.default_rng(3)
+    a, b = rng.integers(0, 258, 21).astype(np.int32), rng.integers(0, 258, 5).astype(np.int32)
+    with scratch_blocks(fast, 64) as blocks_f, scratch_blocks(ref, 64) as blocks_r:
+        outs = []
+        for eng, blocks in ((fast, blocks_f), (ref, blocks_r)):
+            bs = eng.backend.block_size
+            steps = [build_batch([Segment(a, 0, blocks[:2], logits="all"), Segment(b, 0, blocks[2:3], logits="all")], bs)]
+            steps += [build_batch([Segment(np.array([7 + i], np.int32), 21 + i, blocks[:2]),
+                                   Segment(np.array([9 + i], np.int32), 5 + i, blocks[2:3])], bs) for i in range(3)]
+            outs.append([eng.backend.forward(s) for s in steps])
+    for got, want in zip(*outs):
+        scale = np.abs(want).max()
+        assert np.abs(got - want).max() <= 2e-4 * scale

@@ -17,8 +17,9 @@ log = logging.getLogger("metrale")
 def load_model(cfg) -> tuple[ModelConfig, Tokenizer, object]:
     source = resolve_model(cfg.model)
     t0 = time.perf_counter()
+    device = resolve_device(cfg.device)
     if source.kind == "gguf":
-        config, fields, weights = load_gguf(source.path)
+        config, fields, weights = load_gguf(source.path, keep_quantized=_keeps_quantized(cfg, device))
         tokenizer = Tokenizer.from_gguf(fields)
     elif source.kind == "hf":
         config, _, weights = _load_hf(source.path)
@@ -29,10 +30,16 @@ def load_model(cfg) -> tuple[ModelConfig, Tokenizer, object]:
         weights = None   # each backend builds its own (the CUDA one on the device)
     if source.kind in ("gguf", "hf"):   # a random preset borrows a tokenizer: its ids are not the model's
         refuse_tokenizer_beyond_vocab(tokenizer.vocab_size, config)
-    device = resolve_device(cfg.device)
     backend = make_backend(device, cfg, config, weights)
     log.info("loaded %s on %s in %.2f s", source.name, device, time.perf_counter() - t0)
     return config, tokenizer, backend
+
+
+def _keeps_quantized(cfg, device: str) -> bool:
+    """GGUF blocks stay quantized on the fast CPU path (levers.cpu_kernels=numba; a family it does
+    not run expands them at load), expand to float32 / bf16 everywhere else."""
+    from metrale.runtime.cpu_ops import uses_cpu_kernels
+    return device == "cpu" and uses_cpu_kernels(cfg)
 
 
 def refuse_tokenizer_beyond_vocab(tokenizer_ids: int, config: ModelConfig) -> None:
@@ -80,7 +87,7 @@ def load_draft_backend(cfg, model: str, *, num_blocks: int, vocab_size: int):
     from omegaconf import OmegaConf
     source = resolve_model(model)
     if source.kind == "gguf":
-        config, _, weights = load_gguf(source.path)
+        config, _, weights = load_gguf(source.path, keep_quantized=_keeps_quantized(cfg, resolve_device(cfg.device)))
     elif source.kind == "hf":
         config, _, weights = _load_hf(source.path)
     else:

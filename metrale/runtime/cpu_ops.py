@@ -40,18 +40,22 @@ class CpuMatrix:
             parts, self.shape = [(Q.as_blocks(w, "f32"), 0)], w.shape
         self.parts = tuple(parts)
         self.kinds = tuple(sorted({Q.kind_of(b.dtype) for b, _ in parts}))
-        self.groups = []
+        self.groups = []          # (parts tuple, count, first output columns): one kernel call each
         for kind in self.kinds:
             mine = [(b, c) for b, c in parts if Q.kind_of(b.dtype) == kind]
-            self.groups.append((tuple(b for b, _ in mine), np.array([c for _, c in mine], np.int64)))
+            for i in range(0, len(mine), Q.MAX_PARTS):
+                some = mine[i:i + Q.MAX_PARTS]
+                cols = np.zeros(Q.MAX_PARTS, np.int64)
+                cols[:len(some)] = [c for _, c in some]
+                self.groups.append((Q.pad_parts([b for b, _ in some]), len(some), cols))
 
     def matmul(self, x: np.ndarray, out: np.ndarray | None = None, accumulate: bool = False) -> np.ndarray:
         """x [T, cols] -> out [T, rows] = x @ W.T (accumulate: out += x @ W.T)."""
         if out is None:
             out = np.empty((x.shape[0], self.shape[0]), np.float32)
         if x.shape[0]:
-            for blocks, col0s in self.groups:
-                Q.matmul_into(blocks, col0s, x, out, accumulate)
+            for blocks, count, col0s in self.groups:
+                Q.matmul_into(blocks, count, col0s, x, out, accumulate)
         return out
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
@@ -76,6 +80,23 @@ def cpu_matrix(backend, weight) -> CpuMatrix:
     if hit is None or hit[0] is not weight:
         hit = cache[id(weight)] = (weight, CpuMatrix(weight))
     return hit[1]
+
+
+def cpu_vector(backend, weight) -> np.ndarray:
+    """A norm weight as the kernels read it (float32, contiguous, read-only: one kernel signature
+    whether the loader copied it or left it in the file's map), kept on the backend."""
+    cache = backend.__dict__.setdefault("_cpu_vectors", {})
+    hit = cache.get(id(weight))
+    if hit is None or hit[0] is not weight:
+        v = np.array(weight, dtype=np.float32, order="C") if not isinstance(weight, np.ndarray) or \
+            weight.dtype != np.float32 or not weight.flags.c_contiguous else weight.view()
+        v.flags.writeable = False
+        hit = cache[id(weight)] = (weight, v)
+    return hit[1]
+
+
+_NONE = np.zeros(0, np.float32)
+_NONE.flags.writeable = False       # "no per-head norm"
 
 
 def _f32(x: np.ndarray) -> np.ndarray:
@@ -106,7 +127,7 @@ class CpuOps(NumpyOps):
             return super().rms_norm(x, weight)
         x = _f32(x)
         out = np.empty_like(x)
-        L.rms_norm(x, _f32(weight), float(self.cfg.rms_norm_eps), out)
+        L.rms_norm(x, cpu_vector(self.b, weight), float(self.cfg.rms_norm_eps), out)
         return out
 
     def linear(self, x, weight, bias=None):
@@ -138,9 +159,9 @@ class CpuOps(NumpyOps):
         k, v = self._kv(layer)
         cos, sin = self._rope_tables()
         q = np.empty((qkv.shape[0], c.num_heads, c.head_dim), np.float32)
-        none = np.zeros(0, np.float32)
         L.rope_to_cache(_f32(qkv), cos, sin, bool(c.rope_interleaved),
-                        none if q_norm is None else _f32(q_norm), none if k_norm is None else _f32(k_norm),
+                        _NONE if q_norm is None else cpu_vector(self.b, q_norm),
+                        _NONE if k_norm is None else cpu_vector(self.b, k_norm),
                         float(c.rms_norm_eps), self.batch.slot_mapping,
                         k.reshape(-1, c.num_kv_heads, c.head_dim), v.reshape(-1, c.num_kv_heads, c.head_dim), q)
         return q
@@ -152,6 +173,41 @@ class CpuOps(NumpyOps):
         L.paged_attention(_f32(q).reshape(out.shape), k, v, bt.block_tables, bt.seq_query_start, bt.positions,
                           int(c.layer_window(layer)), float(1.0 / np.sqrt(c.head_dim)), out)
         return out.reshape(q.shape[0], c.q_size)
+
+
+# ------------------------------------------------------------------------------ the CPU runtime
+
+def uses_cpu_kernels(cfg, family=None) -> bool:
+    """Whether a composed config runs the fast CPU path: levers.cpu_kernels=numba, float32, and a
+    family whose forward needs no ops beyond the common ones (dense Llama / Qwen2 / Qwen3 / Mistral;
+    the others run NumpyOps, quantized weights expanded to float32)."""
+    return (str(cfg.levers.cpu_kernels) == "numba" and str(cfg.levers.numpy_dtype) == "float32"
+            and (family is None or not family.numpy_ops))
+
+
+def start(backend, cfg) -> None:
+    """Readies a NumpyBackend that runs CpuOps: Numba's threads (levers.cpu_threads), 4 KiB pages
+    for the KV pool (NumPy asks for huge pages on large arrays, which turns each layer's first
+    K/V write into 2 MiB of resident memory), and every kernel compiled or loaded (warm_up)."""
+    backend.cpu_threads = int(cfg.levers.cpu_threads)
+    for cache in getattr(backend, "caches", {}).values():
+        for a in vars(cache).values():
+            if isinstance(a, np.ndarray) and a.nbytes >= 1 << 21:
+                small_pages(a)
+    warm_up(backend)
+
+
+def small_pages(a: np.ndarray) -> None:
+    """madvise(MADV_NOHUGEPAGE) over an array not yet touched (Linux; elsewhere nothing)."""
+    import ctypes
+    import mmap
+    if not hasattr(mmap, "MADV_NOHUGEPAGE"):
+        return
+    page = mmap.PAGESIZE
+    start = a.ctypes.data // page * page
+    end = a.ctypes.data + a.nbytes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_NOHUGEPAGE)
 
 
 # ------------------------------------------------------------------------------ compile once

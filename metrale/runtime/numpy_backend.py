@@ -10,6 +10,7 @@ import numpy as np
 
 from metrale.models.checkpoint import WeightStream
 from metrale.models.config import ModelConfig
+from metrale.models.quantized import QuantizedTensor
 from metrale.models.families import KV, LATENT, STATE, Family, compose_ops, family_for, resolve
 from metrale.models.rope import model_rope
 from metrale.runtime.backend import Backend
@@ -167,7 +168,10 @@ class NumpyBackend(Backend):
         self.family = family or family_for(config)
         self.rope = model_rope(config)
         items = weights.items() if isinstance(weights, dict) else weights
-        self.weights = {name: np.ascontiguousarray(a, dtype=self.dtype) for name, a in items}
+        quantized_ok = getattr(ops_class or type(self).ops_class, "reads_quantized", False)   # else GGUF blocks expand
+        self.weights = {name: a if quantized_ok and isinstance(a, QuantizedTensor) else
+                        np.ascontiguousarray(a.dequantize() if isinstance(a, QuantizedTensor) else a, dtype=self.dtype)
+                        for name, a in items}
         if self.family.check_weights is not None:
             self.family.check_weights(config, self.weights, ep)
         self.num_state_slots = num_state_slots
@@ -193,9 +197,15 @@ class NumpyBackend(Backend):
             raise ValueError(f"{config.name or config.architecture}: the {family.name} family has no random "
                              "weights; load a checkpoint")
         stream = weights() if weights is not None else family.random_weights(config, int(cfg.seed))
-        return cls(config, stream, num_blocks=int(num_blocks), block_size=block_size, dtype=cfg.levers.numpy_dtype,
-                   family=family, num_state_slots=int(cfg.scheduler.max_num_seqs), num_state_checkpoints=0,
-                   state_norm_bound=float(cfg.levers.state_norm_bound))
+        from metrale.runtime import cpu_ops
+        fast = cpu_ops.uses_cpu_kernels(cfg, family)         # levers.cpu_kernels=numba: the Numba CPU Ops
+        backend = cls(config, stream, num_blocks=int(num_blocks), block_size=block_size, dtype=cfg.levers.numpy_dtype,
+                      family=family, ops_class=cpu_ops.CpuOps if fast else None,
+                      num_state_slots=int(cfg.scheduler.max_num_seqs), num_state_checkpoints=0,
+                      state_norm_bound=float(cfg.levers.state_norm_bound))
+        if fast:
+            cpu_ops.start(backend, cfg)
+        return backend
 
     def rope_for(self, batch: ForwardBatch) -> tuple[np.ndarray, np.ndarray]:
         return self.rope.cos_sin(batch.positions)
