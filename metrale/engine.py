@@ -88,12 +88,6 @@ class Engine:
         if hybrid:
             _refuse_hybrid_spec(cfg.spec.method)
         self.speculator = make_speculator(cfg, self.backend, self.model_config, self._load_draft_backend)
-        if hybrid and self.speculator is not None:
-            draft_config = getattr(getattr(self.speculator.drafter, "backend", None), "config", None)
-            if draft_config is not None and draft_config.is_hybrid:
-                raise ValueError("spec.draft_model: a hybrid (Gated DeltaNet) draft model is not supported: its "
-                                 "own recurrent states would need slots and rollback in the drafter; use a dense "
-                                 "draft model of the same vocabulary (docs/hybrid.md)")
         self.recurrent: RecurrentStates | None = None    # hybrid models: state slots, checkpoints, snapshots
         if self._states is not None:
             self.recurrent = RecurrentStates(

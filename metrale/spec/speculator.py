@@ -317,7 +317,12 @@ def make_speculator(cfg, backend, model_config, load_draft_backend) -> Speculato
         from metrale.spec.model_drafter import ModelDrafter
         if not spec.draft_model:
             raise ValueError("spec.method=draft needs spec.draft_model=<preset or path>")
-        drafter = ModelDrafter(load_draft_backend(spec.draft_model), name="draft")
+        draft_backend = load_draft_backend(spec.draft_model)
+        if draft_backend.states is not None:
+            raise ValueError("spec.draft_model: a hybrid (Gated DeltaNet) draft model is not supported: its "
+                             "own recurrent states would need slots and rollback in the drafter; use a dense "
+                             "draft model of the same vocabulary (docs/hybrid.md)")
+        drafter = ModelDrafter(draft_backend, name="draft")
         drafter.cost_per_token = min(1.0, drafter.backend.config.num_parameters() / model_config.num_parameters())
     gate = AdaptiveGate(spec.num_drafts, **gate_costs(lv, backend, drafter, spec.method),
                         probe_budget=lv.spec_probe_budget if lv.spec_probe_budget >= 0 else None,
