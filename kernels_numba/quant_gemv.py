@@ -30,6 +30,8 @@ Contracts: K % 32 == 0 (K-quants: K % 256 == 0); T <= 8 with the shared memory a
 """
 from __future__ import annotations
 
+import os
+
 
 import numpy as np
 from numba import cuda, float32, int32, uint32
@@ -127,12 +129,15 @@ def _unit_words(qt: int) -> tuple[int, int, int, int]:
     return qs, qh, sc, dm
 
 
-def _gemv_source(QT: int, TT: int, W: int, R: int, SPLIT: int, U: int, PIPE: bool, has_bias: bool,
+def _gemv_source(QT: int, ONE: bool, W: int, R: int, SPLIT: int, U: int, PIPE: bool, has_bias: bool,
                  has_res: bool, SB: int = 4) -> str:
-    """The kernel's source, every loop over rows / units / groups / T written out (LLVM does not
-    unroll bodies this large, and a register array indexed in a loop it keeps goes to local
-    memory): the unit's words, the dp4a operands and the accumulators are scalars."""
-    assert SPLIT in (1, 2, 4) and QT in TYPES and 1 <= TT <= MAX_T
+    """The kernel's source with every loop over rows, units and groups written out (LLVM does not
+    unroll bodies this large, and a register array it indexes in a kept loop goes to local
+    memory): the unit's words, dp4a operands and scales are scalars. The rows of x are a run-time
+    loop (T is an argument), so one kernel serves T = 2..8 and the code does not grow with T; ONE:
+    the T = 1 kernel (no loop, the partial sums in registers: LLVM hoists the group decoding out of
+    the T loop, which costs ~40 registers)."""
+    assert SPLIT in (1, 2, 4) and QT in TYPES
     KQ = QT in KQUANTS
     Q6 = QT == Q6_K
     Q5 = QT in (Q5_0, Q5_1, Q5_K)
@@ -140,18 +145,21 @@ def _gemv_source(QT: int, TT: int, W: int, R: int, SPLIT: int, U: int, PIPE: boo
     OFFSET = {Q4_0: 8, Q5_0: 16}.get(QT, 0)
     LG = 32 // SPLIT
     NG = 8 if KQ else 1
+    NT = 32 * W
+    RPB = W * R * SPLIT
     QSW, QHW, SCW, DMW = _unit_words(QT)
+    UW = QSW + QHW + SCW + DMW
     O_QH, O_SC, O_DM = QSW, QSW + QHW, QSW + QHW + SCW
-    RR, UU, TR = range(R), range(U), range(TT)
+    RR, UU, GG = range(R), range(U), range(NG)
     L = []
 
     def emit(ind, line):
         L.append("    " * ind + line)
 
     def load(ind, step, dst):
-        emit(ind, f"lt = ({step}) // iters")
-        emit(ind, f"lit = ({step}) - lt * iters")
-        emit(ind, f"lrow = (bid + lt * nblk) * {W * R * SPLIT} + wrow")
+        emit(ind, f"lt = {step} // iters")
+        emit(ind, f"lit = {step} - lt * iters")
+        emit(ind, f"lrow = (bid + lt * nblk) * {RPB} + wrow")
         for r in RR:
             emit(ind, f"nr{r} = min(lrow + {r * SPLIT}, N - 1)")
         for v in UU:
@@ -159,186 +167,206 @@ def _gemv_source(QT: int, TT: int, W: int, R: int, SPLIT: int, U: int, PIPE: boo
         for r in RR:
             for v in UU:
                 w = f"{dst}{r}_{v}_"
+
+                def words(base, expr):
+                    emit(ind, f"q = ldg_b16({expr})")
+                    emit(ind, ", ".join(f"{w}{base + e}" for e in range(4)) + " = q[0], q[1], q[2], q[3]")
                 if KQ:
                     for j in range(8):
-                        emit(ind, f"q = ldg_b16(qs, nr{r}, ({j} * NSB + u{v}) << 4)")
-                        emit(ind, ", ".join(f"{w}{4 * j + e}" for e in range(4)) + " = q[0], q[1], q[2], q[3]")
+                        words(4 * j, f"qs, nr{r}, ({j} * NSB + u{v}) << 4")
                     for j in range(QHW // 4):
-                        emit(ind, f"q = ldg_b16(qh, nr{r}, ({j} * NSB + u{v}) << 4)")
-                        emit(ind, ", ".join(f"{w}{O_QH + 4 * j + e}" for e in range(4)) + " = q[0], q[1], q[2], q[3]")
-                    emit(ind, f"q = ldg_b16(sc, nr{r}, u{v} << 4)")
-                    emit(ind, ", ".join(f"{w}{O_SC + e}" for e in range(4)) + " = q[0], q[1], q[2], q[3]")
+                        words(O_QH + 4 * j, f"qh, nr{r}, ({j} * NSB + u{v}) << 4")
+                    words(O_SC, f"sc, nr{r}, u{v} << 4")
                     if Q6:
                         emit(ind, f"{w}{O_DM} = ldg_b2(dm, nr{r}, u{v} << 1)")
                 else:
                     for h in range(QSW // 4):
-                        off = f"({h} * G + u{v}) << 4" if QT == Q8_0 else f"u{v} << 4"
-                        emit(ind, f"q = ldg_b16(qs, nr{r}, {off})")
-                        emit(ind, ", ".join(f"{w}{4 * h + e}" for e in range(4)) + " = q[0], q[1], q[2], q[3]")
+                        words(4 * h, f"qs, nr{r}, ({h} * G + u{v}) << 4" if QT == Q8_0 else f"qs, nr{r}, u{v} << 4")
                     if QHW:
                         emit(ind, f"{w}{O_QH} = ldg_b4(qh, nr{r}, u{v} << 2)")
-                    if HAS_MIN:
-                        emit(ind, f"{w}{O_DM} = ldg_b4(dm, nr{r}, u{v} << 2)")
-                    else:
-                        emit(ind, f"{w}{O_DM} = ldg_b2(dm, nr{r}, u{v} << 1)")
+                    emit(ind, f"{w}{O_DM} = " + (f"ldg_b4(dm, nr{r}, u{v} << 2)" if HAS_MIN else f"ldg_b2(dm, nr{r}, u{v} << 1)"))
 
-    def compute(ind, it, src):
+    def unit_heads(ind, src):
+        """Per unit of the step: its index, whether it is inside the row, its K-quant super-block scales."""
         for v in UU:
-            emit(ind, f"u = ({it} * {U} + {v}) * {LG} + li")
-            emit(ind, "ok = u < NUN")
-            emit(ind, "uc = min(u, NUN - 1)")
+            emit(ind, f"u = (it * {U} + {v}) * {LG} + li")
+            emit(ind, f"ok{v} = u < NUN")
+            emit(ind, f"uc{v} = min(u, NUN - 1)")
             for r in RR:
                 w = f"{src}{r}_{v}_"
                 if Q6:
-                    emit(ind, f"dd{r} = h2f({w}{O_DM})")
+                    emit(ind, f"dd{r}_{v} = h2f({w}{O_DM})")
                 elif KQ:
-                    emit(ind, f"dk{r} = h2f({w}{O_SC} & MASK16)")
-                    emit(ind, f"mk{r} = h2f({w}{O_SC} >> U16)")
-            for j in range(NG):
-                emit(ind, f"slot = {j} * NSB + uc" if KQ else "slot = uc")
-                for r in RR:
-                    w = f"{src}{r}_{v}_"
-                    qw = ", ".join(f"{w}{4 * j + e}" for e in range(4))
-                    dst = ", ".join(f"p{r}_{e}" for e in range(8))
-                    if QT == Q8_0:
-                        emit(ind, f"{dst} = " + ", ".join(f"{w}{e}" for e in range(8)))
-                    elif Q6:
-                        emit(ind, f"{dst} = q6_ops({qw}, {w}{O_QH + 2 * j}, {w}{O_QH + 2 * j + 1})")
-                    elif Q5:
-                        emit(ind, f"{dst} = q5_ops({qw}, {w}{O_QH + j})")
-                    else:
-                        emit(ind, f"{dst} = q4_ops({qw})")
-                    if Q6:
-                        sw = f"{w}{O_SC + j // 2}"
-                        emit(ind, f"sa{r} = sbyte({sw}, {2 * (j & 1)})")
-                        emit(ind, f"sb{r} = sbyte({sw}, {2 * (j & 1) + 1})")
-                    elif KQ:
-                        emit(ind, f"scj, mnj = kq_scale_min({w}{O_SC + 1}, {w}{O_SC + 2}, {w}{O_SC + 3}, {j})")
-                        emit(ind, f"f1{r} = dk{r} * float32(scj)")
-                        emit(ind, f"f2{r} = mk{r} * float32(mnj)")
-                    else:
-                        emit(ind, f"f1{r} = h2f({w}{O_DM} & MASK16)")
-                        if HAS_MIN:
-                            emit(ind, f"f2{r} = h2f({w}{O_DM} >> U16)")
-                for t in TR:
-                    emit(ind, f"xa = lds_u32x4(sm, (({2 * t}) * G + slot) * 4)")
-                    emit(ind, f"xb = lds_u32x4(sm, (({2 * t + 1}) * G + slot) * 4)")
-                    emit(ind, f"d8 = bits_f32(sm[XD + {t} * G + slot])")
-                    emit(ind, f"s32 = int32(sm[XS + {t} * G + slot])")
-                    if Q6:
-                        emit(ind, f"sh0 = int32(sm[XH + {t} * G + slot])")
-                    for r in RR:
-                        dp = "dp4a_ss" if QT == Q8_0 else "dp4a_us"
-                        xs = ["xa[0]", "xa[1]", "xa[2]", "xa[3]", "xb[0]", "xb[1]", "xb[2]", "xb[3]"]
-                        if Q6:
-                            emit(ind, f"da = {dp}(p{r}_0, xa[0], 0)")
-                            for e in range(1, 4):
-                                emit(ind, f"da = {dp}(p{r}_{e}, {xs[e]}, da)")
-                            emit(ind, f"db = {dp}(p{r}_4, xb[0], 0)")
-                            for e in range(5, 8):
-                                emit(ind, f"db = {dp}(p{r}_{e}, {xs[e]}, db)")
-                            emit(ind, f"S = int32(sa{r} * int32(da - 32 * sh0) + sb{r} * int32(db - 32 * (s32 - sh0)))")
-                            val = f"dd{r} * d8 * float32(S)"
-                        else:
-                            emit(ind, f"dot = {dp}(p{r}_0, xa[0], 0)")
-                            for e in range(1, 8):
-                                emit(ind, f"dot = {dp}(p{r}_{e}, {xs[e]}, dot)")
-                            if QT == Q8_0:
-                                val = f"f1{r} * d8 * float32(dot)"
-                            elif OFFSET:
-                                val = f"f1{r} * d8 * float32(int32(dot - {OFFSET} * s32))"
-                            elif HAS_MIN:
-                                val = f"d8 * (f1{r} * float32(dot) + f2{r} * float32(s32))"
-                            else:
-                                val = f"d8 * (f1{r} * float32(dot) - f2{r} * float32(s32))"
-                        emit(ind, f"acc{t}_{r} += ({val}) if ok else float32(0.0)")
+                    emit(ind, f"dk{r}_{v} = h2f({w}{O_SC} & MASK16)")
+                    emit(ind, f"mk{r}_{v} = h2f({w}{O_SC} >> U16)")
 
-    emit(0, "def gemv(x, qs, qh, sc, dm, out, bias, res, n_off):")
-    emit(1, "K = x.shape[1]")
-    emit(1, "G = K >> 5")
-    emit(1, "NSB = K >> 8")
-    emit(1, f"NUN = {'NSB' if KQ else 'G'}")
-    emit(1, "N = qs.shape[0]")
-    emit(1, "tid = cuda.threadIdx.x")
-    emit(1, "lane = tid & 31")
-    emit(1, f"gi = lane // {LG}")
-    emit(1, f"li = lane - gi * {LG}")
-    emit(1, f"wrow = (tid >> 5) * {R * SPLIT} + gi")
-    emit(1, "bid = cuda.blockIdx.x")
-    emit(1, "nblk = cuda.gridDim.x")
-    emit(1, f"iters = (NUN + {LG * U - 1}) // {LG * U}")
-    emit(1, f"ntiles = (N + {W * R * SPLIT - 1}) // {W * R * SPLIT}")
-    emit(1, "total = ((ntiles - bid + nblk - 1) // nblk) * iters")
-    emit(1, "sm = cuda.shared.array(0, uint32)")
-    emit(1, f"XD = {TT} * (K >> 2)")
-    emit(1, f"XS = XD + {TT} * G")
-    emit(1, f"XH = XS + {TT} * G")
-    for t in TR:
-        for r in RR:
-            emit(1, f"acc{t}_{r} = float32(0.0)")
-    # the first step's weights go out before the PDL wait and the x staging
-    load(1, "0", "wr")
-    emit(1, "grid_wait()")
-    emit(1, "grid_trigger_early()")
-    emit(1, "KC = K >> 2")
-    emit(1, f"items = {TT} * KC")
-    emit(1, f"for base in range(0, items, {32 * W * SB}):")
-    for bq in range(SB):
-        emit(2, f"i{bq} = base + {bq * 32 * W} + tid")
-        emit(2, f"ic = min(i{bq}, items - 1)")
-        emit(2, f"t{bq} = ic // KC")
-        emit(2, f"c{bq} = ic - t{bq} * KC")
-        emit(2, f"xv{bq} = ldg_f32x4(x, t{bq}, c{bq} << 2)")
-    for bq in range(SB):
-        txt = _STAGE.format(slot="(g & 7) * NSB + (g >> 3)" if KQ else "g", q6="" if Q6 else "#", b=bq)
-        for ln in txt.splitlines():
-            emit(2, ln)
-    emit(1, "cuda.syncthreads()")
-    emit(1, "for s in range(total):")
-    emit(2, "tl = s // iters")
-    emit(2, "it = s - tl * iters")
-    emit(2, f"row0 = (bid + tl * nblk) * {W * R * SPLIT} + wrow")
-    if PIPE:
-        names = [f"{r}_{v}_{k}" for r in RR for v in UU for k in range(QSW + QHW + SCW + DMW)]
-        for nm in names:
-            emit(2, f"wc{nm} = wr{nm}")
-        emit(2, "if s + 1 < total:")
-        load(3, "s + 1", "wr")
-        compute(2, "it", "wc")
-    else:
-        compute(2, "it", "wr")
-        emit(2, "if s + 1 < total:")
-        load(3, "s + 1", "wr")
-    emit(2, "if it == iters - 1:")
-    emit(3, "grid_trigger_late()")
-    off = LG // 2
-    while off:
-        for t in TR:
+    def group(ind, src, r, v, j):
+        """Group j of unit v of row r: its dp4a operands p0..p7 and scales (f1, f2 / sa, sb)."""
+        w = f"{src}{r}_{v}_"
+        qw = ", ".join(f"{w}{4 * j + e}" for e in range(4))
+        dst = ", ".join(f"p{e}" for e in range(8))
+        if QT == Q8_0:
+            emit(ind, f"{dst} = " + ", ".join(f"{w}{e}" for e in range(8)))
+        elif Q6:
+            emit(ind, f"{dst} = q6_ops({qw}, {w}{O_QH + 2 * j}, {w}{O_QH + 2 * j + 1})")
+        elif Q5:
+            emit(ind, f"{dst} = q5_ops({qw}, {w}{O_QH + j})")
+        else:
+            emit(ind, f"{dst} = q4_ops({qw})")
+        if Q6:
+            sw = f"{w}{O_SC + j // 2}"
+            emit(ind, f"sa = sbyte({sw}, {2 * (j & 1)})")
+            emit(ind, f"sb = sbyte({sw}, {2 * (j & 1) + 1})")
+        elif KQ:
+            emit(ind, f"scj, mnj = kq_scale_min({w}{O_SC + 1}, {w}{O_SC + 2}, {w}{O_SC + 3}, {j})")
+            emit(ind, f"f1 = dk{r}_{v} * float32(scj)")
+            emit(ind, f"f2 = mk{r}_{v} * float32(mnj)")
+        else:
+            emit(ind, f"f1 = h2f({w}{O_DM} & MASK16)")
+            if HAS_MIN:
+                emit(ind, f"f2 = h2f({w}{O_DM} >> U16)")
+
+    def products(ind, src):
+        """For each row t of x (a run-time loop): every group of the step decoded in registers (at
+        T = 1 once; each further row of x decodes again: registers over ALU work), dotted with the
+        row's int8 x, added to the lane's partial sums in shared memory (XA + (t R + r) NT + tid)."""
+        if ONE:
+            emit(ind, "t = 0")
+            ind -= 1
+        else:
+            emit(ind, "for t in range(T):")
             for r in RR:
-                emit(3, f"acc{t}_{r} += shfl_xor_f32(acc{t}_{r}, {off})")
-        off //= 2
-    emit(3, "if li == 0:")
-    for r in RR:
-        emit(4, f"n = row0 + {r * SPLIT}")
-        emit(4, "if n < N:")
-        emit(5, "col = n_off + n")
-        for t in TR:
-            val = f"acc{t}_{r}"
-            if has_bias:
-                val += " + bias[col]"
-            if has_res:
-                val += f" + res[{t}, col]"
-            emit(5, f"out[{t}, col] = {val}")
-    for t in TR:
+                emit(ind + 1, f"ps{r} = float32(0.0)")
+        dp = "dp4a_ss" if QT == Q8_0 else "dp4a_us"
+        xs = ["xa[0]", "xa[1]", "xa[2]", "xa[3]", "xb[0]", "xb[1]", "xb[2]", "xb[3]"]
+        for v in UU:
+            for j in GG:
+                emit(ind + 1, f"slot = {j} * NSB + uc{v}" if KQ else f"slot = uc{v}")
+                emit(ind + 1, "xa = lds_u32x4(sm, ((2 * t) * G + slot) * 4)")
+                emit(ind + 1, "xb = lds_u32x4(sm, ((2 * t + 1) * G + slot) * 4)")
+                emit(ind + 1, "d8 = bits_f32(sm[XD + t * G + slot])")
+                emit(ind + 1, "s32 = int32(sm[XS + t * G + slot])")
+                if Q6:
+                    emit(ind + 1, "sh0 = int32(sm[XH + t * G + slot])")
+                for r in RR:
+                    group(ind + 1, src, r, v, j)
+                    if Q6:
+                        emit(ind + 1, f"da = {dp}(p0, xa[0], 0)")
+                        for e in range(1, 4):
+                            emit(ind + 1, f"da = {dp}(p{e}, {xs[e]}, da)")
+                        emit(ind + 1, f"db = {dp}(p4, xb[0], 0)")
+                        for e in range(5, 8):
+                            emit(ind + 1, f"db = {dp}(p{e}, {xs[e]}, db)")
+                        emit(ind + 1, "S = int32(sa * int32(da - 32 * sh0) + sb * int32(db - 32 * (s32 - sh0)))")
+                        val = f"dd{r}_{v} * d8 * float32(S)"
+                    else:
+                        emit(ind + 1, f"dot = {dp}(p0, xa[0], 0)")
+                        for e in range(1, 8):
+                            emit(ind + 1, f"dot = {dp}(p{e}, {xs[e]}, dot)")
+                        if QT == Q8_0:
+                            val = "f1 * d8 * float32(dot)"
+                        elif OFFSET:
+                            val = f"f1 * d8 * float32(int32(dot - {OFFSET} * s32))"
+                        elif HAS_MIN:
+                            val = "d8 * (f1 * float32(dot) + f2 * float32(s32))"
+                        else:
+                            val = "d8 * (f1 * float32(dot) - f2 * float32(s32))"
+                    emit(ind + 1, f"{'acc' if ONE else 'ps'}{r} += ({val}) if ok{v} else float32(0.0)")
+        if not ONE:
+            for r in RR:
+                emit(ind + 1, f"ia = XA + (t * {R} + {r}) * {NT} + tid")
+                emit(ind + 1, f"sm[ia] = f32_bits(bits_f32(sm[ia]) + ps{r})")
+
+    def epilogue(ind):
+        emit(ind, "grid_trigger_late()")
+        if ONE:
+            emit(ind, "t = 0")
+            ind -= 1
+        else:
+            emit(ind, "for t in range(T):")
         for r in RR:
-            emit(3, f"acc{t}_{r} = float32(0.0)")
+            if ONE:
+                emit(ind + 1, f"a = acc{r}")
+                emit(ind + 1, f"acc{r} = float32(0.0)")
+            else:
+                emit(ind + 1, f"ia = XA + (t * {R} + {r}) * {NT} + tid")
+                emit(ind + 1, "a = bits_f32(sm[ia])")
+                emit(ind + 1, "sm[ia] = uint32(0)")
+            off = LG // 2
+            while off:
+                emit(ind + 1, f"a += shfl_xor_f32(a, {off})")
+                off //= 2
+            emit(ind + 1, f"n = row0 + {r * SPLIT}")
+            emit(ind + 1, "if li == 0 and n < N:")
+            emit(ind + 2, "col = n_off + n")
+            val = "a" + (" + bias[col]" if has_bias else "") + (" + res[t, col]" if has_res else "")
+            emit(ind + 2, f"out[t, col] = {val}")
+
+    emit(0, "def gemv(x, qs, qh, sc, dm, out, bias, res, n_off, T):")
+    for ln in (
+            "K = x.shape[1]", "G = K >> 5", "NSB = K >> 8", f"NUN = {'NSB' if KQ else 'G'}", "N = qs.shape[0]",
+            "tid = cuda.threadIdx.x", "lane = tid & 31", f"gi = lane // {LG}", f"li = lane - gi * {LG}",
+            f"wrow = (tid >> 5) * {R * SPLIT} + gi", "bid = cuda.blockIdx.x", "nblk = cuda.gridDim.x",
+            f"iters = (NUN + {LG * U - 1}) // {LG * U}", f"ntiles = (N + {RPB - 1}) // {RPB}",
+            "total = ((ntiles - bid + nblk - 1) // nblk) * iters", "sm = cuda.shared.array(0, uint32)",
+            "XD = T * (K >> 2)", "XS = XD + T * G", f"XH = XS + T * G", f"XA = XH + {'T * G' if Q6 else '0'}"):
+        emit(1, ln)
+    if PIPE:
+        for nm in (f"{r}_{v}_{k}" for r in RR for v in UU for k in range(UW)):
+            emit(1, f"wr{nm} = uint32(0)")
+    if ONE:
+        for r in RR:
+            emit(1, f"acc{r} = float32(0.0)")
+    emit(1, f"for s in range(total + {int(PIPE)}):")
+    if PIPE:
+        emit(2, "if s > 0:")
+        for nm in (f"{r}_{v}_{k}" for r in RR for v in UU for k in range(UW)):
+            emit(3, f"wc{nm} = wr{nm}")
+        emit(2, "if s < total:")
+        load(3, "s", "wr")
+    else:
+        load(2, "s", "wr")
+    # the first step's weights are in flight (no earlier kernel writes weights) while the block waits
+    # for its PDL predecessor and quantizes x into shared memory
+    emit(2, "if s == 0:")
+    emit(3, "grid_wait()")
+    emit(3, "grid_trigger_early()")
+    emit(3, "KC = K >> 2")
+    emit(3, "items = T * KC")
+    if not ONE:
+        emit(3, f"for i in range(tid, T * {R * NT}, {NT}):")
+        emit(4, "sm[XA + i] = uint32(0)")
+    emit(3, f"for base in range(0, items, {NT * SB}):")
+    for bq in range(SB):
+        emit(4, f"i{bq} = base + {bq * NT} + tid")
+        emit(4, f"ic = min(i{bq}, items - 1)")
+        emit(4, f"t{bq} = ic // KC")
+        emit(4, f"c{bq} = ic - t{bq} * KC")
+        emit(4, f"xv{bq} = ldg_f32x4(x, t{bq}, c{bq} << 2)")
+    for bq in range(SB):
+        for ln in _STAGE.format(slot="(g & 7) * NSB + (g >> 3)" if KQ else "g", q6="" if Q6 else "#", b=bq).splitlines():
+            emit(4, ln)
+    emit(3, "cuda.syncthreads()")
+    ind = 2
+    if PIPE:
+        emit(2, "if s > 0:")
+        ind = 3
+    emit(ind, f"cs = s - {int(PIPE)}")
+    emit(ind, "tl = cs // iters")
+    emit(ind, "it = cs - tl * iters")
+    emit(ind, f"row0 = (bid + tl * nblk) * {RPB} + wrow")
+    unit_heads(ind, "wc" if PIPE else "wr")
+    products(ind, "wc" if PIPE else "wr")
+    emit(ind, "if it == iters - 1:")
+    epilogue(ind + 1)
     return "\n".join(L) + "\n"
 
 
 # x -> int8 groups in shared memory: 8 lanes a group, 4 values a lane (one 16-byte load), the
 # group's absmax and sums by xor-shuffles inside the 8 lanes (all lanes take part: the loop is
-# block-uniform). Layout (words): x int8 at ((t 2 + half) G + slot) 4 + word, d8 at XD + t G + slot,
-# the group's sum at XS + ..., its first half's sum at XH + ... (Q6_K).
+# block-uniform). Layout (32-bit words): x int8 at ((t 2 + half) G + slot) 4 + word, d8 at
+# XD + t G + slot, the group's sum at XS + ..., its first half's sum at XH + ... (Q6_K); the lanes'
+# partial sums (float bits) at XA + (t R + r) NT + tid.
 _STAGE = """a = max(max(abs(xv{b}[0]), abs(xv{b}[1])), max(abs(xv{b}[2]), abs(xv{b}[3])))
 a = max(a, shfl_xor_f32(a, 1))
 a = max(a, shfl_xor_f32(a, 2))
@@ -364,14 +392,42 @@ if i{b} < items:
         sm[XS + t{b} * G + slot] = uint32(tot)
         {q6}sm[XH + t{b} * G + slot] = uint32(hs)"""
 
+_HEADER = """# generated by kernels_numba.quant_gemv._gemv_source: {name} {cfg}
+from kernels_numba.quant_gemv import *  # noqa: F401,F403
+from kernels_numba.quant_gemv import _GLOBALS
+globals().update(_GLOBALS)
+
+"""
+
 
 def _make_gemv(*cfg):
+    """The kernel function of cfg, from a generated module written under the kernel cache directory
+    (a real file, so Numba's on-disk cache can key it: content-addressed, written once)."""
     src = _gemv_source(*cfg)
-    ns = dict(_GLOBALS)
-    exec(compile(src, f"<quant_gemv {NAMES[cfg[0]]} {cfg[1:]}>", "exec"), ns)
-    fn = ns["gemv"]
-    fn.__source__ = src
-    return fn
+    text = _HEADER.format(name=NAMES[cfg[0]], cfg=cfg[1:]) + src
+    if SIM:
+        ns = dict(_GLOBALS)
+        exec(compile(src, f"<quant_gemv {NAMES[cfg[0]]} {cfg[1:]}>", "exec"), ns)
+        return ns["gemv"]
+    return _load_generated(text)
+
+
+def _load_generated(text: str):
+    import hashlib
+    import importlib.util
+    from kernels_numba.jit import cache_dir
+    digest = hashlib.sha256(text.encode()).hexdigest()[:20]
+    folder = cache_dir() / "generated"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"quant_gemv_{digest}.py"
+    if not path.exists() or path.read_text() != text:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    spec = importlib.util.spec_from_file_location(f"_metrale_quant_gemv_{digest}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.gemv
 
 
 # ----------------------------------------------------------------------------- kernel cache
@@ -380,23 +436,39 @@ _KERNELS: dict = {}
 
 
 def py_kernel(*cfg):
-    """The undecorated kernel of (qtype, T, warps, rows, split, unroll, pipe, has_bias, has_res)."""
+    """The undecorated kernel of (qtype, one (T = 1), warps, rows, split, unroll, pipe, has_bias,
+    has_res)."""
     if cfg not in _PY:
         _PY[cfg] = _make_gemv(*cfg)
     return _PY[cfg]
 
 
+def launch_bounds(qtype: int, one: bool, warps: int) -> tuple[int, int]:
+    """(threads, blocks a multiprocessor) ptxas is held to: 4 blocks of 128 threads (<= 128
+    registers; without the bound it takes 130-144 at T = 1) except Q6_K and the T > 1 kernels, 3
+    (<= 168: at 128, Q6_K spills 96 bytes); fewer with 8 warps."""
+    blocks = 4 if one and qtype != Q6_K else 3
+    return 32 * warps, max(1, blocks * 4 // warps)
+
+
 def kernel(*cfg):
+    """The launchable kernel of py_kernel's cfg (on the GPU: on-disk cached, kernels_numba.jit)."""
     k = _KERNELS.get(cfg)
     if k is None:
-        k = _KERNELS[cfg] = cuda.jit(py_kernel(*cfg))
+        if SIM:
+            k = cuda.jit(py_kernel(*cfg))
+        else:
+            from kernels_numba.jit import kernel as cached_kernel
+            k = cached_kernel(py_kernel(*cfg), launch_bounds=launch_bounds(cfg[0], cfg[1], cfg[2]))
+        _KERNELS[cfg] = k
     return k
 
 
 # ----------------------------------------------------------------------------- configuration
-def smem_bytes(qtype: int, T: int, K: int) -> int:
-    """Dynamic shared memory of a launch: x as int8 + d8 + sums (+ half sums for Q6_K)."""
-    return 4 * (T * (K // 4) + T * (K // 32) * (3 if qtype == Q6_K else 2))
+def smem_bytes(qtype: int, T: int, K: int, warps: int = 4, rows: int = 1) -> int:
+    """Dynamic shared memory of a launch: x as int8 + d8 + sums (+ half sums for Q6_K) + the lanes'
+    partial sums for T > 1 (T rows x rows x threads)."""
+    return 4 * (T * (K // 4) + T * (K // 32) * (3 if qtype == Q6_K else 2) + (T * rows * 32 * warps if T > 1 else 0))
 
 
 def max_rows(qtype: int, K: int) -> int:
@@ -471,10 +543,10 @@ def gemv(x, planes: dict, out, T: int, *, qtype: int, n_off: int = 0, bias=None,
     assert K % (256 if qtype in KQUANTS else 32) == 0, f"{NAMES[qtype]}: K={K}"
     assert x.dtype == np.float32 and out.dtype == np.float32, "x, out float32"
     assert n_off + N <= out.shape[1], f"quant gemv: columns {n_off}+{N} past out {tuple(out.shape)}"
-    nbytes = smem_bytes(qtype, T, K)
-    assert nbytes <= SMEM_LIMIT, f"quant gemv: {T} rows of K={K} need {nbytes} bytes of shared memory"
     cfg, grid, block = path or gemv_path(qtype, N, K, T)
-    k = kernel(qtype, T, *cfg, bias is not None, residual is not None)
+    nbytes = smem_bytes(qtype, T, K, cfg[0], cfg[1])
+    assert nbytes <= SMEM_LIMIT, f"quant gemv: {T} rows of K={K} need {nbytes} bytes of shared memory"
+    k = kernel(qtype, T == 1, *cfg, bias is not None, residual is not None)
     k[grid, block, stream, nbytes](x, qs, planes["qh"], planes["sc"], planes["dm"], out,
                                    out if bias is None else bias, out if residual is None else residual,
-                                   n_off)
+                                   n_off, T)

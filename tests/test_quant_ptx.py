@@ -21,7 +21,7 @@ F1 = types.Array(types.float32, 1, "C")
 U8 = types.Array(types.uint8, 2, "C")
 U16 = types.Array(types.uint16, 2, "C")
 I1 = types.Array(types.int32, 1, "C")
-MAX_REGS = 192      # 2 blocks of 128 threads a multiprocessor at worst (T = 8)
+MAX_REGS = 192      # dequantization kernels: no launch bounds
 
 
 def _checked(ptx: str) -> tuple[str, tuple | None]:
@@ -35,10 +35,16 @@ def _checked(ptx: str) -> tuple[str, tuple | None]:
     return body, info
 
 
-def _gemv_ptx(qt, T, cfg, bias=False, res=True):
-    sig = (F2, U8, U8, U8, U8, F2, F1 if bias else F2, F2, types.int64)
-    ptx, _ = cuda.compile_ptx(QG.py_kernel(qt, T, *cfg, bias, res), sig, cc=(9, 0))
-    return _checked(ptx)
+def _gemv_ptx(qt, cfg, one, bias=False, res=True):
+    """PTX as the launcher compiles it (with its launch bounds); checked, with ptxas's figures."""
+    sig = (F2, U8, U8, U8, U8, F2, F1 if bias else F2, F2, types.int64, types.int64)
+    threads, blocks = QG.launch_bounds(qt, one, cfg[0])
+    ptx, _ = cuda.compile_ptx(QG.py_kernel(qt, one, *cfg, bias, res), sig, cc=(9, 0),
+                              launch_bounds=(threads, blocks))
+    body, info = _checked(ptx)
+    if info is not None:
+        assert info[0] <= 65536 // (threads * blocks), f"{info[0]} registers: fewer than {blocks} blocks"
+    return body, info
 
 
 def _loads_a_unit(qt):
@@ -46,29 +52,32 @@ def _loads_a_unit(qt):
     return {L.Q8_0: 2, L.Q4_K: 9, L.Q5_K: 11, L.Q6_K: 13}.get(qt, 1)
 
 
-# (type, T, K): each type at batch 1 for the 4096-wide products, the down product's K, and the
-# heaviest register cases at T = 8 (Q5_K: 8 loads + 2 of high bits a unit; Q8_0 two loads a group)
-CASES = [(qt, 1, 4096) for qt in L.TYPES] + [(L.Q4_K, 1, 14336), (L.Q6_K, 1, 14336), (L.Q4_0, 1, 14336),
-                                            (L.Q5_K, 8, 4096), (L.Q8_0, 4, 4096)]
+# (type, K, T): each type at T = 1 in the configuration of the 4096-wide products; the down
+# product's K for a K-quant (8 lanes a row), Q6_K and a legacy type (unroll 2); the T >= 2 kernel
+# (one for T = 2..8: the rows of x are a run-time loop) for the Q4_K_M types and Q8_0
+CASES = ([(qt, 4096, 1) for qt in L.TYPES] + [(L.Q4_K, 14336, 1), (L.Q6_K, 14336, 1), (L.Q4_0, 14336, 1)]
+         + [(qt, 4096, 8) for qt in (L.Q4_K, L.Q6_K, L.Q8_0)])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("qt,T,K", CASES, ids=[f"{L.NAMES[c[0]]}-T{c[1]}-K{c[2]}" for c in CASES])
-def test_gemv_ptx(qt, T, K):
+@pytest.mark.parametrize("qt,K,T", CASES, ids=[f"{L.NAMES[c[0]]}-K{c[1]}-T{c[2]}" for c in CASES])
+def test_gemv_ptx(qt, K, T):
     cfg = QG.gemv_cfg(qt, 4096, K, T)
     warps, rows, split, unroll, pipe = cfg
-    body, info = _gemv_ptx(qt, T, cfg, bias=(qt == L.Q8_0))
+    body, info = _gemv_ptx(qt, cfg, T == 1, bias=(qt == L.Q8_0))
     groups = 8 if qt in L.KQUANTS else 1
-    # two load sites: the first step (before the PDL wait) and the next step's, in the loop
-    assert body.count("ld.global.nc.v4.u32") == 2 * rows * unroll * _loads_a_unit(qt)
-    assert body.count("dp4a") == 8 * groups * rows * unroll * T
-    assert body.count("ld.shared.v4.u32") == 2 * groups * unroll * T
+    assert body.count("ld.global.nc.v4.u32") == rows * unroll * _loads_a_unit(qt)     # one load site
+    assert body.count("ld.global.nc.v4.f32") == 4                                      # x staging, 4 deep
+    per_row = 8 * groups * rows * unroll        # dp4a for one row of x (T > 1: a run-time loop,
+    n = body.count("dp4a")                      # which the compiler may unroll a few times)
+    assert n == per_row if T == 1 else (n % per_row == 0 and n <= 4 * per_row), (n, per_row)
+    assert body.count("ld.shared.v4.u32") == 2 * groups * unroll * (n // per_row)
     lines = body.splitlines()
     wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
     first = next(i for i, ln in enumerate(lines) if "ld.global.nc.v4.u32" in ln)
     assert first < wait, "the first weight loads go out before the PDL wait"
     assert "bar.sync" in body and body.count("shfl.sync.bfly") >= 6
-    print(L.NAMES[qt], T, K, cfg, "ptxas (registers, spill bytes):", info)
+    print(L.NAMES[qt], K, T, cfg, "ptxas (registers, spill bytes):", info)
 
 
 @pytest.mark.parametrize("qt", L.TYPES, ids=[L.NAMES[t] for t in L.TYPES])

@@ -1,0 +1,249 @@
+"""Times the quantized GEMV (kernels_numba.quant_gemv) of every GGUF type on Llama-3-8B's linear
+shapes, beside the engine's bf16 GEMV/GEMM (kernels_numba.gemm) and torch's bf16 matmul, same run.
+
+  python -m bench.quant_kernels [--types Q4_K,Q6_K,...] [--rows 1,8,32] [--shapes qkv,o,...]
+                                [--json docs/bench/quant_kernels.json] [--sweep] [--precompile N]
+
+Rows 1..8: one GEMV launch (x quantized to q8 in the kernel, weights dequantized in registers);
+above 8 the GEMV is not used (metrale.runtime.cuda.quant.quant_linear): the figure is the many-rows
+path, dequantize to a bf16 scratch + the bf16 GEMM (gemm.linear), and `gemv x k` (k launches of 8
+rows, each reading the weight again) beside it. GB/s counts the weight bytes a launch reads (the
+file's bytes, which the repacked planes keep exactly) over its time; the fraction is of the H200's
+4.8 TB/s (datasheet) and of the 4.25 TB/s copy ceiling measured here (docs/gemm.md). bf16 GB/s
+counts its 2-byte weights the same way.
+
+Method (bench/timing.py): weight copies rotate past 4x the 60 MB L2, a GPU sleep is queued first so
+the 30 timed launches run back to back, each between two events; the median is reported. Planes
+hold random bytes (timing does not depend on the values; tests/gpu/test_quant_gpu.py checks the
+results). --precompile N compiles every kernel the run needs in N processes first (Numba's disk
+cache, kernels_numba/jit.py, then serves them to this one). --sweep times the GEMV's geometry
+variants (warps, split, unroll, pipe, persist) at T = 1 and prints the best per shape and type.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096)}
+HBM = 4.8e12          # bytes/s, datasheet
+COPY = 4.25e12        # bytes/s, measured copy ceiling (docs/gemm.md)
+ROTATE_BYTES = 240 << 20
+ITERS, WARMUP = 30, 3
+
+
+def _kernel_jobs(types, shapes, rows):
+    """(qtype, one, cfg) of every GEMV kernel the run launches."""
+    from kernels_numba import quant_gemv as QG
+    jobs = set()
+    for qt in types:
+        for name in shapes:
+            N, K = SHAPES[name]
+            for T in rows:
+                for t in ([T] if T <= QG.MAX_T else [min(QG.MAX_T, QG.max_rows(qt, K))]):
+                    t = min(t, QG.max_rows(qt, K))
+                    jobs.add((qt, t == 1, QG.gemv_cfg(qt, N, K, t)))
+    return sorted(jobs)
+
+
+def compile_jobs(jobs) -> float:
+    """Compile (qtype, one, cfg) kernels in this process (into the disk cache); seconds taken."""
+    from numba import types as nt
+
+    from kernels_numba import quant_gemv as QG
+    F2 = nt.Array(nt.float32, 2, "C")
+    U8 = nt.Array(nt.uint8, 2, "C")
+    sig = (F2, U8, U8, U8, U8, F2, F2, F2, nt.int64, nt.int64)
+    t0 = time.time()
+    for qt, one, cfg in jobs:
+        QG.kernel(qt, one, *cfg, False, True).compile(sig)
+    return time.time() - t0
+
+
+def precompile(jobs, procs: int) -> None:
+    import multiprocessing as mp
+    jobs = list(jobs)
+    chunks = [jobs[i::procs] for i in range(procs) if jobs[i::procs]]
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(len(chunks)) as pool:
+        secs = pool.map(compile_jobs, chunks)
+    print(f"# precompiled {len(jobs)} kernels in {len(chunks)} processes: {time.time() - t0:.0f} s wall "
+          f"({sum(secs):.0f} s of compiling)", flush=True)
+
+
+def _rand_planes(qt, N, K, torch):
+    """Random plane bytes on the device in the repacked layout's shapes (fp16 scale bytes masked so
+    the scales stay finite); (planes, torch tensors holding them, bytes)."""
+    from numba import cuda
+
+    from kernels_numba import quant_layout as L
+    small = L.random_blocks(qt, 1, K, np.random.default_rng(0))
+    widths = {k: v.shape[1] for k, v in L.repack(qt, small, K).items() if v is not None}
+    planes, keep, nbytes = {}, [], 0
+    for k in L.PLANES:
+        if k in widths:
+            t = torch.randint(0, 256, (N, widths[k]), dtype=torch.uint8, device="cuda")
+            if k == "dm" or (k == "sc" and qt in (L.Q4_K, L.Q5_K)):
+                t &= 0x3B
+            keep.append(t)
+            planes[k] = cuda.as_cuda_array(t)
+            nbytes += N * widths[k]
+        else:
+            planes[k] = cuda.to_device(np.zeros((1, 16), np.uint8))
+    return planes, keep, nbytes
+
+
+def _copy(planes, keep):
+    from numba import cuda
+    names = [k for k, v in planes.items() if v.shape[0] > 1 or v.shape[1] != 16]
+    clones = [t.clone() for t in keep]
+    out = dict(planes)
+    for k, t in zip(names, clones):
+        out[k] = cuda.as_cuda_array(t)
+    return out, clones
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--types", default="Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,Q4_K,Q5_K,Q6_K")
+    ap.add_argument("--rows", default="1,8,32")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--precompile", type=int, default=0)
+    ap.add_argument("--no-torch", action="store_true")
+    args = ap.parse_args()
+
+    from kernels_numba import quant_layout as L
+    names = {v: k for k, v in L.NAMES.items()}
+    types = [names[t] for t in args.types.split(",")]
+    rows = [int(r) for r in args.rows.split(",")]
+    shapes = args.shapes.split(",")
+    if args.precompile:
+        precompile(_kernel_jobs(types, shapes, rows), args.precompile)
+
+    import torch
+    from numba import cuda
+
+    from bench.timing import time_launches
+    from kernels_numba import gemm, quant_dequant, quant_gemv as QG
+    gpu = torch.cuda.get_device_name()
+    print(f"# {gpu}  torch {torch.__version__}", flush=True)
+    records, t_start = [], time.time()
+
+    def rec(figure, value, unit, limit=None, peer=None, peer_name=None, **extra):
+        from bench.records import make_record
+        records.append(make_record("quant_kernels", figure, value, unit, limit, peer, peer_name, gpu,
+                                   "python -m bench.quant_kernels " + " ".join(sys.argv[1:]), extra))
+
+    rng = np.random.default_rng(0)
+    for name in shapes:
+        N, K = SHAPES[name]
+        xs = {T: cuda.to_device(rng.standard_normal((T, K)).astype(np.float32)) for T in rows}
+        outs = {T: cuda.to_device(np.zeros((T, N), np.float32)) for T in rows}
+        # bf16 beside it: the engine's kernels (gemm.linear: its T = 1 GEMV, skinny / tiled mma) and torch
+        nrot_b = max(1, min(8, -(-ROTATE_BYTES // (2 * N * K))))
+        wts = [torch.randint(-2000, 2000, (N, K), dtype=torch.int16, device="cuda") for _ in range(nrot_b)]
+        wbs = [cuda.as_cuda_array(w).view(np.uint16) for w in wts]
+        bf16 = {}
+        for T in rows:
+            ms = time_launches(lambda i: gemm.linear(xs[T], wbs[i], outs[T]), nrot_b, ITERS, WARMUP)
+            bf16[T] = ms
+            tms = None
+            if not args.no_torch:
+                xt = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+                wt = [w.view(torch.bfloat16) for w in wts]
+                tms = time_launches(lambda i: torch.matmul(xt, wt[i].T), nrot_b, ITERS, WARMUP)
+            gbs = 2 * N * K / (ms * 1e-3) / 1e9
+            print(f"{name:8s} {N:6d}x{K:5d} T={T:3d} bf16 gemm.linear {ms * 1e3:8.1f} us {gbs:7.0f} GB/s"
+                  + ("" if tms is None else f"   torch {tms * 1e3:8.1f} us {2 * N * K / (tms * 1e-3) / 1e9:7.0f} GB/s"),
+                  flush=True)
+            rec(f"{name} T={T} bf16 gemm.linear", gbs, "GB/s", HBM / 1e9, None if tms is None else
+                2 * N * K / (tms * 1e-3) / 1e9, "torch bf16 matmul", us=ms * 1e3, N=N, K=K, T=T)
+        del wbs, wts
+        for qt in types:
+            planes, keep, nbytes = _rand_planes(qt, N, K, torch)
+            nrot = max(1, min(16, -(-ROTATE_BYTES // nbytes)))
+            copies = [planes]
+            for _ in range(nrot - 1):
+                c, kk = _copy(planes, keep)
+                copies.append(c)
+                keep.extend(kk)
+            for T in rows:
+                x, out = xs[T], outs[T]
+                if T <= QG.max_rows(qt, K):
+                    launch = (lambda i, x=x, out=out, T=T: QG.gemv(x, copies[i], out, T, qtype=qt, residual=out))
+                    ms = time_launches(launch, nrot, ITERS, WARMUP)
+                    kind = "gemv " + str(QG.gemv_path(qt, N, K, T)[0])
+                else:
+                    step = min(QG.MAX_T, QG.max_rows(qt, K))
+                    k = -(-T // step)
+
+                    def launch(i, x=x, out=out, T=T, step=step):
+                        for t0 in range(0, T, step):
+                            t = min(step, T - t0)
+                            QG.gemv(x[t0:t0 + t], copies[i], out[t0:t0 + t], t, qtype=qt, residual=out[t0:t0 + t])
+                    ms_k = time_launches(launch, nrot, ITERS, WARMUP)
+                    scratch = cuda.device_array((N, K), np.uint16)
+                    ms_d = time_launches(lambda i: quant_dequant.dequant_bf16(copies[i], scratch, qt), nrot, ITERS, WARMUP)
+                    ms = time_launches(lambda i, x=x, out=out: (quant_dequant.dequant_bf16(copies[i], scratch, qt),
+                                                                 gemm.linear(x, scratch, out)), nrot, ITERS, WARMUP)
+                    print(f"{name:8s} {N:6d}x{K:5d} T={T:3d} {L.NAMES[qt]:5s} gemv x {k}: {ms_k * 1e3:8.1f} us"
+                          f"   dequant alone {ms_d * 1e3:7.1f} us", flush=True)
+                    rec(f"{name} T={T} {L.NAMES[qt]} gemv x {k}", nbytes / (ms_k * 1e-3) / 1e9, "GB/s", HBM / 1e9,
+                        us=ms_k * 1e3, N=N, K=K, T=T)
+                    rec(f"{name} {L.NAMES[qt]} dequant to bf16", ms_d * 1e3, "us", None, us=ms_d * 1e3, N=N, K=K)
+                    kind = "dequant+gemm"
+                gbs = nbytes / (ms * 1e-3) / 1e9
+                print(f"{name:8s} {N:6d}x{K:5d} T={T:3d} {L.NAMES[qt]:5s} {ms * 1e3:8.1f} us {gbs:7.0f} GB/s "
+                      f"{gbs * 1e9 / HBM:5.0%} of 4.8 TB/s {gbs * 1e9 / COPY:5.0%} of copy   "
+                      f"{bf16[T] / ms:4.2f}x bf16   {kind}", flush=True)
+                rec(f"{name} T={T} {L.NAMES[qt]}", gbs, "GB/s", HBM / 1e9, 2 * N * K / (bf16[T] * 1e-3) / 1e9,
+                    "bf16 gemm.linear (its bytes/s)", us=ms * 1e3, bytes=nbytes, N=N, K=K, T=T, kind=kind,
+                    speedup_vs_bf16=bf16[T] / ms, copy_ceiling_fraction=gbs * 1e9 / COPY)
+            if args.sweep and qt in (L.Q4_K, L.Q6_K, L.Q8_0, L.Q4_0):
+                _sweep(qt, N, K, name, copies, nrot, nbytes, xs[1], outs[1], rec)
+            del copies, planes, keep
+            torch.cuda.empty_cache()
+    print(f"# {time.time() - t_start:.0f} s", flush=True)
+    if args.json:
+        from bench.records import write_records
+        write_records(records, args.json)
+        print("# wrote", args.json)
+
+
+def _sweep(qt, N, K, name, copies, nrot, nbytes, x, out, rec):
+    from bench.timing import time_launches
+    from kernels_numba import quant_gemv as QG
+    from kernels_numba import quant_layout as L
+    res = []
+    for warps in (4, 8):
+        for split in (1, 2, 4):
+            for unroll in ((1,) if qt in L.KQUANTS else (1, 2, 4)):
+                units = K // (256 if qt in L.KQUANTS else 32)
+                if units % ((32 // split) * unroll):
+                    continue
+                for persist in (2, 4, 8):
+                    path = QG.gemv_path(qt, N, K, 1, warps=warps, split=split, unroll=unroll, persist=persist)
+                    ms = time_launches(lambda i: QG.gemv(x, copies[i], out, 1, qtype=qt, residual=out, path=path),
+                                       nrot, ITERS, WARMUP)
+                    res.append((ms, warps, split, unroll, persist))
+    res.sort()
+    for ms, warps, split, unroll, persist in res[:3]:
+        gbs = nbytes / (ms * 1e-3) / 1e9
+        print(f"  sweep {name} {L.NAMES[qt]} T=1 warps {warps} split {split} unroll {unroll} persist {persist}: "
+              f"{ms * 1e3:.1f} us {gbs:.0f} GB/s", flush=True)
+    ms, warps, split, unroll, persist = res[0]
+    rec(f"sweep {name} {L.NAMES[qt]} T=1 best", nbytes / (ms * 1e-3) / 1e9, "GB/s", HBM / 1e9,
+        warps=warps, split=split, unroll=unroll, persist=persist, us=ms * 1e3)
+
+
+if __name__ == "__main__":
+    main()
