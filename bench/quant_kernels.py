@@ -68,8 +68,14 @@ def compile_jobs(jobs) -> float:
 
 
 def precompile(jobs, procs: int) -> None:
+    """Compile jobs in `procs` spawned processes into the disk cache. The generated kernel modules
+    are written here first, so no process rewrites one another has keyed its cache entries on."""
     import multiprocessing as mp
+
+    from kernels_numba import quant_gemv as QG
     jobs = list(jobs)
+    for qt, one, cfg in jobs:
+        QG.py_kernel(qt, one, *cfg, False, True)
     chunks = [jobs[i::procs] for i in range(procs) if jobs[i::procs]]
     t0 = time.time()
     with mp.get_context("spawn").Pool(len(chunks)) as pool:
@@ -78,36 +84,28 @@ def precompile(jobs, procs: int) -> None:
           f"({sum(secs):.0f} s of compiling)", flush=True)
 
 
-def _rand_planes(qt, N, K, torch):
-    """Random plane bytes on the device in the repacked layout's shapes (fp16 scale bytes masked so
-    the scales stay finite); (planes, torch tensors holding them, bytes)."""
+def _rand_planes(qt, N, K, rng, copies):
+    """`copies` sets of random plane bytes on the device in the repacked layout's shapes (the fp16
+    scale bytes masked so the scales stay finite), and the bytes one set holds."""
     from numba import cuda
 
     from kernels_numba import quant_layout as L
     small = L.random_blocks(qt, 1, K, np.random.default_rng(0))
     widths = {k: v.shape[1] for k, v in L.repack(qt, small, K).items() if v is not None}
-    planes, keep, nbytes = {}, [], 0
-    for k in L.PLANES:
-        if k in widths:
-            t = torch.randint(0, 256, (N, widths[k]), dtype=torch.uint8, device="cuda")
-            if k == "dm" or (k == "sc" and qt in (L.Q4_K, L.Q5_K)):
-                t &= 0x3B
-            keep.append(t)
-            planes[k] = cuda.as_cuda_array(t)
-            nbytes += N * widths[k]
-        else:
-            planes[k] = cuda.to_device(np.zeros((1, 16), np.uint8))
-    return planes, keep, nbytes
+    filler = cuda.to_device(np.zeros((1, 16), np.uint8))
+    host = {}
+    for k, wd in widths.items():
+        h = rng.integers(0, 256, (N, wd), dtype=np.uint8)
+        if k == "dm" or (k == "sc" and qt in (L.Q4_K, L.Q5_K)):
+            h &= 0x3B
+        host[k] = h
+    sets = []
+    for i in range(copies):
+        sets.append({k: (cuda.to_device(host[k]) if k in host else filler) for k in L.PLANES})
+    return sets, sum(N * wd for wd in widths.values())
 
 
-def _copy(planes, keep):
-    from numba import cuda
-    names = [k for k, v in planes.items() if v.shape[0] > 1 or v.shape[1] != 16]
-    clones = [t.clone() for t in keep]
-    out = dict(planes)
-    for k, t in zip(names, clones):
-        out[k] = cuda.as_cuda_array(t)
-    return out, clones
+SHAPES["tiny"] = (64, 512)     # a dry run under the simulator (NUMBA_ENABLE_CUDASIM=1 ... --shapes tiny)
 
 
 def main() -> None:
@@ -117,7 +115,10 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--json", default=None)
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--precompile", type=int, default=0)
+    ap.add_argument("--precompile", type=int, default=0,
+                    help="compile the run's GEMV kernels in N processes first (disk cache)")
+    ap.add_argument("--precompile-only", action="store_true",
+                    help="with --precompile: compile (T = 1 and 8 for the shapes' K) and exit")
     ap.add_argument("--no-torch", action="store_true")
     args = ap.parse_args()
 
@@ -127,15 +128,22 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     shapes = args.shapes.split(",")
     if args.precompile:
-        precompile(_kernel_jobs(types, shapes, rows), args.precompile)
+        precompile(_kernel_jobs(types, shapes, sorted(set(rows) | {1, 8})), args.precompile)
+        if args.precompile_only:
+            return
 
-    import torch
     from numba import cuda
 
     from bench.timing import time_launches
     from kernels_numba import gemm, quant_dequant, quant_gemv as QG
-    gpu = torch.cuda.get_device_name()
-    print(f"# {gpu}  torch {torch.__version__}", flush=True)
+    torch = None
+    if not args.no_torch:
+        try:
+            import torch
+        except ImportError:
+            pass
+    gpu = torch.cuda.get_device_name() if torch is not None else str(getattr(cuda.get_current_device(), "name", "?"))
+    print(f"# {gpu}  torch {getattr(torch, '__version__', None)}", flush=True)
     records, t_start = [], time.time()
 
     def rec(figure, value, unit, limit=None, peer=None, peer_name=None, **extra):
@@ -150,16 +158,17 @@ def main() -> None:
         outs = {T: cuda.to_device(np.zeros((T, N), np.float32)) for T in rows}
         # bf16 beside it: the engine's kernels (gemm.linear: its T = 1 GEMV, skinny / tiled mma) and torch
         nrot_b = max(1, min(8, -(-ROTATE_BYTES // (2 * N * K))))
-        wts = [torch.randint(-2000, 2000, (N, K), dtype=torch.int16, device="cuda") for _ in range(nrot_b)]
-        wbs = [cuda.as_cuda_array(w).view(np.uint16) for w in wts]
+        hb = (rng.integers(0, 1 << 16, (N, K), dtype=np.uint16) & np.uint16(0x807F)) | np.uint16(0x3C00)   # +-[2^-7, 2^-6)
+        wbs = [cuda.to_device(hb) for _ in range(nrot_b)]
+        del hb
         bf16 = {}
         for T in rows:
             ms = time_launches(lambda i: gemm.linear(xs[T], wbs[i], outs[T]), nrot_b, ITERS, WARMUP)
             bf16[T] = ms
             tms = None
-            if not args.no_torch:
+            if torch is not None:
                 xt = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
-                wt = [w.view(torch.bfloat16) for w in wts]
+                wt = [torch.as_tensor(w.view(np.int16), device="cuda").view(torch.bfloat16) for w in wbs]
                 tms = time_launches(lambda i: torch.matmul(xt, wt[i].T), nrot_b, ITERS, WARMUP)
             gbs = 2 * N * K / (ms * 1e-3) / 1e9
             print(f"{name:8s} {N:6d}x{K:5d} T={T:3d} bf16 gemm.linear {ms * 1e3:8.1f} us {gbs:7.0f} GB/s"
@@ -167,15 +176,11 @@ def main() -> None:
                   flush=True)
             rec(f"{name} T={T} bf16 gemm.linear", gbs, "GB/s", HBM / 1e9, None if tms is None else
                 2 * N * K / (tms * 1e-3) / 1e9, "torch bf16 matmul", us=ms * 1e3, N=N, K=K, T=T)
-        del wbs, wts
+        del wbs
         for qt in types:
-            planes, keep, nbytes = _rand_planes(qt, N, K, torch)
-            nrot = max(1, min(16, -(-ROTATE_BYTES // nbytes)))
-            copies = [planes]
-            for _ in range(nrot - 1):
-                c, kk = _copy(planes, keep)
-                copies.append(c)
-                keep.extend(kk)
+            bsize, bbytes = L.BLOCK[qt]
+            nrot = max(1, min(16, -(-ROTATE_BYTES // (N * K // bsize * bbytes))))
+            copies, nbytes = _rand_planes(qt, N, K, rng, nrot)
             for T in rows:
                 x, out = xs[T], outs[T]
                 if T <= QG.max_rows(qt, K):
@@ -210,8 +215,7 @@ def main() -> None:
                     speedup_vs_bf16=bf16[T] / ms, copy_ceiling_fraction=gbs * 1e9 / COPY)
             if args.sweep and qt in (L.Q4_K, L.Q6_K, L.Q8_0, L.Q4_0):
                 _sweep(qt, N, K, name, copies, nrot, nbytes, xs[1], outs[1], rec)
-            del copies, planes, keep
-            torch.cuda.empty_cache()
+            del copies
     print(f"# {time.time() - t_start:.0f} s", flush=True)
     if args.json:
         from bench.records import write_records
