@@ -4,17 +4,22 @@
     python -m bench.loadtest --fake                              # in-process server, fake engine: seconds
     python -m bench.loadtest --clients 64 --duration 30 device=cuda model=llama-3.2-1b-shape
     python -m bench.loadtest --url http://127.0.0.1:8000 --model smollm2-135m --requests 200
+    python -m bench.loadtest --library --clients 64 --requests 128 device=cuda   # Engine.generate, no HTTP
 
 Without --url the server runs in this process on a loopback port (key=value arguments are
-engine settings, as for `python -m metrale serve`). Each client sends streaming completions
-back to back; TTFT is measured to the first chunk with text, ITL between text chunks (a chunk
-holding k tokens counts as k gaps of 1/k of its wait). --records writes bench JSON records.
+engine settings, as for `python -m metrale serve`), its engine in the same process or, with
+--engine-process, in one of its own (as `python -m metrale serve` runs it). Each client sends
+streaming completions back to back; TTFT is measured to the first chunk with text, ITL between
+text chunks (a chunk holding k tokens counts as k gaps of 1/k of its wait). --library runs the
+same prompts through Engine.generate in batches of --clients instead (the figure the served one
+is held to). --records writes bench JSON records, --json the summary.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -145,6 +150,36 @@ async def run_load(base_url: str, model: str, *, clients: int, duration: float, 
     return stats, time.perf_counter() - t0
 
 
+def cpu_seconds(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) so far of a process and of each of its children (Linux /proc)."""
+    def read(p: int) -> tuple[int, float] | None:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (got := read(int(entry))) is not None and (int(entry) == pid or got[0] == pid):
+            out[int(entry)] = got[1]
+    return out
+
+
+def cpu_report(pid: int, before: dict[int, float], after: dict[int, float], tokens: int,
+               wall: float) -> tuple[str, dict]:
+    """Per output token, the CPU the server process and its children (the engine process) spent:
+    a line and {"server_cpu_us_per_token", "engine_cpu_us_per_token"}."""
+    parts, figures = [], {}
+    for p, t in sorted(after.items(), key=lambda kv: kv[0] != pid):
+        used = t - before.get(p, 0.0)
+        per = used / max(tokens, 1) * 1e6
+        parts.append(f"{'server' if p == pid else f'child {p}'} {per:.1f} us/token ({used / wall:.0%} of a core)")
+        key = "server_cpu_us_per_token" if p == pid else "engine_cpu_us_per_token"
+        figures[key] = figures.get(key, 0.0) + per
+    return "CPU: " + ", ".join(parts), figures
+
+
 def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
@@ -157,22 +192,60 @@ def summarize(stats: Stats, wall: float) -> dict:
             **{f"latency_p{q}_s": pct(stats.latency, q) for q in (50, 99)}}
 
 
-def start_local(args, overrides: list[str]):
-    """An in-process server (fake or real engine) on a loopback port."""
-    from metrale.server import ServerThread, create_app
-    if args.fake:
+def fake_engine_for(num_blocks: int, step_ms: float, cfg=None):
+    """The fake engine (tests/fake_model.py), each forward sleeping step_ms (picklable through
+    functools.partial: the engine process builds it)."""
+    if str(ROOT / "tests") not in sys.path:
         sys.path.insert(0, str(ROOT / "tests"))
-        from fake_model import fake_engine
+    from fake_model import fake_engine
+    engine = fake_engine(num_blocks=num_blocks, block_size=4)
+    if step_ms:
+        forward = engine.backend.forward
+        engine.backend.forward = lambda *a, **k: (time.sleep(step_ms / 1e3), forward(*a, **k))[1]
+    return engine
+
+
+def make_engine(args, overrides: list[str]):
+    """(engine, or EngineProcess with --engine-process, unless --library)."""
+    from functools import partial
+    from metrale.settings import compose
+    cfg = compose(overrides)
+    if args.fake:
+        if str(ROOT / "tests") not in sys.path:      # its tokenizer comes back from the engine process
+            sys.path.insert(0, str(ROOT / "tests"))
         per_request = -(-(args.prompt_words * 8 + args.max_tokens + 8) // 4)
-        engine = fake_engine(num_blocks=max(1024, args.clients * per_request + 64), block_size=4)
-        if args.fake_step_ms:
-            forward = engine.backend.forward
-            engine.backend.forward = lambda batch: (time.sleep(args.fake_step_ms / 1e3), forward(batch))[1]
+        build = partial(fake_engine_for, max(1024, args.clients * per_request + 64), args.fake_step_ms)
     else:
-        from metrale.engine import Engine
-        engine = Engine(overrides=overrides)
-    app = create_app(engine)
+        from metrale.server.engine_process import build_engine as build
+    if args.engine_process and not args.library:
+        from metrale.server.engine_process import EngineProcess
+        return EngineProcess.start(cfg, build)
+    return build(cfg)
+
+
+def start_local(args, overrides: list[str]):
+    """A server on a loopback port (fake or real engine; in this process or, with
+    --engine-process, in its own)."""
+    from metrale.server import ServerThread, create_app
+    app = create_app(make_engine(args, overrides))
     return ServerThread(app, port=args.listen or 0, loop=args.uvicorn_loop).start(), app.state.server.model_name
+
+
+def run_library(engine, *, clients: int, requests: int, max_tokens: int, prompt_words: int) -> tuple[Stats, float]:
+    """The load's prompts through Engine.generate, `clients` at a time (after one warm-up batch)."""
+    from metrale.sampling.params import SamplingParams
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    engine.generate([make_prompt(-1 - i, prompt_words) for i in range(clients)], params, use_tqdm=False)
+    stats = Stats()
+    t0 = time.perf_counter()
+    for start in range(0, requests, clients):
+        batch = [make_prompt(i, prompt_words) for i in range(start, min(start + clients, requests))]
+        t = time.perf_counter()
+        outs = engine.generate(batch, params, use_tqdm=False)
+        stats.latency += [time.perf_counter() - t] * len(outs)
+        stats.tokens += sum(len(o.token_ids) for o in outs)
+        stats.done += len(outs)
+    return stats, time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--uvicorn-loop", default="auto", help="the in-process server's event loop: auto|asyncio|uvloop")
     p.add_argument("--listen", type=int, help="only serve (fake or real engine) on this port until interrupted; "
                    "another process's --url drives it, so client and server do not share a GIL")
+    p.add_argument("--engine-process", action="store_true",
+                   help="the local server's engine in a process of its own (server.engine_process)")
+    p.add_argument("--library", action="store_true",
+                   help="no server: the same prompts through Engine.generate, --clients at a time")
     p.add_argument("--url", help="an already running server (default: start one in this process)")
     p.add_argument("--model", help="model id to send (default: the in-process server's)")
     p.add_argument("--api-key")
@@ -193,9 +270,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prompt-words", type=int, default=16)
     p.add_argument("--records", help="write bench records (a .json file or a directory)")
+    p.add_argument("--json", help="write the summary (tok/s, TTFT / ITL percentiles) to this JSON file")
+    p.add_argument("--server-pid", type=int, help="with --url: report the CPU that server process and its "
+                   "children (the engine process) spent per output token")
     args = p.parse_args(argv)
-    if args.url and (args.fake or args.overrides):
-        p.error("--url talks to a running server; --fake and settings start one here")
+    if args.url and (args.fake or args.overrides or args.library):
+        p.error("--url talks to a running server; --fake, --library and settings start an engine here")
+    if args.library:
+        engine = make_engine(args, args.overrides)
+        stats, wall = run_library(engine, clients=args.clients, requests=args.requests or args.clients * 2,
+                                  max_tokens=args.max_tokens, prompt_words=args.prompt_words)
+        return report(args, argv, stats, wall, "Engine.generate")
     srv = None
     if args.listen:
         srv, model = start_local(args, args.overrides)
@@ -212,15 +297,25 @@ def main(argv: list[str] | None = None) -> int:
     else:
         srv, model = start_local(args, args.overrides)
         base, model = srv.url, args.model or model
+    pid = args.server_pid or (os.getpid() if srv is not None else None)
+    before, cpu = cpu_seconds(pid) if pid else {}, {}
     try:
         stats, wall = asyncio.run(run_load(base, model, clients=args.clients, duration=args.duration,
                                            requests=args.requests, max_tokens=args.max_tokens,
                                            prompt_words=args.prompt_words, api_key=args.api_key))
+        if pid:
+            line, cpu = cpu_report(pid, before, cpu_seconds(pid), stats.tokens, wall)
+            print(line + (" (the client's share included: same process)" if srv is not None else ""))
     finally:
         if srv is not None:
             srv.stop()
-    s = summarize(stats, wall)
-    print(f"{s['requests']} requests ({s['errors']} errors) from {args.clients} clients in {wall:.2f} s: "
+    return report(args, argv, stats, wall, "clients", cpu)
+
+
+def report(args, argv, stats: Stats, wall: float, what: str, cpu: dict | None = None) -> int:
+    s = {**summarize(stats, wall), **(cpu or {})}
+    by = f"{args.clients} clients" if what == "clients" else f"{what}, batches of {args.clients}"
+    print(f"{s['requests']} requests ({s['errors']} errors) from {by} in {wall:.2f} s: "
           f"{s['req_per_s']:.1f} req/s, {s['out_tok_per_s']:.0f} output tok/s")
     print(f"TTFT ms  p50 {s['ttft_p50_ms']:8.2f}  p90 {s['ttft_p90_ms']:8.2f}  p99 {s['ttft_p99_ms']:8.2f}")
     print(f"ITL  ms  p50 {s['itl_p50_ms']:8.2f}  p90 {s['itl_p90_ms']:8.2f}  p99 {s['itl_p99_ms']:8.2f}")
@@ -230,11 +325,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.records:
         from bench.records import make_record, write_records
         command = "python -m bench.loadtest " + " ".join(argv if argv is not None else sys.argv[1:])
-        extra = {"clients": args.clients, "max_tokens": args.max_tokens, "fake": args.fake, **s}
+        extra = {"clients": args.clients, "max_tokens": args.max_tokens, "fake": args.fake, "library": args.library,
+                 "engine_process": args.engine_process, **s}
         recs = [make_record("server_loadtest", name, s[key], unit, None, None, None, "", command, extra)
                 for name, key, unit in (("output throughput", "out_tok_per_s", "tok/s"),
                                         ("TTFT p50", "ttft_p50_ms", "ms"), ("ITL p50", "itl_p50_ms", "ms"))]
         write_records(recs, args.records)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"clients": args.clients, "max_tokens": args.max_tokens,
+                                               "library": args.library, **s}, indent=1))
     return 0 if stats.done and not stats.errors else 1
 
 

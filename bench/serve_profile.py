@@ -95,9 +95,18 @@ def report(log: list, prof: cProfile.Profile | None) -> str:
 
 
 def serve_profiled(out_path: str, argv: list[str]) -> int:
-    """`python -m metrale serve argv` with the engine loop's polls timed and profiled."""
-    from metrale import driver as loop_mod
+    """`python -m metrale serve argv` with the engine loop's polls timed and profiled (in the
+    engine process when server.engine_process is on: the engine is built there)."""
+    from functools import partial
     from metrale.server.serve import main as serve_main
+    return serve_main(argv, build=partial(profiled_engine, out_path))
+
+
+def profiled_engine(out_path: str, cfg):
+    """Engine(cfg=cfg) whose loop thread times and profiles its polls, the report written to
+    out_path when the loop ends."""
+    from metrale import driver as loop_mod
+    from metrale.engine import Engine
     log: list = []
     prof = cProfile.Profile()
     run = loop_mod.EngineLoop._run
@@ -112,7 +121,7 @@ def serve_profiled(out_path: str, argv: list[str]) -> int:
             with open(out_path, "w") as f:
                 f.write(report(log, prof))
     loop_mod.EngineLoop._run = profiled
-    return serve_main(argv)
+    return Engine(cfg=cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -147,6 +147,7 @@ class ServerConfig:
     read_timeout_s: float = 30.0         # a request body not received within this gets 408
     header_timeout_s: float = 10.0       # a connection whose first request's headers take longer is closed
     allow_client_chat_template: bool = False   # let requests send their own Jinja chat template
+    engine_process: bool = True          # `serve`: the engine in a process of its own (false: a thread of the server's)
 
 
 @dataclass

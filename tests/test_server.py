@@ -50,7 +50,7 @@ def wait_until(cond, timeout=10.0):
 
 def slow(engine, seconds=0.005):
     forward = engine.backend.forward
-    engine.backend.forward = lambda batch: (time.sleep(seconds), forward(batch))[1]
+    engine.backend.forward = lambda *a, **k: (time.sleep(seconds), forward(*a, **k))[1]
     return engine
 
 
@@ -453,13 +453,29 @@ def test_python_m_metrale_serve_starts_and_stops_on_sigterm():
             "model": "smollm2-135m", "messages": [{"role": "user", "content": "What is the capital of France?"}],
             "max_tokens": 12, "temperature": 0}).json()
         assert "Paris" in out["choices"][0]["message"]["content"]
+        children = _children(proc.pid)     # server.engine_process (the default): the engine process (and
+        engines = [pid for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(engines) == 1           # multiprocessing's resource tracker)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+        assert wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in children), 10), "orphans"
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert "serving smollm2-135m" in proc.stderr.read()
+    err = proc.stderr.read()
+    assert "serving smollm2-135m" in err and "engine process" in err
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
 
 
 def test_templates_that_know_tools_get_them_as_tools():

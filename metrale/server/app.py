@@ -1,4 +1,6 @@
-"""The OpenAI-compatible HTTP API: `create_app(engine, cfg)` builds a FastAPI app around an Engine.
+"""The OpenAI-compatible HTTP API: `create_app(engine, cfg)` builds a FastAPI app around an Engine
+(its loop thread in this process) or an EngineProcess (the engine in a process of its own:
+engine_process.py; `python -m metrale serve` runs that way unless server.engine_process=false).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/messages (Anthropic,
 anthropic_api.py), POST /v1/responses (OpenAI Responses, responses_api.py), POST /tokenize,
@@ -10,7 +12,6 @@ away is aborted (its KV blocks are freed). The app holds no engine state of its 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import logging
 import secrets
@@ -32,6 +33,7 @@ from metrale.server import anthropic_api, responses_api
 from metrale.server.openapi_bodies import openapi_extra
 from metrale.server.chat_input import encode_masked, mask_special_text
 from metrale.driver import EngineLoop, ServerDraining
+from metrale.server.engine_process import EngineProcess, supports_structured_output
 from metrale.server.parsing import (ChatOutputParser, ParsedChat, inline_tools, template_knows_tools,
                                     with_system_text)
 from metrale.server.protocol import (ApiError, ApiRequest, Fields, bad, chat_messages,
@@ -45,15 +47,6 @@ DISCONNECT_POLL_S = 0.25   # how often a handler waiting for a whole response ch
 
 def dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-
-
-def supports_structured_output(engine) -> bool:
-    """Whether the engine enforces SamplingParams.json_schema/regex/grammar/choice: its own
-    `supports_structured_output` flag if it has one, else whether the grammar module exists."""
-    flag = getattr(engine, "supports_structured_output", None)
-    if flag is not None:
-        return bool(flag)
-    return importlib.util.find_spec("metrale.sampling.grammar") is not None
 
 
 class _Auth:
@@ -109,10 +102,10 @@ class Run:
                 self.unfinished.discard(rid)
                 self.close()
                 raise engine_error(str(exc), chat=chat, renames=req.renames) from None
-            except ServerDraining:
+            except ServerDraining as exc:        # shutting down, or the engine process is gone
                 self.unfinished.discard(rid)
                 self.close()
-                raise ApiError(503, "the server is shutting down", None, "service_unavailable") from None
+                raise ApiError(503, str(exc), None, "service_unavailable") from None
             except BaseException:
                 self.close()
                 raise
@@ -224,13 +217,14 @@ def _server_error(reason: str) -> ApiError:
 
 
 class Server:
-    """What the routes share: the engine loop, settings and model names."""
+    """What the routes share: the engine loop, settings and model names. `engine` is an Engine
+    or an EngineProcess (the same tokenizer, limits, encode_prompt and driver())."""
 
     def __init__(self, engine, cfg):
         self.engine, self.cfg, self.scfg = engine, cfg, cfg.server
-        self.loop = engine.driver()          # the engine's one loop thread, shared with library callers
+        self.remote = isinstance(engine, EngineProcess)
+        self.loop = engine.driver()          # the engine's loop thread (shared with library callers), or the pipes to it
         self.loop.hold_for_good()
-        self.metrics = self.loop.metrics
         self.model_name = self.scfg.served_model_name or str(cfg.model)
         self.aliases = {self.model_name, str(cfg.model), getattr(engine.model_config, "name", "") or self.model_name}
         self.created = int(time.time())
@@ -334,7 +328,7 @@ class Server:
         token ids."""
         params, engine = req.params, self.engine
         k = params.best_of or params.n
-        limit = engine.scheduler.max_num_seqs
+        limit = engine.max_num_seqs if self.remote else engine.scheduler.max_num_seqs
         if k * len(prompts) > limit:
             what = "best_of" if params.best_of else "n"
             raise bad(what, f"{what}: {len(prompts)} prompt(s) x {k} = {k * len(prompts)} sequences exceed "
@@ -595,6 +589,10 @@ class Server:
             raise bad("tokens", f"tokens: ids must lie in [0, {vocab})")
         return {"prompt": await asyncio.to_thread(self.engine.tokenizer.decode, ids, False)}
 
+    async def metrics_text(self) -> str:
+        """The Prometheus text: the engine loop's metrics (in the engine process: asked over the pipe)."""
+        return await self.loop.metrics_text() if self.remote else self.loop.metrics.render()
+
     def models(self) -> dict:
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "metrale",
                 "root": str(self.cfg.model), "max_model_len": self.engine.max_model_len}
@@ -672,7 +670,11 @@ def create_app(engine, cfg=None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(server.metrics.render(), media_type="text/plain; version=0.0.4")
+        try:
+            text = await server.metrics_text()
+        except (ServerDraining, asyncio.TimeoutError) as exc:
+            raise ApiError(503, str(exc) or "the engine did not answer", None, "service_unavailable") from None
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     if cfg.server.api_key:
         app.add_middleware(_Auth, key=str(cfg.server.api_key))

@@ -6,11 +6,16 @@ Examples:
   python -m metrale serve server.host=0.0.0.0 scheduler.max_num_seqs=64 --cfg job
 Settings: every setting of `python -m metrale` plus server.* (host, port, api_key, api_key_file,
 served_model_name, max_body_bytes, max_json_depth, read_timeout_s, allow_client_chat_template,
-shutdown_grace_s, parse_reasoning, access_log); see docs/server.md. The API key can also come from
-the METRALE_API_KEY environment variable.
+shutdown_grace_s, parse_reasoning, access_log, engine_process); see docs/server.md. The API key can
+also come from the METRALE_API_KEY environment variable.
+
+The engine runs in a process of its own (server.engine_process=true, the default): the HTTP
+server and the engine loop do not share a GIL. server.engine_process=false keeps it in this
+process (a thread), as create_app(engine) does for callers embedding the app.
 
 Shutdown (SIGINT/SIGTERM): the listening socket closes, in-flight requests get
-server.shutdown_grace_s seconds to finish, the rest end with finish_reason "abort", then exit.
+server.shutdown_grace_s seconds to finish, the rest end with finish_reason "abort", the engine
+process is stopped, then exit.
 """
 from __future__ import annotations
 
@@ -119,7 +124,9 @@ class ServerThread:
         self.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, build=None) -> int:
+    """build(cfg) -> Engine makes the engine (default Engine(cfg=cfg)); with server.engine_process
+    it runs in the engine process, so it must be a picklable top-level function (bench/serve_profile.py)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
@@ -140,22 +147,29 @@ def main(argv: list[str] | None = None) -> int:
     level = str(cfg.log_level).upper()
     logging.basicConfig(level=getattr(logging, level, logging.WARNING),
                         format="%(levelname)s %(name)s: %(message)s")
-    from metrale.engine import Engine
     from metrale.models.registry import ModelNotFoundError
     from metrale.server.app import create_app
+    from metrale.server.engine_process import EngineProcess, EngineStartError, build_engine
+    build = build or build_engine
     try:
-        engine = Engine(cfg=cfg)
-    except (ModelNotFoundError, ValueError, RuntimeError) as exc:
+        engine = EngineProcess.start(cfg, build) if s.engine_process else build(cfg)
+    except (EngineStartError, ModelNotFoundError, ValueError, RuntimeError) as exc:
         return _fail(str(exc))
-    app = create_app(engine, cfg)
-    name = app.state.server.model_name
-    print(f"[metrale] serving {name} ({engine.model_config.name} on {engine.backend.name}, loaded in "
-          f"{engine.load_seconds:.2f} s) at http://{s.host}:{s.port}/v1"
-          f"{' (API key required)' if s.api_key else ''}", file=sys.stderr)
-    config = uvicorn.Config(app, host=s.host, port=s.port, log_level=_uvicorn_level(level),
-                            access_log=s.access_log, lifespan="on", timeout_graceful_shutdown=5,
-                            http=http_protocol(s.header_timeout_s))
-    MetraleServer(config, app.state.engine_loop, s.shutdown_grace_s).run()
+    try:
+        app = create_app(engine, cfg)
+        info = engine.info if s.engine_process else None
+        where = f", engine process {info.pid}" if info else ""
+        print(f"[metrale] serving {app.state.server.model_name} ({engine.model_config.name} on "
+              f"{info.backend if info else engine.backend.name}, loaded in "
+              f"{info.load_seconds if info else engine.load_seconds:.2f} s{where}) at http://{s.host}:{s.port}/v1"
+              f"{' (API key required)' if s.api_key else ''}", file=sys.stderr)
+        config = uvicorn.Config(app, host=s.host, port=s.port, log_level=_uvicorn_level(level),
+                                access_log=s.access_log, lifespan="on", timeout_graceful_shutdown=5,
+                                http=http_protocol(s.header_timeout_s))
+        MetraleServer(config, app.state.engine_loop, s.shutdown_grace_s).run()
+    finally:
+        if s.engine_process:
+            engine.close()                 # stopped by the drain already; this is for a failed start
     return 0
 
 

@@ -1,0 +1,256 @@
+"""The server with its engine in a process of its own (server.engine_process, engine_process.py).
+
+A tiny random Llama with metrale's byte tokenizer (a real forward, a real tokenizer class, built in
+a second) runs behind one server in this process and one in a child process: their greedy answers
+must be equal. The fake engine (tests/fake_model.py, slowed down) carries the kill and shutdown
+tests, where requests must be in flight when the engine process goes away.
+"""
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import httpx
+import pytest
+
+from metrale import Engine
+from metrale.server import ServerThread, create_app
+from metrale.server.engine_process import EngineProcess, EngineStartError
+from metrale.settings import compose
+
+PROMPTS = ["The capital of France is", "def add(a, b):", "1, 2, 3, 4,"]
+TINY = ["model=tiny-shape", "device=cpu", "cache.num_blocks=512", "scheduler.max_num_seqs=64"]
+
+
+def build_tiny(cfg):
+    """tiny-shape with a 259-id vocabulary and ByteTokenizer (a random preset borrows SmolLM2's
+    tokenizer otherwise, whose GGUF takes seconds to read); random weights of seed 0, so the same
+    in both processes."""
+    from metrale.models.assemble import make_backend
+    from metrale.models.checkpoint import random_model_config
+    from metrale.models.registry import resolve_model
+    from metrale.models.tokenizer import ByteTokenizer
+    source = resolve_model("tiny-shape")
+    config = replace(random_model_config(source.preset, source.name), vocab_size=ByteTokenizer.vocab_size)
+    return Engine(cfg=cfg, parts=(config, ByteTokenizer(), make_backend("cpu", cfg, config, None)))
+
+
+def build_slow_fake(cfg):
+    """The fake engine, 5 ms a forward: long requests stay in flight for seconds."""
+    from fake_model import fake_engine
+    engine = fake_engine(num_blocks=1024, block_size=4)
+    forward = engine.backend.forward
+    engine.backend.forward = lambda *a, **k: (time.sleep(0.005), forward(*a, **k))[1]
+    return engine
+
+
+def build_that_dies(cfg):
+    os._exit(3)
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid:
+                out.append(int(entry))
+    return out
+
+
+def events(r) -> list[str]:
+    return [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def streamed(url: str, path: str, body: dict) -> tuple[str, str | None, list[str]]:
+    """(the text, the finish reason, the raw events) of a streamed completion or chat."""
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        raw = events(r)
+    text, finish = "", None
+    for e in raw[:-1]:
+        choice = json.loads(e)["choices"][0]
+        text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+        finish = choice.get("finish_reason") or finish
+    assert raw[-1] == "[DONE]"
+    return text, finish, raw
+
+
+def query(proc: EngineProcess, what: str = "state"):
+    coro = proc.loop.engine_state() if what == "state" else proc.loop.metrics_text()
+    return asyncio.run(coro)
+
+
+def wait_until(cond, timeout=20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """(in-process server, engine-process server, the EngineProcess) around the same tiny model."""
+    cfg = compose(TINY)
+    with ThreadPoolExecutor(1) as pool:
+        started = pool.submit(EngineProcess.start, cfg, build_tiny)      # spawns while this process builds its own
+        local = build_tiny(cfg)
+        proc = started.result()
+    with ServerThread(create_app(local, cfg)) as here, ServerThread(create_app(proc, cfg)) as there:
+        yield here, there, proc
+    assert not proc.process.is_alive() and proc.process.exitcode == 0
+
+
+# --------------------------------------------------------------------- same answers
+def test_answers_equal_the_in_process_server(pair):
+    here, there, _ = pair
+    for prompt in PROMPTS:
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        a = httpx.post(here.url + "/v1/completions", json=body, timeout=60).json()
+        b = httpx.post(there.url + "/v1/completions", json=body, timeout=60).json()
+        assert a["choices"][0]["text"] == b["choices"][0]["text"] and b["choices"][0]["finish_reason"] == "length"
+        assert a["usage"] == b["usage"] and b["usage"]["completion_tokens"] == 12
+        assert streamed(here.url, "/v1/completions", body)[:2] == streamed(there.url, "/v1/completions", body)[:2] \
+            == (a["choices"][0]["text"], "length")
+    chat = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 10,
+            "temperature": 0, "ignore_eos": True}
+    a = httpx.post(here.url + "/v1/chat/completions", json=chat, timeout=60).json()
+    b = httpx.post(there.url + "/v1/chat/completions", json=chat, timeout=60).json()
+    assert a["choices"][0]["message"] == b["choices"][0]["message"] and a["usage"] == b["usage"]
+    assert streamed(there.url, "/v1/chat/completions", chat)[:2] == (a["choices"][0]["message"]["content"], "length")
+    assert httpx.get(there.url + "/v1/models").json()["data"][0]["max_model_len"] == \
+        httpx.get(here.url + "/v1/models").json()["data"][0]["max_model_len"]
+
+
+def test_refusals_come_back_as_400s(pair):
+    _, there, _ = pair
+    r = httpx.post(there.url + "/v1/completions", json={"prompt": [9999], "max_tokens": 2})
+    assert r.status_code == 400 and "[0, 259)" in r.json()["error"]["message"]
+    r = httpx.post(there.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "temperature": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+
+
+def test_32_concurrent_streams_finish_with_their_tokens(pair):
+    _, there, proc = pair
+
+    async def one(client, i):
+        body = {"prompt": f"stream {i}", "max_tokens": 8 + i, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        async with client.stream("POST", there.url + "/v1/completions", json=body) as r:
+            raw = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
+        chunks = [json.loads(e) for e in raw[:-1]]
+        finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+        return raw[-1], finish[-1], chunks[-1]["usage"]["completion_tokens"]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+    assert asyncio.run(main()) == [("[DONE]", "length", 8 + i) for i in range(32)]
+    state = query(proc)
+    assert state["requests"] == 0 and state["num_free"] == state["num_blocks"] and state["leak"] is None
+
+
+def test_disconnect_aborts_in_the_engine_and_frees_its_blocks(pair):
+    _, there, proc = pair
+    with httpx.stream("POST", there.url + "/v1/completions", timeout=60,
+                      json={"prompt": "long", "max_tokens": 1500, "ignore_eos": True, "stream": True}) as r:
+        lines = r.iter_lines()
+        assert any(next(lines).startswith("data: {") for _ in range(4))
+        assert query(proc)["requests"] == 1
+    assert wait_until(lambda: query(proc)["requests"] == 0)
+    state = query(proc)
+    assert state["num_free"] == state["num_blocks"] and state["leak"] is None
+    assert 'metrale_requests_total{finish_reason="abort"} 1' in httpx.get(there.url + "/metrics").text
+
+
+def test_metrics_come_from_the_engine_process(pair):
+    _, there, _ = pair
+    httpx.post(there.url + "/v1/completions", json={"prompt": "metrics", "max_tokens": 4, "ignore_eos": True})
+    values = {}
+    for line in httpx.get(there.url + "/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    assert values['metrale_requests_total{finish_reason="length"}'] >= 1
+    assert values["metrale_generation_tokens_total"] >= 4 and values["metrale_prompt_tokens_total"] >= 7
+    assert values["metrale_requests_running"] == 0 and values["metrale_kv_cache_usage_ratio"] == 0.0
+    assert values["metrale_time_to_first_token_seconds_count"] >= 1
+    assert httpx.get(there.url + "/health").json() == {"status": "ok"}
+
+
+# ------------------------------------------------------------------ failure and shutdown
+def test_killing_the_engine_process_ends_requests_with_an_error():
+    proc = EngineProcess.start(compose([]), build_slow_fake)
+    srv = ServerThread(create_app(proc, compose([]))).start()
+    got = {}
+
+    def stream():
+        with httpx.stream("POST", srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3000, "stream": True},
+                          timeout=30) as r:
+            got["stream"] = events(r)
+
+    def whole():
+        got["whole"] = httpx.post(srv.url + "/v1/chat/completions", timeout=30,
+                                  json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000})
+    threads = [threading.Thread(target=stream), threading.Thread(target=whole)]
+    try:
+        for t in threads:
+            t.start()
+        assert wait_until(lambda: query(proc)["running"] == 2)
+        os.kill(proc.pid, signal.SIGKILL)
+        for t in threads:
+            t.join(20)
+        assert json.loads(got["stream"][-2])["error"]["message"] == "the engine process died (killed by SIGKILL)"
+        assert got["stream"][-1] == "[DONE]"
+        assert got["whole"].status_code == 500 and "engine process died" in got["whole"].json()["error"]["message"]
+        assert httpx.get(srv.url + "/health").status_code == 503
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503
+        assert r.json()["error"]["message"] == "the engine process is not running (killed by SIGKILL)"
+    finally:
+        srv.stop()
+    assert not srv.thread.is_alive()
+
+
+def test_shutdown_aborts_in_flight_requests_and_stops_the_engine_process():
+    proc = EngineProcess.start(compose([]), build_slow_fake)
+    srv = ServerThread(create_app(proc, compose(["server.shutdown_grace_s=0.3"]))).start()
+    got = {}
+
+    def stream():
+        with httpx.stream("POST", srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3000, "stream": True},
+                          timeout=30) as r:
+            got["events"] = events(r)
+    t = threading.Thread(target=stream)
+    t.start()
+    assert wait_until(lambda: query(proc)["running"] == 1)
+    srv.stop()
+    t.join(10)
+    assert json.loads(got["events"][-2])["choices"][0]["finish_reason"] == "abort" and got["events"][-1] == "[DONE]"
+    assert not proc.process.is_alive() and proc.process.exitcode == 0
+    assert proc.pid not in children_of(os.getpid())
+
+
+def test_start_up_errors_are_the_in_process_one_liners():
+    bad = compose(["model=/no/such/model.gguf", "device=cpu"])
+    with pytest.raises(Exception) as here:
+        Engine(cfg=bad)
+    with ThreadPoolExecutor(2) as pool:
+        missing = pool.submit(EngineProcess.start, bad)
+        dies = pool.submit(EngineProcess.start, compose([]), build_that_dies)
+        with pytest.raises(EngineStartError) as there:
+            missing.result()
+        with pytest.raises(EngineStartError) as died:
+            dies.result()
+    assert str(there.value) == str(here.value) and "no such path" in str(there.value)
+    assert str(died.value) == "the engine process exited during start-up (exit code 3)"
