@@ -1,0 +1,188 @@
+"""The CPU path against llama.cpp on the same GGUF, in one run (issue 23): decode tok/s at batch 1
+and 8, prefill of 512 tokens, peak RSS; metrale's fast path (levers.cpu_kernels=numba), its NumPy
+reference (numpy) and llama.cpp's CPU build (llama-bench, llama-batched-bench).
+
+    python -m bench.cpu_decode --llamacpp /work/lcpp/build-cpu/bin          # SmolLM2 Q4_1, 2 threads
+    python -m bench.cpu_decode --skip numpy --out docs/bench                  # records to docs/bench/cpu_decode.json
+
+Every configuration runs in a fresh process (its peak RSS is its own; Numba's disk cache is warm
+after the first). What is compared (llama.cpp's tool -> metrale's equivalent, bench.decode_metrale):
+  llama-bench -n 128                 decode at batch 1                 -> 32 greedy steps at context 64
+  llama-bench -p 512                 prompt processing                  -> one 512-token prefill
+  llama-batched-bench -npp 128 -ntg 128 -npl 8: S_TG (aggregate decode) -> 8 sequences at context 192
+and `python -m metrale` (the README's command: 64 tokens of the default prompt) for its peak RSS and
+tok/s. The rounds alternate metrale and llama.cpp so that a noisy machine hurts both alike; each
+figure is the median over rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = "cpu_decode"
+
+
+def measure(model: str, kernels: str, threads: int, steps: int, prefill: int) -> dict:
+    """In this process: load, decode at batch 1 and 8, prefill; peak RSS at the end."""
+    import resource
+    from bench.decode_metrale import decode_tok_s, prefill_tok_s
+    from metrale.models.assemble import load_model
+    from metrale.settings import compose
+    cfg = compose([f"model={model}", "device=cpu", f"levers.cpu_kernels={kernels}", f"levers.cpu_threads={threads}",
+                   "scheduler.max_num_seqs=8", f"scheduler.max_num_batched_tokens={prefill}", "cache.num_blocks=192"])
+    t0 = time.perf_counter()
+    _, _, backend = load_model(cfg)
+    load_s = time.perf_counter() - t0
+    backend.max_tokens = prefill
+    out = {"kernels": kernels, "threads": threads, "load_s": load_s,
+           "weights_bytes": backend.memory_report()["weights_bytes"]}
+    out["decode_b1"] = decode_tok_s(backend, 1, 64, steps=steps)
+    out["decode_b8"] = decode_tok_s(backend, 8, 192, steps=max(4, steps // 4))
+    out["prefill"] = prefill_tok_s(backend, prefill, reps=2)
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return out
+
+
+def run_child(args: list[str], timeout: float = 1800) -> dict:
+    p = subprocess.run([sys.executable, "-m", "bench.cpu_decode", *args], capture_output=True, text=True,
+                       timeout=timeout, cwd=ROOT)
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode or not line:
+        return {"error": (p.stdout + p.stderr)[-2000:]}
+    return json.loads(line[-1])
+
+
+def cli_rss(model: str, kernels: str, threads: int) -> dict:
+    """`python -m metrale` (64 tokens of the default prompt): its tok/s line and peak RSS."""
+    code = ("import resource, subprocess, sys; p = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
+            "print(p.stdout + p.stderr); print('RSS_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    cmd = [sys.executable, "-c", code, sys.executable, "-m", "metrale", f"model={model}", "device=cpu",
+           f"levers.cpu_kernels={kernels}", f"levers.cpu_threads={threads}"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT)
+    rate = re.search(r"\(([\d.]+) tok/s\)", p.stdout)
+    rss = re.search(r"RSS_KB (\d+)", p.stdout)
+    return {"tok_s": float(rate.group(1)) if rate else None, "peak_rss_mb": int(rss.group(1)) / 1024 if rss else None,
+            "command": f"python -m metrale model={model} device=cpu levers.cpu_kernels={kernels}"}
+
+
+def llamacpp(bin_dir: Path, gguf: Path, threads: int, prefill: int) -> dict:
+    from bench.llamacpp import _run, parse_batched_bench, parse_llama_bench
+    out: dict = {"threads": threads}
+    cmd = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", str(prefill), "-n", "128", "-t", str(threads),
+           "-r", "3", "-o", "json"]
+    rc, so, se = _run(cmd, 900)
+    for row in parse_llama_bench(so) or []:
+        key = "prefill" if row.get("n_prompt") else "decode_b1"
+        out[key] = {"tok_s": float(row["avg_ts"]), "stddev": float(row.get("stddev_ts", 0.0))}
+    out["llama_bench"] = " ".join(cmd[1:]) if rc == 0 else f"rc={rc}: {(so + se)[-500:]}"
+    cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-c", str(8 * (128 + 128 + 16)), "-b", "2048",
+           "-ub", "512", "-npp", "128", "-ntg", "128", "-npl", "8", "-t", str(threads), "--output-format", "jsonl"]
+    rc, so, se = _run(cmd, 900)
+    rows = parse_batched_bench(so + "\n" + se)
+    if rows:
+        out["decode_b8"] = {"tok_s": float(rows[-1]["speed_tg"])}
+    out["batched_bench"] = " ".join(cmd[1:]) if rc == 0 else f"rc={rc}: {(so + se)[-500:]}"
+    return out
+
+
+def _median(values):
+    values = sorted(v for v in values if v is not None)
+    return values[len(values) // 2] if values else None
+
+
+def summary(rounds: list[dict]) -> dict:
+    """Medians over rounds of every tok/s figure, per runner."""
+    out: dict = {}
+    for runner in ("numba", "numpy", "llamacpp"):
+        got = [r[runner] for r in rounds if runner in r and "error" not in r[runner]]
+        if not got:
+            continue
+        fig = {k: _median([g.get(k, {}).get("tok_s") for g in got]) for k in ("decode_b1", "decode_b8", "prefill")}
+        if runner != "llamacpp":
+            fig["peak_rss_mb"] = _median([g.get("peak_rss_mb") for g in got])
+            fig["weights_bytes"] = got[0]["weights_bytes"]
+        out[runner] = fig
+    for runner in ("numba", "numpy"):
+        got = [r.get(f"cli_{runner}") for r in rounds if r.get(f"cli_{runner}")]
+        if got:
+            out.setdefault(runner, {})["cli_tok_s"] = _median([g["tok_s"] for g in got])
+            out[runner]["cli_peak_rss_mb"] = _median([g["peak_rss_mb"] for g in got])
+    return out
+
+
+def records(s: dict, machine: str, command: str) -> list[dict]:
+    from bench.records import make_record
+    peer = s.get("llamacpp", {})
+    recs = []
+    names = {"decode_b1": "decode batch 1", "decode_b8": "decode batch 8 (aggregate)", "prefill": "prefill 512"}
+    for runner, label in (("numba", "fast path"), ("numpy", "NumPy reference")):
+        fig = s.get(runner)
+        if not fig:
+            continue
+        for key, name in names.items():
+            if fig.get(key):
+                recs.append(make_record(BENCH, f"SmolLM2 Q4_1 {name}, {label}", fig[key], "tok/s", None,
+                                        peer.get(key), "llama.cpp CPU", machine, command))
+        if fig.get("cli_peak_rss_mb"):
+            recs.append(make_record(BENCH, f"python -m metrale peak RSS, {label}", fig["cli_peak_rss_mb"], "MB",
+                                    400.0 if runner == "numba" else None, None, None, machine, command))
+    return recs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--llamacpp", default="", help="directory of llama-bench and llama-batched-bench")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--skip", nargs="*", default=[], choices=["numba", "numpy", "llamacpp", "cli"])
+    ap.add_argument("--out", default="", help="write bench records (bench/records.py) to this directory")
+    ap.add_argument("--raw", default="", help="write the rounds and the summary as JSON here")
+    ap.add_argument("--child", default="", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(measure(a.model, a.child, a.threads, a.steps, a.prefill)))
+        return
+    from metrale.models.registry import resolve_model
+    gguf = resolve_model(a.model).path
+    common = ["--model", a.model, "--threads", str(a.threads), "--steps", str(a.steps), "--prefill", str(a.prefill)]
+    rounds = []
+    for i in range(a.rounds):
+        r: dict = {"round": i}
+        for runner in ("numba", "llamacpp", "numpy"):
+            if runner in a.skip or (runner == "llamacpp" and not a.llamacpp):
+                continue
+            t0 = time.perf_counter()
+            r[runner] = llamacpp(Path(a.llamacpp), gguf, a.threads, a.prefill) if runner == "llamacpp" else \
+                run_child([*common, "--child", runner])
+            print(f"[cpu_decode] round {i} {runner}: {time.perf_counter() - t0:.0f} s {json.dumps(r[runner])[:400]}",
+                  file=sys.stderr, flush=True)
+        if "cli" not in a.skip:
+            for runner in ("numba", "numpy"):
+                if runner not in a.skip:
+                    r[f"cli_{runner}"] = cli_rss(a.model, runner, a.threads)
+        rounds.append(r)
+    s = summary(rounds)
+    s["load_avg"] = os.getloadavg()
+    print(json.dumps(s, indent=1))
+    if a.raw:
+        Path(a.raw).write_text(json.dumps({"rounds": rounds, "summary": s}, indent=1))
+    if a.out:
+        from bench.records import write_records
+        machine = f"CPU, {os.cpu_count()} cores"
+        cmd = "python -m bench.cpu_decode " + " ".join(sys.argv[1:])
+        for path in write_records(records(s, machine, cmd), a.out, merge=True):
+            print(f"wrote {path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
