@@ -48,7 +48,8 @@ __all__ = ["gemv", "gemv_cfg", "gemv_path", "max_rows", "smem_bytes", "py_kernel
            "MAX_T", "SMEM_LIMIT"]
 
 MAX_T = 8
-SMEM_LIMIT = 48 * 1024
+SMEM_LIMIT = 48 * 1024          # dynamic shared memory without the opt-in attribute
+BIG_SMEM = 76 * 1024            # above: fewer than 3 blocks fit a multiprocessor (8 warps a block)
 
 M4 = np.uint32(0x0F0F0F0F)
 M10 = np.uint32(0x10101010)
@@ -471,12 +472,35 @@ def smem_bytes(qtype: int, T: int, K: int, warps: int = 4, rows: int = 1) -> int
     return 4 * (T * (K // 4) + T * (K // 32) * (3 if qtype == Q6_K else 2) + (T * rows * 32 * warps if T > 1 else 0))
 
 
+_LIMIT: list = []
+
+
+def smem_limit() -> int:
+    """Dynamic shared memory a launch may take: the device's opt-in maximum (227 KB on sm_90; the
+    launcher raises the kernel's attribute, `_allow_smem`), 48 KB in the simulator or if raising
+    it failed once."""
+    if not _LIMIT:
+        lim = SMEM_LIMIT
+        if not SIM:
+            try:
+                lim = int(cuda.get_current_device().MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            except Exception:       # pragma: no cover - older drivers / attribute names
+                pass
+        _LIMIT.append(lim)
+    return _LIMIT[0]
+
+
 def max_rows(qtype: int, K: int) -> int:
-    """Largest T one launch takes (<= MAX_T, the staged x within SMEM_LIMIT)."""
+    """Largest T one launch takes (<= MAX_T, the staged x within smem_limit())."""
     t = MAX_T
-    while t > 1 and smem_bytes(qtype, t, K) > SMEM_LIMIT:
+    while t > 1 and smem_bytes(qtype, t, K, *_cfg_smem(qtype, K, t)) > smem_limit():
         t -= 1
     return t
+
+
+def _cfg_smem(qtype, K, T):
+    c = gemv_cfg(qtype, 0, K, T)
+    return c[0], c[1]
 
 
 def _lanes(nun: int, unrolls) -> tuple[int, int]:
@@ -501,11 +525,13 @@ def gemv_cfg(qtype: int, N: int, K: int, T: int = 1) -> tuple[int, int, int, int
     lane group: the weight words of one row (36 registers for Q4_K) with the staged x batch keep
     sm_90 ptxas at <= ~128 registers, 4 blocks of 128 threads a multiprocessor. To be tuned on the
     device (bench/quant_kernels.py --sweep)."""
+    big = smem_bytes(qtype, T, K, 8, 1) > BIG_SMEM     # x of T rows leaves room for 1-2 blocks only:
+    warps = 8 if big else 4                          # 8 warps a block, the next step's loads in flight
     if qtype in KQUANTS:
         split, _ = _lanes(K // 256, (1,))
-        return 4, 1, split, 1, False
+        return warps, 1, split, 1, big
     split, unroll = _lanes(K // 32, (1, 2) if qtype == Q8_0 else (1, 2, 3, 4))
-    return 4, 1, split, unroll, T <= 2
+    return warps, 1, split, unroll, T <= 2 or big
 
 
 PERSIST = 4          # blocks a multiprocessor: the grid is min(row tiles, PERSIST x SMs)
@@ -545,8 +571,38 @@ def gemv(x, planes: dict, out, T: int, *, qtype: int, n_off: int = 0, bias=None,
     assert n_off + N <= out.shape[1], f"quant gemv: columns {n_off}+{N} past out {tuple(out.shape)}"
     cfg, grid, block = path or gemv_path(qtype, N, K, T)
     nbytes = smem_bytes(qtype, T, K, cfg[0], cfg[1])
-    assert nbytes <= SMEM_LIMIT, f"quant gemv: {T} rows of K={K} need {nbytes} bytes of shared memory"
+    assert nbytes <= smem_limit(), f"quant gemv: {T} rows of K={K} need {nbytes} bytes of shared memory"
     k = kernel(qtype, T == 1, *cfg, bias is not None, residual is not None)
-    k[grid, block, stream, nbytes](x, qs, planes["qh"], planes["sc"], planes["dm"], out,
-                                   out if bias is None else bias, out if residual is None else residual,
-                                   n_off, T)
+    args = (x, qs, planes["qh"], planes["sc"], planes["dm"], out, out if bias is None else bias,
+            out if residual is None else residual, n_off, T)
+    if nbytes > SMEM_LIMIT and not _allow_smem(k, args):
+        step = max_rows(qtype, K)                        # the opt-in failed: launches of fewer rows
+        for t0 in range(0, T, step):
+            t = min(step, T - t0)
+            gemv(x[t0:t0 + t], planes, out[t0:t0 + t], t, qtype=qtype, n_off=n_off, bias=bias,
+                 residual=None if residual is None else residual[t0:t0 + t], stream=stream)
+        return
+    k[grid, block, stream, nbytes](*args)
+
+
+_OPTIN: dict = {}
+
+
+def _allow_smem(k, args) -> bool:
+    """Raise the compiled kernel's dynamic shared memory limit to smem_limit() (once a kernel and
+    device); False (and the limit back to 48 KB for every later launch) if the driver refuses."""
+    try:
+        kern = k._compile_for_args(*args)
+        key = (id(kern), cuda.get_current_device().id)
+        if key not in _OPTIN:
+            from numba.cuda.cudadrv.driver import binding, driver
+            fn = kern._codelibrary.get_cufunc()
+            attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            driver.cuKernelSetAttribute(attr, smem_limit(), fn.handle, fn.device.id)
+            _OPTIN[key] = kern
+        return True
+    except Exception as e:       # pragma: no cover - depends on the driver
+        import warnings
+        warnings.warn(f"quant gemv: dynamic shared memory above 48 KB refused ({e}); launching fewer rows")
+        _LIMIT[:] = [SMEM_LIMIT]
+        return False

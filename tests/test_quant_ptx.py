@@ -24,14 +24,14 @@ I1 = types.Array(types.int32, 1, "C")
 MAX_REGS = 192      # dequantization kernels: no launch bounds
 
 
-def _checked(ptx: str) -> tuple[str, tuple | None]:
+def _checked(ptx: str, max_regs: int = MAX_REGS) -> tuple[str, tuple | None]:
     body = ptx.split(".entry", 1)[1]
     assert ".local" not in body, "register arrays spilled to local memory"
     assert not re.search(r"\b(add|mul|fma|sub|div|setp\.\w+|cvt\.rn\.f32)\S*\.f64", body), "float64 arithmetic"
     info = sass_info(ptx)
     if info is not None:
         regs, spills = info
-        assert spills == 0 and regs <= MAX_REGS, f"ptxas: {regs} registers, {spills} bytes spilled"
+        assert spills == 0 and regs <= max_regs, f"ptxas: {regs} registers, {spills} bytes spilled"
     return body, info
 
 
@@ -41,10 +41,7 @@ def _gemv_ptx(qt, cfg, one, bias=False, res=True):
     threads, blocks = QG.launch_bounds(qt, one, cfg[0])
     ptx, _ = cuda.compile_ptx(QG.py_kernel(qt, one, *cfg, bias, res), sig, cc=(9, 0),
                               launch_bounds=(threads, blocks))
-    body, info = _checked(ptx)
-    if info is not None:
-        assert info[0] <= 65536 // (threads * blocks), f"{info[0]} registers: fewer than {blocks} blocks"
-    return body, info
+    return _checked(ptx, min(255, 65536 // (threads * blocks)))    # the launch bound holds, no spills
 
 
 def _loads_a_unit(qt):
@@ -54,9 +51,10 @@ def _loads_a_unit(qt):
 
 # (type, K, T): each type at T = 1 in the configuration of the 4096-wide products; the down
 # product's K for a K-quant (8 lanes a row), Q6_K and a legacy type (unroll 2); the T >= 2 kernel
-# (one for T = 2..8: the rows of x are a run-time loop) for the Q4_K_M types and Q8_0
+# (one for T = 2..8: the rows of x are a run-time loop) for the Q4_K_M types and Q8_0, and at the
+# down product's K, where 8 rows of x take ~150 KB of shared memory (8 warps a block, pipelined)
 CASES = ([(qt, 4096, 1) for qt in L.TYPES] + [(L.Q4_K, 14336, 1), (L.Q6_K, 14336, 1), (L.Q4_0, 14336, 1)]
-         + [(qt, 4096, 8) for qt in (L.Q4_K, L.Q6_K, L.Q8_0)])
+         + [(qt, 4096, 8) for qt in (L.Q4_K, L.Q6_K, L.Q8_0)] + [(L.Q6_K, 14336, 8), (L.Q8_0, 14336, 8)])
 
 
 @pytest.mark.slow
