@@ -39,10 +39,17 @@ ROTATE_BYTES = 240 << 20
 ITERS, WARMUP = 30, 3
 
 
-def _kernel_jobs(types, shapes, rows):
+def _kernel_jobs(types, shapes, rows, fp8=False):
     """(qtype, one, cfg) of every GEMV kernel the run launches."""
+    from kernels_numba import quant_fp8 as F
     from kernels_numba import quant_gemv as QG
     jobs = set()
+    if fp8:
+        for name in shapes:
+            N, K = SHAPES[name]
+            for T in rows:
+                t = min(T, F.MAX_T)
+                jobs.add(("FP8", t == 1, F.fp8_gemv_cfg(N, K, t)))
     for qt in types:
         for name in shapes:
             N, K = SHAPES[name]
@@ -50,20 +57,26 @@ def _kernel_jobs(types, shapes, rows):
                 for t in ([T] if T <= QG.MAX_T else [min(QG.MAX_T, QG.max_rows(qt, K))]):
                     t = min(t, QG.max_rows(qt, K))
                     jobs.add((qt, t == 1, QG.gemv_cfg(qt, N, K, t)))
-    return sorted(jobs)
+    return sorted(jobs, key=str)
 
 
 def compile_jobs(jobs) -> float:
-    """Compile (qtype, one, cfg) kernels in this process (into the disk cache); seconds taken."""
+    """Compile (qtype, one, cfg) kernels in this process (into the disk cache); seconds taken.
+    qtype "FP8": quant_fp8's GEMV of cfg."""
     from numba import types as nt
 
+    from kernels_numba import quant_fp8 as F
     from kernels_numba import quant_gemv as QG
     F2 = nt.Array(nt.float32, 2, "C")
     U8 = nt.Array(nt.uint8, 2, "C")
     sig = (F2, U8, U8, U8, U8, F2, F2, F2, nt.int64, nt.int64)
+    sig8 = (F2, U8, F2, F2, F2, F2, nt.int64, nt.int64, nt.int64, nt.int64)
     t0 = time.time()
     for qt, one, cfg in jobs:
-        QG.kernel(qt, one, *cfg, False, True).compile(sig)
+        if qt == "FP8":
+            F.kernel(one, *cfg, False, True).compile(sig8)
+        else:
+            QG.kernel(qt, one, *cfg, False, True).compile(sig)
     return time.time() - t0
 
 
@@ -73,9 +86,13 @@ def precompile(jobs, procs: int) -> None:
     import multiprocessing as mp
 
     from kernels_numba import quant_gemv as QG
+    from kernels_numba import quant_fp8 as F
     jobs = list(jobs)
     for qt, one, cfg in jobs:
-        QG.py_kernel(qt, one, *cfg, False, True)
+        if qt == "FP8":
+            F.py_kernel(one, *cfg, False, True)
+        else:
+            QG.py_kernel(qt, one, *cfg, False, True)
     chunks = [jobs[i::procs] for i in range(procs) if jobs[i::procs]]
     t0 = time.time()
     with mp.get_context("spawn").Pool(len(chunks)) as pool:
@@ -110,7 +127,7 @@ SHAPES["tiny"] = (64, 512)     # a dry run under the simulator (NUMBA_ENABLE_CUD
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--types", default="Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,Q4_K,Q5_K,Q6_K")
+    ap.add_argument("--types", default="Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,Q4_K,Q5_K,Q6_K,FP8")
     ap.add_argument("--rows", default="1,8,32")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--json", default=None)
@@ -124,11 +141,12 @@ def main() -> None:
 
     from kernels_numba import quant_layout as L
     names = {v: k for k, v in L.NAMES.items()}
-    types = [names[t] for t in args.types.split(",")]
+    fp8 = "FP8" in args.types.split(",")
+    types = [names[t] for t in args.types.split(",") if t != "FP8"]
     rows = [int(r) for r in args.rows.split(",")]
     shapes = args.shapes.split(",")
     if args.precompile:
-        precompile(_kernel_jobs(types, shapes, sorted(set(rows) | {1, 8})), args.precompile)
+        precompile(_kernel_jobs(types, shapes, sorted(set(rows) | {1, 8}), fp8), args.precompile)
         if args.precompile_only:
             return
 
@@ -216,11 +234,47 @@ def main() -> None:
             if args.sweep and qt in (L.Q4_K, L.Q6_K, L.Q8_0, L.Q4_0):
                 _sweep(qt, N, K, name, copies, nrot, nbytes, xs[1], outs[1], rec)
             del copies
+        if fp8:
+            _fp8(name, N, K, rows, xs, outs, bf16, rng, rec)
     print(f"# {time.time() - t_start:.0f} s", flush=True)
     if args.json:
         from bench.records import write_records
         write_records(records, args.json)
         print("# wrote", args.json)
+
+
+def _fp8(name, N, K, rows, xs, outs, bf16, rng, rec):
+    """FP8 e4m3 with 128 x 128 block scales (DeepSeek-V3 / Qwen3-FP8's layout): the FP8 GEMV for
+    T <= 8, dequantize to bf16 + the bf16 GEMM above."""
+    from numba import cuda
+
+    from bench.timing import time_launches
+    from kernels_numba import gemm, quant_fp8 as F
+    q = rng.integers(0, 256, (N, K), dtype=np.uint8)
+    q[(q & 0x7F) == 0x7F] = 0x30
+    S, bn, bk = F.scale_grid(rng.uniform(0.01, 0.02, (-(-N // 128), -(-K // 128))).astype(np.float32), N, K, (128, 128))
+    nbytes = q.nbytes + S.nbytes
+    nrot = max(1, min(16, -(-ROTATE_BYTES // nbytes)))
+    dq = [cuda.to_device(q) for _ in range(nrot)]
+    dS = cuda.to_device(S)
+    del q
+    for T in rows:
+        x, out = xs[T], outs[T]
+        if T <= F.MAX_T:
+            ms = time_launches(lambda i: F.fp8_gemv(x, dq[i], dS, out, T, bn=bn, bk=bk, residual=out), nrot, ITERS, WARMUP)
+            kind = "fp8 gemv " + str(F.fp8_gemv_cfg(N, K, T))
+        else:
+            scratch = cuda.device_array((N, K), np.uint16)
+            ms = time_launches(lambda i: (F.dequant_bf16(dq[i], dS, scratch, bn=bn, bk=bk),
+                                          gemm.linear(x, scratch, out)), nrot, ITERS, WARMUP)
+            kind = "dequant+gemm"
+        gbs = nbytes / (ms * 1e-3) / 1e9
+        print(f"{name:8s} {N:6d}x{K:5d} T={T:3d} FP8   {ms * 1e3:8.1f} us {gbs:7.0f} GB/s "
+              f"{gbs * 1e9 / HBM:5.0%} of 4.8 TB/s {gbs * 1e9 / COPY:5.0%} of copy   "
+              f"{bf16[T] / ms:4.2f}x bf16   {kind}", flush=True)
+        rec(f"{name} T={T} FP8", gbs, "GB/s", HBM / 1e9, 2 * N * K / (bf16[T] * 1e-3) / 1e9,
+            "bf16 gemm.linear (its bytes/s)", us=ms * 1e3, bytes=nbytes, N=N, K=K, T=T, kind=kind,
+            speedup_vs_bf16=bf16[T] / ms, copy_ceiling_fraction=gbs * 1e9 / COPY)
 
 
 def _sweep(qt, N, K, name, copies, nrot, nbytes, x, out, rec):

@@ -413,22 +413,22 @@ def _make_gemv(*cfg):
     return _load_generated(text)
 
 
-def _load_generated(text: str):
+def _load_generated(text: str, func: str = "gemv", prefix: str = "quant_gemv"):
     import hashlib
     import importlib.util
     from kernels_numba.jit import cache_dir
     digest = hashlib.sha256(text.encode()).hexdigest()[:20]
     folder = cache_dir() / "generated"
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"quant_gemv_{digest}.py"
+    path = folder / f"{prefix}_{digest}.py"
     if not path.exists() or path.read_text() != text:
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(text)
         os.replace(tmp, path)
-    spec = importlib.util.spec_from_file_location(f"_metrale_quant_gemv_{digest}", path)
+    spec = importlib.util.spec_from_file_location(f"_metrale_{prefix}_{digest}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.gemv
+    return getattr(mod, func)
 
 
 # ----------------------------------------------------------------------------- kernel cache

@@ -11,6 +11,8 @@
   rni(f)              `cvt.rni.s32.f32`: f rounded to the nearest integer (ties to even) -> int32
   f32_bits(f) / bits_f32(u)   reinterpretation float32 <-> uint32
   shfl_xor_i32(v, m)  `shfl.sync.bfly.b32` of an int32 (all 32 lanes, m in 1..31)
+  e4m3x2_f32(u)       `cvt.rn.f16x2.e4m3x2` of the two fp8 e4m3 bytes in bits 0..15 of u, each then
+                      `cvt.f32.f16` -> (float32 of the low byte, float32 of the high byte); exact
 
 Numba has none of these (no dp4a, no fp16 conversion of raw bits, no 16-byte loads of byte arrays).
 Loads are of read-only data (`.nc`): weights, and the x the kernel only reads.
@@ -22,7 +24,7 @@ import numpy as np
 from kernels_numba.ptx import SIM
 
 __all__ = ["ldg_b16", "ldg_b4", "ldg_b2", "stg_u16x8", "stg_f32x4", "dp4a_us", "dp4a_ss", "h2f",
-           "rni", "f32_bits", "bits_f32", "shfl_xor_i32"]
+           "rni", "f32_bits", "bits_f32", "shfl_xor_i32", "e4m3x2_f32"]
 
 if SIM:
     from kernels_numba import ptx as _ptx
@@ -76,6 +78,14 @@ if SIM:
 
     def bits_f32(u):
         return np.uint32(int(u) & 0xFFFFFFFF).view(np.float32)
+
+    import ml_dtypes as _mld
+
+    _E4M3 = np.arange(256, dtype=np.uint8).view(_mld.float8_e4m3fn).astype(np.float32)
+
+    def e4m3x2_f32(u):
+        u = int(u)
+        return _E4M3[u & 0xFF], _E4M3[(u >> 8) & 0xFF]
 
     def shfl_xor_i32(v, m):
         st, lane = _ptx._my_warp()
@@ -205,6 +215,18 @@ else:
         def gen(context, builder, sig, args):
             return builder.bitcast(context.cast(builder, args[0], sig.args[0], types.uint32), _f32)
         return types.float32(u), gen
+
+    @intrinsic
+    def e4m3x2_f32(typingctx, u):
+        def gen(context, builder, sig, args):
+            v = builder.trunc(context.cast(builder, args[0], sig.args[0], types.uint32), _i16)
+            sty = ir.LiteralStructType([_f32, _f32])
+            asm = ir.InlineAsm(ir.FunctionType(sty, [_i16]),
+                               "{ .reg .b16 lo, hi; .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; "
+                               "mov.b32 {lo, hi}, t; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }", "=f,=f,h")
+            r = builder.call(asm, [v])
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(r, 0), builder.extract_value(r, 1)])
+        return types.UniTuple(types.float32, 2)(u), gen
 
     @intrinsic
     def shfl_xor_i32(typingctx, v, m):

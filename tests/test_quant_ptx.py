@@ -95,3 +95,29 @@ def test_cfg_covers_rows_evenly():
             units = K // (256 if qt in L.KQUANTS else 32)
             assert units % ((32 // split) * unroll) == 0, (L.NAMES[qt], K)
     assert QG.max_rows(L.Q6_K, 14336) == 2 and QG.max_rows(L.Q4_K, 4096) == 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("one", [True, False], ids=["T1", "T8"])
+def test_fp8_gemv_ptx(one):
+    """FP8 GEMV: 16-byte weight loads (rows x unroll a step, one site), 4 x loads of 16 bytes a
+    chunk, one cvt.rn.f16x2.e4m3x2 per 2 weights; within its launch bound, no spills."""
+    from kernels_numba import quant_fp8 as F
+    cfg = F.fp8_gemv_cfg(4096, 4096, 1 if one else 8)
+    warps, rows, unroll, pipe = cfg
+    sig = (F2, U8, F2, F2, F2, F2, types.int64, types.int64, types.int64, types.int64)
+    threads, blocks = F.launch_bounds(one, warps)
+    ptx, _ = cuda.compile_ptx(F.py_kernel(one, *cfg, False, True), sig, cc=(9, 0), launch_bounds=(threads, blocks))
+    body, info = _checked(ptx, min(255, 65536 // (threads * blocks)))
+    assert body.count("ld.global.nc.v4.u32") == rows * unroll
+    assert body.count("cvt.rn.f16x2.e4m3x2") == 8 * rows * unroll
+    n = body.count("ld.global.nc.v4.f32")
+    assert n % (4 * unroll) == 0 and (n == 4 * unroll if one else n <= 16 * unroll)
+    print("fp8", cfg, "ptxas (registers, spill bytes):", info)
+
+
+def test_fp8_dequant_ptx():
+    from kernels_numba import quant_fp8 as F
+    ptx, _ = cuda.compile_ptx(F._dequant_bf16_kernel.py_func, (U8, F2, U16, types.int64, types.int64, types.int64), cc=(9, 0))
+    body, _ = _checked(ptx)
+    assert body.count("st.global.v4.u32") == 2 and body.count("cvt.rn.f16x2.e4m3x2") == 8

@@ -145,3 +145,63 @@ def test_quant_embedding_vocab():
     out = d_out.copy_to_host()
     w = L.gguf_dequantize(L.Q4_K, data[ids[:3]])
     assert np.allclose(out[:3], w, rtol=1e-6, atol=1e-7) and not out[3:].any()
+
+
+# ----------------------------------------------------------------------------- FP8 e4m3
+FP8_SHAPES = [(4096, 4096, "block"), (14336, 4096, "channel"), (4096, 14336, "block"), (128256, 4096, "tensor")]
+
+
+@functools.lru_cache(maxsize=1)
+def _fp8_weight(N, K, kind):
+    from kernels_numba import quant_fp8 as F
+    rng = np.random.default_rng(N + K)
+    q = rng.integers(0, 256, (N, K), dtype=np.uint8)
+    q[(q & 0x7F) == 0x7F] = 0x30
+    if kind == "block":
+        S, bn, bk = F.scale_grid(rng.uniform(0.01, 0.02, (-(-N // 128), -(-K // 128))).astype(np.float32), N, K, (128, 128))
+    elif kind == "channel":
+        S, bn, bk = F.scale_grid(rng.uniform(0.01, 0.02, N), N, K)
+    else:
+        S, bn, bk = F.scale_grid(np.float32(0.015), N, K)
+    return q, S, bn, bk, cuda.to_device(q), cuda.to_device(S)
+
+
+@pytest.mark.parametrize("T", [1, 8])
+@pytest.mark.parametrize("N,K,kind", FP8_SHAPES, ids=[f"{n}x{k}-{s}" for n, k, s in FP8_SHAPES])
+def test_fp8_gemv(N, K, kind, T):
+    from kernels_numba import quant_fp8 as F
+    q, S, bn, bk, d_q, d_S = _fp8_weight(N, K, kind)
+    rng = np.random.default_rng(T + N)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    r = rng.standard_normal((T, N)).astype(np.float32)
+    d_out = cuda.to_device(r)
+    F.fp8_gemv(cuda.to_device(x), d_q, d_S, d_out, T, bn=bn, bk=bk, residual=d_out)
+    out = d_out.copy_to_host()
+    rows = _rows(N, rng)
+    w = F.dequant_ref(q[rows], S[rows // bn] if bn < N else S, 1 if bn < N else len(rows), bk)
+    assert _relerr(out[:, rows], F.gemv_ref(x, w, residual=r[:, rows])) < 2e-6
+
+
+def test_fp8_dequant_and_linear():
+    from kernels_numba import quant_fp8 as F
+    from metrale.runtime.cuda import quant as Q
+    N, K = 4096, 4096
+    q, S, bn, bk, d_q, d_S = _fp8_weight(N, K, "block")
+    w = F.dequant_ref(q, S, bn, bk)
+    scratch = cuda.device_array((N, K), np.uint16)
+    F.dequant_bf16(d_q, d_S, scratch, bn=bn, bk=bk)
+    got = from_bf16_bits(scratch.copy_to_host())
+    want = from_bf16_bits(to_bf16_bits(w))
+    assert (np.abs(got - want) <= np.abs(want) * 2.0 ** -7 + 1e-30).all() and np.mean(got == want) > 0.999
+    d = Q.DeviceFP8(d_q, d_S, bn, bk)
+    rng = np.random.default_rng(5)
+    for T in (4, 64):
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        d_out = cuda.to_device(np.zeros((T, N), np.float32))
+        Q.fp8_linear(cuda.to_device(x), d, d_out, T, residual=d_out, scratch=scratch)
+        out = d_out.copy_to_host()
+        if T <= 8:
+            assert _relerr(out, F.gemv_ref(x, w)) < 2e-6
+        else:
+            xb = from_bf16_bits(to_bf16_bits(x)).astype(np.float64)
+            assert _relerr(out, xb @ from_bf16_bits(to_bf16_bits(w)).astype(np.float64).T) < 2e-3

@@ -4,6 +4,8 @@ block types (metrale.models.quantized.QuantizedTensor) instead of dequantized to
   upload_quantized(tensor, stream) -> DeviceQuantized     repacked once (kernels_numba.quant_layout)
   quant_linear(x, dq, out, rows, stream, residual=None)   out[:rows] = x[:rows] @ W.T (+ residual)
   quant_embedding(ids, dq, out, stream)                   out[t] = W[ids[t]] (a quantized token_embd)
+  upload_fp8(weight, scale, block) -> DeviceFP8           an FP8 e4m3 checkpoint weight and its scales
+  fp8_linear(x, d, out, rows, stream, residual=None)      the same two paths for FP8 (kernels_numba.quant_fp8)
 
 quant_linear picks the kernel by the number of rows: up to GEMV_MAX_ROWS (and what one launch's
 shared memory holds, quant_gemv.max_rows) the GEMV that dequantizes in registers
@@ -24,11 +26,11 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
-from kernels_numba import gemm, quant_dequant, quant_gemv
+from kernels_numba import gemm, quant_dequant, quant_fp8, quant_gemv
 from kernels_numba.quant_layout import NAMES, PLANES, TYPES
 
 __all__ = ["DevicePart", "DeviceQuantized", "upload_quantized", "quant_linear", "quant_embedding",
-           "dequantize_into", "scratch_elems", "GEMV_MAX_ROWS"]
+           "dequantize_into", "scratch_elems", "GEMV_MAX_ROWS", "DeviceFP8", "upload_fp8", "fp8_linear"]
 
 GEMV_MAX_ROWS = quant_gemv.MAX_T
 
@@ -152,3 +154,56 @@ def quant_embedding(ids, dq: DeviceQuantized, out, stream=0) -> None:
         raise ValueError(f"quant_embedding: a one-part weight, got parts {dq.types}")
     p = dq.parts[0]
     quant_dequant.gather_rows(p.planes, ids, out, p.qtype, stream=stream)
+
+
+# ----------------------------------------------------------------------------- FP8 e4m3
+@dataclass(frozen=True)
+class DeviceFP8:
+    """An FP8 e4m3 weight on the device: q uint8 [N, K] (the checkpoint's bytes), S float32 scales
+    [ceil(N / bn), ceil(K / bk)] (quant_fp8.scale_grid: per tensor, per channel or per block)."""
+    q: object
+    S: object
+    bn: int
+    bk: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.q.size + 4 * self.S.size)
+
+
+def upload_fp8(weight, scale, block: tuple[int, int] | None = None, stream=0) -> DeviceFP8:
+    """weight: float8_e4m3fn [N, K] (or its uint8 bytes); scale: scalar, [N] / [N, 1], or the block
+    grid of `block` = quantization_config.weight_block_size (weight_scale_inv multiplies)."""
+    q = np.ascontiguousarray(np.asarray(weight).view(np.uint8))
+    N, K = q.shape
+    S, bn, bk = quant_fp8.scale_grid(scale, N, K, block)
+    return DeviceFP8(cuda.to_device(q, stream=stream), cuda.to_device(S, stream=stream), bn, bk)
+
+
+def fp8_linear(x, d: DeviceFP8, out, rows: int, stream=0, residual=None, *, bias=None, scratch=None,
+               gemv_max_rows: int | None = None) -> None:
+    """out[:rows] = x[:rows] @ (e4m3(q) S).T (+ bias) (+ residual[:rows], which may be out): the
+    FP8 GEMV up to gemv_max_rows (8) rows, else the bf16 dequantization into scratch + the bf16 GEMM."""
+    n, k = d.shape
+    assert x.shape[1] == k and out.shape[1] == n and out.shape[0] >= rows and x.shape[0] >= rows
+    if rows <= 0:
+        return
+    limit = quant_fp8.MAX_T if gemv_max_rows is None else min(gemv_max_rows, quant_fp8.MAX_T)
+    if rows <= limit:
+        quant_fp8.fp8_gemv(x, d.q, d.S, out, rows, bn=d.bn, bk=d.bk, bias=bias, residual=residual, stream=stream)
+        return
+    if scratch is None:
+        scratch = cuda.device_array(n * k, np.uint16, stream=stream)
+    w = scratch.reshape(scratch.size)[:n * k].reshape(n, k) if tuple(scratch.shape) != (n, k) else scratch
+    quant_fp8.dequant_bf16(d.q, d.S, w, bn=d.bn, bk=d.bk, stream=stream)
+    xs, os_ = x[:rows], out[:rows]
+    if residual is None:
+        gemm.linear(xs, w, os_, bias, stream or None)
+        return
+    if not _same(residual[:rows], os_):
+        os_.copy_to_device(residual[:rows], stream=stream)
+    gemm.linear_residual(xs, w, os_, bias, stream or None)
