@@ -39,6 +39,7 @@ class Stats:
     itl: list[float] = field(default_factory=list)
     latency: list[float] = field(default_factory=list)
     tokens: int = 0
+    chunks: int = 0                # streamed events that carried text
     done: int = 0
     errors: list[str] = field(default_factory=list)
 
@@ -109,6 +110,7 @@ async def one_request(conn: Connection, body: dict, stats: Stats) -> None:
             if not chunk["choices"] or not chunk["choices"][0].get("text"):
                 continue
             now = time.perf_counter()
+            stats.chunks += 1
             if first is None:
                 first = now
                 stats.ttft.append(now - t0)
@@ -166,15 +168,22 @@ def cpu_seconds(pid: int) -> dict[int, float]:
     return out
 
 
-def cpu_report(pid: int, before: dict[int, float], after: dict[int, float], tokens: int,
+def cpu_report(pid: int, before: dict[int, float], after: dict[int, float], stats: Stats,
                wall: float) -> tuple[str, dict]:
-    """Per output token, the CPU the server process and its children (the engine process) spent:
-    a line and {"server_cpu_us_per_token", "engine_cpu_us_per_token"}."""
+    """Per output token, the CPU the server process and its children (the engine process) spent
+    (and the server's per streamed chunk): a line and the figures."""
     parts, figures = [], {}
     for p, t in sorted(after.items(), key=lambda kv: kv[0] != pid):
         used = t - before.get(p, 0.0)
-        per = used / max(tokens, 1) * 1e6
-        parts.append(f"{'server' if p == pid else f'child {p}'} {per:.1f} us/token ({used / wall:.0%} of a core)")
+        if p != pid and used < 0.05 * wall:          # multiprocessing's resource tracker, idle
+            continue
+        per = used / max(stats.tokens, 1) * 1e6
+        if p == pid:
+            figures["server_cpu_us_per_chunk"] = used / max(stats.chunks, 1) * 1e6
+            parts.append(f"server {per:.1f} us/token, {figures['server_cpu_us_per_chunk']:.1f} us/chunk "
+                         f"({used / wall:.0%} of a core)")
+        else:
+            parts.append(f"engine process {p} {per:.1f} us/token ({used / wall:.0%} of a core)")
         key = "server_cpu_us_per_token" if p == pid else "engine_cpu_us_per_token"
         figures[key] = figures.get(key, 0.0) + per
     return "CPU: " + ", ".join(parts), figures
@@ -187,6 +196,7 @@ def pct(values: list[float], q: float) -> float:
 def summarize(stats: Stats, wall: float) -> dict:
     return {"requests": stats.done, "errors": len(stats.errors), "wall_s": wall,
             "req_per_s": stats.done / wall, "out_tok_per_s": stats.tokens / wall,
+            "tokens_per_chunk": stats.tokens / stats.chunks if stats.chunks else float("nan"),
             **{f"ttft_p{q}_ms": pct(stats.ttft, q) * 1e3 for q in (50, 90, 99)},
             **{f"itl_p{q}_ms": pct(stats.itl, q) * 1e3 for q in (50, 90, 99)},
             **{f"latency_p{q}_s": pct(stats.latency, q) for q in (50, 99)}}
@@ -304,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                                            requests=args.requests, max_tokens=args.max_tokens,
                                            prompt_words=args.prompt_words, api_key=args.api_key))
         if pid:
-            line, cpu = cpu_report(pid, before, cpu_seconds(pid), stats.tokens, wall)
+            line, cpu = cpu_report(pid, before, cpu_seconds(pid), stats, wall)
             print(line + (" (the client's share included: same process)" if srv is not None else ""))
     finally:
         if srv is not None:
@@ -316,7 +326,8 @@ def report(args, argv, stats: Stats, wall: float, what: str, cpu: dict | None = 
     s = {**summarize(stats, wall), **(cpu or {})}
     by = f"{args.clients} clients" if what == "clients" else f"{what}, batches of {args.clients}"
     print(f"{s['requests']} requests ({s['errors']} errors) from {by} in {wall:.2f} s: "
-          f"{s['req_per_s']:.1f} req/s, {s['out_tok_per_s']:.0f} output tok/s")
+          f"{s['req_per_s']:.1f} req/s, {s['out_tok_per_s']:.0f} output tok/s"
+          + (f", {s['tokens_per_chunk']:.2f} tokens a chunk" if stats.chunks else ""))
     print(f"TTFT ms  p50 {s['ttft_p50_ms']:8.2f}  p90 {s['ttft_p90_ms']:8.2f}  p99 {s['ttft_p99_ms']:8.2f}")
     print(f"ITL  ms  p50 {s['itl_p50_ms']:8.2f}  p90 {s['itl_p90_ms']:8.2f}  p99 {s['itl_p99_ms']:8.2f}")
     print(f"latency  p50 {s['latency_p50_s']:8.3f} s  p99 {s['latency_p99_s']:8.3f} s")

@@ -132,6 +132,16 @@ def test_answers_equal_the_in_process_server(pair):
         httpx.get(here.url + "/v1/models").json()["data"][0]["max_model_len"]
 
 
+def test_n_logprobs_and_tokenize_cross_the_pipe(pair):
+    here, there, _ = pair
+    body = {"prompt": "seeded", "max_tokens": 6, "n": 2, "seed": 7, "logprobs": 2, "temperature": 0.8}
+    a = httpx.post(here.url + "/v1/completions", json=body, timeout=60).json()
+    b = httpx.post(there.url + "/v1/completions", json=body, timeout=60).json()
+    assert a["choices"] == b["choices"] and len(b["choices"]) == 2 and b["choices"][1]["logprobs"]["tokens"]
+    for path, req in (("/tokenize", {"prompt": "hello"}), ("/detokenize", {"tokens": [75, 76, 77]})):
+        assert httpx.post(here.url + path, json=req).json() == httpx.post(there.url + path, json=req).json()
+
+
 def test_refusals_come_back_as_400s(pair):
     _, there, _ = pair
     r = httpx.post(there.url + "/v1/completions", json={"prompt": [9999], "max_tokens": 2})

@@ -301,7 +301,8 @@ class ProcessLoop:
     def _await_exit(self) -> None:
         """Waits for the engine process to end after stop(); kills it if it does not."""
         read = self._aloop is not None and not self._aloop.is_closed()
-        if not (self._gone.wait(STOP_TIMEOUT_S) if read else True) or not _joined(self.process, STOP_TIMEOUT_S):
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        if (read and not self._gone.wait(STOP_TIMEOUT_S)) or not _joined(self.process, deadline - time.monotonic()):
             log.warning("the engine process did not stop within %.0f s: killing it", STOP_TIMEOUT_S)
             self.process.kill()
             self.process.join(5)
@@ -524,5 +525,5 @@ def _settle(fut: concurrent.futures.Future | None, value, exc: BaseException | N
 
 
 def _joined(process, timeout: float) -> bool:
-    process.join(timeout)
+    process.join(max(timeout, 0.0))
     return not process.is_alive()
