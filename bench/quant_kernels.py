@@ -236,7 +236,12 @@ def main() -> None:
             del copies
         if fp8:
             _fp8(name, N, K, rows, xs, outs, bf16, rng, rec)
-    print(f"# {time.time() - t_start:.0f} s", flush=True)
+    hits = misses = 0
+    from kernels_numba import quant_fp8
+    for k in list(QG._KERNELS.values()) + list(quant_fp8._KERNELS.values()):
+        hits += sum(getattr(k, "_cache_hits", {}).values())
+        misses += sum(getattr(k, "_cache_misses", {}).values())
+    print(f"# {time.time() - t_start:.0f} s; GEMV kernels from the disk cache: {hits}, compiled here: {misses}", flush=True)
     if args.json:
         from bench.records import write_records
         write_records(records, args.json)
