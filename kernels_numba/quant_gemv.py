@@ -309,7 +309,7 @@ def _gemv_source(QT: int, ONE: bool, W: int, R: int, SPLIT: int, U: int, PIPE: b
             "tid = cuda.threadIdx.x", "lane = tid & 31", f"gi = lane // {LG}", f"li = lane - gi * {LG}",
             f"wrow = (tid >> 5) * {R * SPLIT} + gi", "bid = cuda.blockIdx.x", "nblk = cuda.gridDim.x",
             f"iters = (NUN + {LG * U - 1}) // {LG * U}", f"ntiles = (N + {RPB - 1}) // {RPB}",
-            "total = ((ntiles - bid + nblk - 1) // nblk) * iters", "sm = cuda.shared.array(0, uint32)",
+            "total = ((ntiles - bid + nblk - 1) // nblk) * iters", "sm = cuda.shared.array(0, uint32" + ("" if SIM else ", alignment=16") + ")",
             "XD = T * (K >> 2)", "XS = XD + T * G", f"XH = XS + T * G", f"XA = XH + {'T * G' if Q6 else '0'}"):
         emit(1, ln)
     if PIPE:
