@@ -31,7 +31,7 @@ def check(out, want):
     (64, 6, 2, 16, [37, 1], 3, {"warps": 2, "keys": 8}),         # G=3, forced 3-way split, one read per step
     (128, 4, 1, 16, [40, 3], 1, {"warps": 2}),                   # hd 128, no split, KT=16
     (64, 3, 1, 16, [70], 2, {}),                                 # default geometry (4 warps x 16 keys), split
-    (128, 8, 2, 16, [1, 33, 100], None, {}),                     # G=4, hd 128, default geometry, heuristic
+    (128, 4, 1, 16, [1, 33, 100], None, {}),                     # G=4, hd 128, default geometry, heuristic (1 kv head: 2 above)
 ])
 def test_flash_decode(hd, hq, hk, bs, contexts, partitions, over):
     rng = np.random.default_rng(hd + hq + bs)

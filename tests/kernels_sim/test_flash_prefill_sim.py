@@ -1,8 +1,9 @@
 """flash_prefill_attention (mma.sync FA2-style prefill) under the simulator vs attention_ref on
-bf16-rounded q: three segments of different lengths (a fresh prompt longer than one query tile
-and one key tile, a chunk starting mid-sequence after 37 cached positions, a short prompt), KV
-block 16 scattered over the cache, GQA group 3, head_dim 64. The simulator twins of mma.sync /
-shfl.bfly / ex2 in kernels_numba/ptx.py run the real kernel code, lane for lane."""
+bf16-rounded q: segments of different lengths (a fresh prompt longer than one query tile and one
+key tile, chunks starting mid-sequence after cached positions), KV block 16 scattered over the
+cache, GQA group 2 (one kv head, and two), head_dim 64. The simulator twins of mma.sync /
+shfl.bfly / ex2 in kernels_numba/ptx.py run the real kernel code, lane for lane. The simulator
+pays per block x key tile: the smallest head counts and segments that still reach every branch."""
 import numpy as np
 import pytest
 
@@ -31,8 +32,11 @@ def _check(out, want):
 def test_flash_prefill_matches_reference():
     """Default geometry (64 query rows, 64-key tiles, V loads during Q.K^T)."""
     rng = np.random.default_rng(3)
-    hd, hq, hk = 64, 6, 2  # GQA group 3, two kv heads
-    segments = [(0, 70), (37, 30), (0, 9)]  # 70 > one 64-row tile and one 64-key tile
+    hd, hq, hk = 64, 2, 1  # GQA group 2 (two kv heads: the other geometry's test)
+    # (0, 70): a second query tile of 6 rows (warps 1-3 idle, rows clamped) whose first key tile
+    # needs no causal mask; (37, 30): a chunk after cached keys over two key tiles, the second
+    # partial and skipped by warp 0 (its rows all precede it), the segment's second query tile empty
+    segments = [(0, 70), (37, 30)]
     q, kc, vc, tables, token_seq, starts, positions = make_batch(rng, hd, hq, hk, segments)
     scale = hd ** -0.5
     want = attention_ref(bf16_round(q), kc, vc, tables, token_seq, positions, scale)
@@ -46,7 +50,7 @@ def test_flash_prefill_other_geometry():
     """The head_dim-128 geometry choices at head_dim 64: 32-key tiles, V loads after the softmax,
     2 warps; uint16 caches (viewed as uint64 by the launcher); a chunk after 45 cached positions."""
     rng = np.random.default_rng(5)
-    hd, hq, hk = 64, 3, 1
+    hd, hq, hk = 64, 4, 2  # two kv heads (h // 2 != h % 2 for heads 1 and 2)
     segments = [(45, 20), (0, 40)]
     q, kc, vc, tables, token_seq, starts, positions = make_batch(rng, hd, hq, hk, segments)
     scale = hd ** -0.5

@@ -12,7 +12,10 @@ pytestmark = pytest.mark.skipif(not SIM, reason="run with NUMBA_ENABLE_CUDASIM=1
 
 from numba import cuda  # noqa: E402
 
-K, N, F = 128, 64, 128       # hidden, product rows, intermediate
+# hidden, product rows, intermediate: the smallest the GEMV / GEMM kernels take (multiples of 64).
+# Which kernels CudaOps launches depends on the rows, the levers and FUSE_MAX_K, not on these sizes;
+# the simulator's cost grows with them (blocks = N / rows a block, each thread's loop with K).
+K, N, F = 64, 64, 64
 
 
 class _Cfg:
@@ -23,7 +26,9 @@ class _Backend:
     def __init__(self, fuse, T):
         self.fuse_decode = fuse
         self.carry_norm_sums = True
-        self.skinny_max_t = 256
+        # rows > 1 take the tiled GEMM (one 256-thread block at N = 64; the skinny one, 8 of them):
+        # either is one gemm.linear launch here, and both kernels are test_gemm_sim's
+        self.skinny_max_t = 1
         self.act = {"h": cuda.to_device(np.zeros((T, K), np.float32)),
                     "rows": cuda.to_device(np.zeros((T, K), np.float32)),
                     "act": cuda.to_device(np.zeros((T, F), np.float32)),
@@ -124,11 +129,11 @@ def test_carried_norm_sums_match_numpy(monkeypatch):
 @pytest.mark.parametrize("carry", [True, False])
 def test_mlp_residual_glu_epilogue_matches_numpy(carry, monkeypatch):
     """One row whose down input is too wide for the silu*mul prologue (FUSE_MAX_K lowered below F
-    here): CudaOps.mlp_residual runs silu*mul as the gate_up GEMV's epilogue (glu) and down as a
+    and K here): CudaOps.mlp_residual runs silu*mul as the gate_up GEMV's epilogue (glu) and down as a
     plain GEMV, with the norm carried (rmsnorm_ss) or launched; the residual equals NumPy's."""
     import metrale.runtime.cuda_backend as cb
     monkeypatch.setattr(cb, "_ptr", id)
-    monkeypatch.setattr(cb, "FUSE_MAX_K", 64)
+    monkeypatch.setattr(cb, "FUSE_MAX_K", 32)
     rng = np.random.default_rng(12 + carry)
     ops, ref = _ops(True, 1)
     b = ops.b
