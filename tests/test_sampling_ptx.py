@@ -21,8 +21,23 @@ F32_2, I32_2, U32_2 = (types.Array(types.float32, 2, "C"), types.Array(types.int
 from ptx_util import no_gpu_needed, ptx_of  # noqa: E402,F401  (autouse fixture)
 
 
+SAMPLE_SIG = (F32_2, U32_2, F32_2, I32_2, I32_1, F32_1, F32_1, I32_1, F32_1)
+
+
 def _body(kernel, sig):
     return ptx_of(kernel, sig).split(".entry", 1)[1]
+
+
+@pytest.fixture(scope="module")
+def sample_rows_ptx():
+    """The sample kernel's PTX, compiled once for the three tests that read it (ptx_of's checks,
+    48 KB of static shared memory at most; no_gpu_needed's patch, which is per test, held here)."""
+    from ptx_util import _SM90
+    import numba.cuda.dispatcher as dispatcher
+    from kernels_numba import sampling as S
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dispatcher, "get_current_device", lambda: _SM90())
+        return ptx_of(S._sample_rows_kernel, SAMPLE_SIG, max_static_shared=48 * 1024)
 
 
 def test_prepare_rows_compiles():
@@ -32,9 +47,8 @@ def test_prepare_rows_compiles():
     assert "lg2.approx" in body or "ex2.approx" in body     # libdevice exp/log
 
 
-def test_sample_rows_compiles():
-    from kernels_numba import sampling as S
-    body = _body(S._sample_rows_kernel, (F32_2, U32_2, F32_2, I32_2, I32_1, F32_1, F32_1, I32_1, F32_1))
+def test_sample_rows_compiles(sample_rows_ptx):
+    body = sample_rows_ptx.split(".entry", 1)[1]
     assert "shfl.sync.bfly.b32" in body
     assert "mul.hi.u32" in body or "mul.wide.u32" in body or "mul.lo.s64" in body   # Philox products
     # radix select: integer histograms in shared memory (fixed-point masses: 64-bit atomics), warp scans
@@ -45,15 +59,14 @@ def test_sample_rows_compiles():
     assert "bar.sync" in body
 
 
-def test_sample_rows_shared_memory_fits():
+def test_sample_rows_shared_memory_fits(sample_rows_ptx):
     """The histograms (2048 x (4 + 8) bytes) and the reduction scratch stay under the 48 KB of static
     shared memory a block may declare."""
-    from kernels_numba import sampling as S
-    ptx_of(S._sample_rows_kernel, (F32_2, U32_2, F32_2, I32_2, I32_1, F32_1, F32_1, I32_1, F32_1),
-           max_static_shared=48 * 1024)
+    shared = sum(int(n) for n in re.findall(r"\.shared \.align \d+ \.b8 \S+\[(\d+)\]", sample_rows_ptx))
+    assert 0 < shared <= 48 * 1024, f"{shared} bytes of static shared memory"
 
 
-def test_sample_rows_compaction_buffer():
+def test_sample_rows_compaction_buffer(sample_rows_ptx):
     """The compacted survivors live in static shared memory: one uint64 (key << 32 | id) per slot,
     COMPACT_CAP of them (a power of two and a multiple of the 1024 threads: the scan over the sorted
     list gives each thread COMPACT_CAP / 1024 slots), beside the 2048-bin histograms; the bitonic sort
@@ -61,8 +74,7 @@ def test_sample_rows_compaction_buffer():
     from kernels_numba import sampling as S
     cap = S.COMPACT_CAP
     assert cap & (cap - 1) == 0 and cap % 1024 == 0 and cap <= S.RADIX_BINS
-    ptx = ptx_of(S._sample_rows_kernel, (F32_2, U32_2, F32_2, I32_2, I32_1, F32_1, F32_1, I32_1, F32_1),
-                 max_static_shared=48 * 1024)
+    ptx = sample_rows_ptx
     sizes = [int(n) for n in re.findall(r"\.shared \.align \d+ \.b8 \S+\[(\d+)\]", ptx)]
     assert sizes.count(cap * 8) >= 1 and S.RADIX_BINS * 8 in sizes and S.RADIX_BINS * 4 in sizes
     body = ptx.split(".entry", 1)[1]
@@ -74,7 +86,7 @@ def test_row_kernels_fit_a_1024_thread_block():
     registers a thread (without it sample_rows took 84 and failed to launch on the H200)."""
     from ptx_util import registers_with_bound
     from kernels_numba import sampling as S
-    for k, sig in [(S._sample_rows_kernel, (F32_2, U32_2, F32_2, I32_2, I32_1, F32_1, F32_1, I32_1, F32_1)),
+    for k, sig in [(S._sample_rows_kernel, SAMPLE_SIG),
                    (S._prepare_rows_kernel, (F32_2, F32_2, I32_2, I32_1, I32_1, F32_1, F32_1, F32_1, I32_2, F32_2))]:
         ptx, regs = registers_with_bound(k, sig, S.THREADS)
         assert ".maxntid 1024" in ptx
