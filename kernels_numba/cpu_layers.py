@@ -206,8 +206,66 @@ def _attention_items(seq_start, num_kv_heads):
     return items
 
 
+GATHER_MIN_QUERIES = 4     # query rows from which a work item gathers its keys (transposed) first
+
+
 @njit(fastmath=FASTMATH)
 def _attend_item(items, it, q, k_cache, v_cache, block_tables, positions, window, scale, out):
+    if items[it, 3] - items[it, 2] >= GATHER_MIN_QUERIES:
+        _attend_gathered(items, it, q, k_cache, v_cache, block_tables, positions, window, scale, out)
+    else:
+        _attend_direct(items, it, q, k_cache, v_cache, block_tables, positions, window, scale, out)
+
+
+@njit(fastmath=FASTMATH)
+def _attend_direct(items, it, q, k_cache, v_cache, block_tables, positions, window, scale, out):
+    """Few query rows (decode): each key and value row is read once, where the cache holds it, for
+    all the query heads of its kv head."""
+    hd = q.shape[2]
+    bs, Hk = k_cache.shape[1], k_cache.shape[2]
+    G = q.shape[1] // Hk
+    s, kvh, a, b = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
+    sc = np.empty((G, positions[b - 1] + 1), np.float32)
+    acc = np.empty((G, hd), np.float32)
+    top = np.empty(G, np.float32)
+    total = np.empty(G, np.float32)
+    for i in range(a, b):
+        p = positions[i]
+        j0 = max(0, p - window + 1) if window > 0 else 0
+        qs = q[i, kvh * G:(kvh + 1) * G]
+        top[:] = -np.inf
+        for blk_i in range(j0 // bs, p // bs + 1):
+            blk = block_tables[s, blk_i]
+            for off in range(max(j0 - blk_i * bs, 0), min(bs, p + 1 - blk_i * bs)):
+                kr = k_cache[blk, off, kvh]
+                for g in range(G):
+                    qg = qs[g]
+                    dot = np.float32(0.0)
+                    for d in range(hd):
+                        dot += qg[d] * kr[d]
+                    dot *= np.float32(scale)
+                    sc[g, blk_i * bs + off] = dot
+                    top[g] = max(top[g], dot)
+        total[:] = 0.0
+        acc[:] = 0.0
+        for blk_i in range(j0 // bs, p // bs + 1):
+            blk = block_tables[s, blk_i]
+            for off in range(max(j0 - blk_i * bs, 0), min(bs, p + 1 - blk_i * bs)):
+                vr = v_cache[blk, off, kvh]
+                for g in range(G):
+                    e = fast_exp(sc[g, blk_i * bs + off] - top[g])
+                    total[g] += e
+                    ag = acc[g]
+                    for d in range(hd):
+                        ag[d] += e * vr[d]
+        for g in range(G):
+            inv = np.float32(1.0) / total[g]
+            for d in range(hd):
+                out[i, kvh * G + g, d] = acc[g, d] * inv
+
+
+@njit(fastmath=FASTMATH)
+def _attend_gathered(items, it, q, k_cache, v_cache, block_tables, positions, window, scale, out):
     hd = q.shape[2]
     bs, Hk = k_cache.shape[1], k_cache.shape[2]
     G = q.shape[1] // Hk

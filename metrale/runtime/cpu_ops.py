@@ -111,7 +111,9 @@ class CpuOps(NumpyOps):
         threads = int(getattr(backend, "cpu_threads", 0) or 0)
         if threads:
             import numba
-            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+            threads = min(threads, numba.config.NUMBA_NUM_THREADS)
+            if numba.get_num_threads() != threads:        # set_num_threads costs ~1 ms
+                numba.set_num_threads(threads)
         self._cos_sin = None
 
     def _m(self, weight) -> CpuMatrix:
