@@ -9,12 +9,12 @@ Accumulation is fp32 of exact int32 dot products.
 
 How (llama.cpp's mmvq, laid out for 16-byte loads). The block first quantizes x into shared
 memory the way llama.cpp's q8_1 does (int8 per value, a float scale d8 and the integer sum of
-each group of 32, in dynamic shared memory: 1.375 T K bytes for Q6_K, 1.25 T K otherwise), 8 lanes
-a group (one 16-byte load of x each, the group's absmax and sums by xor-shuffles), so activations
-need no extra launch. The weights then stream: lanes split K, one UNIT a lane at a time, U per
-step in flight: a unit is one group of 32 (legacy types: 16 bytes of qs in one `ld.global.nc.v4`,
-its 2-4 scale bytes, Q5 its 4 bytes of high bits) or a whole super-block of 256 (K-quants: 8 such
-16-byte loads, the 16-byte scale header once, so the 6-bit scales unpack with constant shifts).
+each group of 32: ~1.3 T K bytes of dynamic shared memory), 8 lanes a group (one 16-byte load of x
+each, the group's absmax and sums by xor-shuffles), so activations need no extra launch. The weights
+then stream: lanes split K, one UNIT a lane at a time, U a step: a unit is a group of 32 (legacy
+types: its 16 bytes of codes in one `ld.global.nc.v4`, its 2-4 scale bytes, Q5 its 4 bytes of high
+bits) or half a super-block (K-quants: four such loads, Q5_K / Q6_K one / two more of high bits, and
+the super-block's 16-byte scale header, which the two lanes of a super-block share through L1).
 Each 32-bit word of codes becomes two dp4a operands with a mask and a shift (Q5 / Q6 add their
 high bits with a shift and a mask); dp4a against the int8 x words (`ld.shared.v4`) gives the
 group's integer dot, and the group's scale and offset are applied once per group in fp32:
@@ -22,11 +22,16 @@ group's integer dot, and the group's scale and offset are applied once per group
     Q4_1 / Q5_1: d8 (d dot + m sum)          Q4_K / Q5_K: d8 (d sc dot - dmin m sum)
     Q6_K: d d8 (s_a (dot_a - 32 sum_a) + s_b (dot_b - 32 sum_b))   (two 16-value halves)
 Geometry (gemv_cfg): W warps a block; a warp holds SPLIT lane groups of 32/SPLIT lanes, each
-group R rows; the loads of the first step go out before the PDL wait and the x staging. The
-lane-group sums meet by xor-shuffles; lane 0 of a group adds bias / residual and stores.
+group R rows; the grid is persistent (a block stages x once and walks row tiles); the next step's
+loads are in flight while a step computes (PIPE), the first step's before the PDL wait and the x
+staging. The lane-group sums meet by xor-shuffles; lane 0 of a group adds bias / residual, stores.
+T = 1 has its own kernel (sums in registers); T = 2..8 share one (a run-time loop over x's rows,
+the lanes' partial sums in shared memory). The source is generated with every loop over rows,
+units and groups written out (registers stay scalars), under the kernel cache directory.
 
-Contracts: K % 32 == 0 (K-quants: K % 256 == 0); T <= 8 with the shared memory above <= 48 KB
-(`max_rows`); planes as repack makes them (16-byte aligned rows). The kernels allocate nothing.
+Contracts: K % 32 == 0 (K-quants: K % 256 == 0); T <= 8 with the shared memory above within the
+device's opt-in limit (`max_rows`; above 48 KB the launcher raises the kernel's attribute); planes
+as repack makes them (16-byte aligned rows). The kernels allocate nothing.
 """
 from __future__ import annotations
 
@@ -104,6 +109,22 @@ def kq_scale_min(s1, s2, s3, j):
 
 
 @device_function
+def kq_scale_min_h(s1, s2, s3, g, h):
+    """kq_scale_min of group 4h + g (g constant, h 0/1 per lane): both halves' extraction, selected."""
+    sh = uint32(8 * g)
+    a = s1 >> sh
+    b = s2 >> sh
+    c = s3 >> sh
+    if h:
+        sc = (c & uint32(15)) | ((a >> U2) & uint32(0x30))
+        mn = ((c >> U4) & uint32(15)) | ((b >> U2) & uint32(0x30))
+    else:
+        sc = a & uint32(63)
+        mn = b & uint32(63)
+    return int32(sc), int32(mn)
+
+
+@device_function
 def sbyte(w, b):
     """Signed byte b (0..3) of the word w, as int32."""
     return int32(w << uint32(24 - 8 * b)) >> 24
@@ -116,15 +137,15 @@ _GLOBALS = dict(cuda=cuda, float32=float32, int32=int32, uint32=uint32, min=min,
                 shfl_xor_f32=shfl_xor_f32, shfl_xor_i32=shfl_xor_i32, bits_f32=bits_f32,
                 f32_bits=f32_bits, dp4a_us=dp4a_us, dp4a_ss=dp4a_ss, h2f=h2f, rni=rni, ldg_b2=ldg_b2,
                 ldg_b4=ldg_b4, ldg_b16=ldg_b16, q4_ops=q4_ops, q5_ops=q5_ops, q6_ops=q6_ops,
-                kq_scale_min=kq_scale_min, sbyte=sbyte, MASK16=MASK16, U8=U8, U16=U16, U24=U24,
+                kq_scale_min=kq_scale_min, kq_scale_min_h=kq_scale_min_h, sbyte=sbyte, MASK16=MASK16, U8=U8, U16=U16, U24=U24,
                 B255=B255)
 
 
 def _unit_words(qt: int) -> tuple[int, int, int, int]:
-    """(qs, qh, sc, dm) 32-bit words a unit holds in registers."""
+    """(qs, qh, sc, dm) 32-bit words a unit (a group; K-quants: half a super-block) holds in registers."""
     kq = qt in KQUANTS
-    qs = 8 if qt == Q8_0 else (32 if kq else 4)
-    qh = {Q5_0: 1, Q5_1: 1, Q5_K: 8, Q6_K: 16}.get(qt, 0)
+    qs = 8 if qt == Q8_0 else (16 if kq else 4)
+    qh = {Q5_0: 1, Q5_1: 1, Q5_K: 4, Q6_K: 8}.get(qt, 0)
     sc = 4 if kq else 0
     dm = 1 if (not kq or qt == Q6_K) else 0
     return qs, qh, sc, dm
@@ -145,7 +166,7 @@ def _gemv_source(QT: int, ONE: bool, W: int, R: int, SPLIT: int, U: int, PIPE: b
     HAS_MIN = QT in (Q4_1, Q5_1)
     OFFSET = {Q4_0: 8, Q5_0: 16}.get(QT, 0)
     LG = 32 // SPLIT
-    NG = 8 if KQ else 1
+    NG = 4 if KQ else 1             # groups a unit (K-quants: half a super-block, groups 4h .. 4h + 3)
     NT = 32 * W
     RPB = W * R * SPLIT
     QSW, QHW, SCW, DMW = _unit_words(QT)
@@ -165,6 +186,9 @@ def _gemv_source(QT: int, ONE: bool, W: int, R: int, SPLIT: int, U: int, PIPE: b
             emit(ind, f"nr{r} = min(lrow + {r * SPLIT}, N - 1)")
         for v in UU:
             emit(ind, f"u{v} = min((lit * {U} + {v}) * {LG} + li, NUN - 1)")
+            if KQ:
+                emit(ind, f"s{v} = u{v} >> 1")
+                emit(ind, f"h{v} = u{v} & 1")
         for r in RR:
             for v in UU:
                 w = f"{dst}{r}_{v}_"
@@ -172,14 +196,15 @@ def _gemv_source(QT: int, ONE: bool, W: int, R: int, SPLIT: int, U: int, PIPE: b
                 def words(base, expr):
                     emit(ind, f"q = ldg_b16({expr})")
                     emit(ind, ", ".join(f"{w}{base + e}" for e in range(4)) + " = q[0], q[1], q[2], q[3]")
-                if KQ:
-                    for j in range(8):
-                        words(4 * j, f"qs, nr{r}, ({j} * NSB + u{v}) << 4")
-                    for j in range(QHW // 4):
-                        words(O_QH + 4 * j, f"qh, nr{r}, ({j} * NSB + u{v}) << 4")
-                    words(O_SC, f"sc, nr{r}, u{v} << 4")
+                if KQ:       # half h of super-block s: groups 4h + g at positions (4h + g) NSB + s
+                    for g in range(4):
+                        words(4 * g, f"qs, nr{r}, ((4 * h{v} + {g}) * NSB + s{v}) << 4")
+                    for p in range(QHW // 4):     # Q5_K: quad h; Q6_K: pairs 2h, 2h + 1
+                        jq = f"h{v}" if QT == Q5_K else f"(2 * h{v} + {p})"
+                        words(O_QH + 4 * p, f"qh, nr{r}, ({jq} * NSB + s{v}) << 4")
+                    words(O_SC, f"sc, nr{r}, s{v} << 4")
                     if Q6:
-                        emit(ind, f"{w}{O_DM} = ldg_b2(dm, nr{r}, u{v} << 1)")
+                        emit(ind, f"{w}{O_DM} = ldg_b2(dm, nr{r}, s{v} << 1)")
                 else:
                     for h in range(QSW // 4):
                         words(4 * h, f"qs, nr{r}, ({h} * G + u{v}) << 4" if QT == Q8_0 else f"qs, nr{r}, u{v} << 4")
@@ -193,6 +218,9 @@ def _gemv_source(QT: int, ONE: bool, W: int, R: int, SPLIT: int, U: int, PIPE: b
             emit(ind, f"u = (it * {U} + {v}) * {LG} + li")
             emit(ind, f"ok{v} = u < NUN")
             emit(ind, f"uc{v} = min(u, NUN - 1)")
+            if KQ:
+                emit(ind, f"sb{v} = uc{v} >> 1")
+                emit(ind, f"hb{v} = uc{v} & 1")
             for r in RR:
                 w = f"{src}{r}_{v}_"
                 if Q6:
@@ -214,12 +242,13 @@ def _gemv_source(QT: int, ONE: bool, W: int, R: int, SPLIT: int, U: int, PIPE: b
             emit(ind, f"{dst} = q5_ops({qw}, {w}{O_QH + j})")
         else:
             emit(ind, f"{dst} = q4_ops({qw})")
-        if Q6:
-            sw = f"{w}{O_SC + j // 2}"
-            emit(ind, f"sa = sbyte({sw}, {2 * (j & 1)})")
-            emit(ind, f"sb = sbyte({sw}, {2 * (j & 1) + 1})")
+        if Q6:       # group 4h + j: scales 8h + 2j, 8h + 2j + 1 (word 2h + j / 2)
+            lo, hi = f"{w}{O_SC + j // 2}", f"{w}{O_SC + 2 + j // 2}"
+            emit(ind, f"sw = {hi} if hb{v} else {lo}")
+            emit(ind, f"sa = sbyte(sw, {2 * (j & 1)})")
+            emit(ind, f"sb = sbyte(sw, {2 * (j & 1) + 1})")
         elif KQ:
-            emit(ind, f"scj, mnj = kq_scale_min({w}{O_SC + 1}, {w}{O_SC + 2}, {w}{O_SC + 3}, {j})")
+            emit(ind, f"scj, mnj = kq_scale_min_h({w}{O_SC + 1}, {w}{O_SC + 2}, {w}{O_SC + 3}, {j}, hb{v})")
             emit(ind, f"f1 = dk{r}_{v} * float32(scj)")
             emit(ind, f"f2 = mk{r}_{v} * float32(mnj)")
         else:
@@ -242,7 +271,7 @@ def _gemv_source(QT: int, ONE: bool, W: int, R: int, SPLIT: int, U: int, PIPE: b
         xs = ["xa[0]", "xa[1]", "xa[2]", "xa[3]", "xb[0]", "xb[1]", "xb[2]", "xb[3]"]
         for v in UU:
             for j in GG:
-                emit(ind + 1, f"slot = {j} * NSB + uc{v}" if KQ else f"slot = uc{v}")
+                emit(ind + 1, f"slot = (4 * hb{v} + {j}) * NSB + sb{v}" if KQ else f"slot = uc{v}")
                 emit(ind + 1, "xa = lds_u32x4(sm, ((2 * t) * G + slot) * 4)")
                 emit(ind + 1, "xb = lds_u32x4(sm, ((2 * t + 1) * G + slot) * 4)")
                 emit(ind + 1, "d8 = bits_f32(sm[XD + t * G + slot])")
@@ -305,7 +334,7 @@ def _gemv_source(QT: int, ONE: bool, W: int, R: int, SPLIT: int, U: int, PIPE: b
 
     emit(0, "def gemv(x, qs, qh, sc, dm, out, bias, res, n_off, T):")
     for ln in (
-            "K = x.shape[1]", "G = K >> 5", "NSB = K >> 8", f"NUN = {'NSB' if KQ else 'G'}", "N = qs.shape[0]",
+            "K = x.shape[1]", "G = K >> 5", "NSB = K >> 8", f"NUN = {'2 * NSB' if KQ else 'G'}", "N = qs.shape[0]",
             "tid = cuda.threadIdx.x", "lane = tid & 31", f"gi = lane // {LG}", f"li = lane - gi * {LG}",
             f"wrow = (tid >> 5) * {R * SPLIT} + gi", "bid = cuda.blockIdx.x", "nblk = cuda.gridDim.x",
             f"iters = (NUN + {LG * U - 1}) // {LG * U}", f"ntiles = (N + {RPB - 1}) // {RPB}",
@@ -518,19 +547,20 @@ def _lanes(nun: int, unrolls) -> tuple[int, int]:
 
 
 def gemv_cfg(qtype: int, N: int, K: int, T: int = 1) -> tuple[int, int, int, int, bool]:
-    """(warps, rows, split, unroll, pipe). K-quants take a super-block a lane, one a step (8
-    16-byte loads a row); legacy types a group a lane, up to 4 a step (Q8_0: 2; each two 16-byte
-    loads), with the next step's loads in flight (pipe) for T <= 2. split and unroll leave the
-    fewest lanes idle (K = 4096: 16 lanes a Q4_K row, one step; 14336: 8 lanes, 7 steps). One row a
-    lane group: the weight words of one row (36 registers for Q4_K) with the staged x batch keep
-    sm_90 ptxas at <= ~128 registers, 4 blocks of 128 threads a multiprocessor. To be tuned on the
+    """(warps, rows, split, unroll, pipe). A lane takes units: a group (legacy types, up to 4 a
+    step; Q8_0: 2, each two 16-byte loads) or half a K-quant super-block (one a step: four 16-byte
+    loads of codes and the super-block's 16-byte header, which the two lanes of the super-block share
+    through L1). split and unroll leave the fewest lanes idle (K = 4096: a whole warp a row, one
+    step; 14336: 16 lanes a K-quant row, 7 steps); the next step's loads are in flight while a step
+    computes (pipe) for T <= 2 and where x fills shared memory. One row a lane group. With x of T
+    rows leaving room for 1-2 blocks only (T = 8 at K = 14336), 8 warps a block. To be tuned on the
     device (bench/quant_kernels.py --sweep)."""
-    big = smem_bytes(qtype, T, K, 8, 1) > BIG_SMEM     # x of T rows leaves room for 1-2 blocks only:
-    warps = 8 if big else 4                          # 8 warps a block, the next step's loads in flight
+    big = smem_bytes(qtype, T, K, 8, 1) > BIG_SMEM
+    warps = 8 if big else 4
     if qtype in KQUANTS:
-        split, _ = _lanes(K // 256, (1,))
-        return warps, 1, split, 1, big
-    split, unroll = _lanes(K // 32, (1, 2) if qtype == Q8_0 else (1, 2, 3, 4))
+        split, unroll = _lanes(2 * (K // 256), (1,))
+    else:
+        split, unroll = _lanes(K // 32, (1, 2) if qtype == Q8_0 else (1, 2, 3, 4))
     return warps, 1, split, unroll, T <= 2 or big
 
 

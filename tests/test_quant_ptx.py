@@ -46,7 +46,7 @@ def _gemv_ptx(qt, cfg, one, bias=False, res=True):
 
 def _loads_a_unit(qt):
     """16-byte weight loads a unit (one row, one step)."""
-    return {L.Q8_0: 2, L.Q4_K: 9, L.Q5_K: 11, L.Q6_K: 13}.get(qt, 1)
+    return {L.Q8_0: 2, L.Q4_K: 5, L.Q5_K: 6, L.Q6_K: 7}.get(qt, 1)
 
 
 # (type, K, T): each type at T = 1 in the configuration of the 4096-wide products; the down
@@ -63,7 +63,7 @@ def test_gemv_ptx(qt, K, T):
     cfg = QG.gemv_cfg(qt, 4096, K, T)
     warps, rows, split, unroll, pipe = cfg
     body, info = _gemv_ptx(qt, cfg, T == 1, bias=(qt == L.Q8_0))
-    groups = 8 if qt in L.KQUANTS else 1
+    groups = 4 if qt in L.KQUANTS else 1
     assert body.count("ld.global.nc.v4.u32") == rows * unroll * _loads_a_unit(qt)     # one load site
     assert body.count("ld.global.nc.v4.f32") == 4                                      # x staging, 4 deep
     per_row = 8 * groups * rows * unroll        # dp4a for one row of x (T > 1: a run-time loop,
@@ -92,7 +92,7 @@ def test_cfg_covers_rows_evenly():
     for qt in L.TYPES:
         for K in (4096, 14336):
             warps, rows, split, unroll, pipe = QG.gemv_cfg(qt, 4096, K, 1)
-            units = K // (256 if qt in L.KQUANTS else 32)
+            units = K // (128 if qt in L.KQUANTS else 32)
             assert units % ((32 // split) * unroll) == 0, (L.NAMES[qt], K)
     assert QG.max_rows(L.Q6_K, 14336) == 2 and QG.max_rows(L.Q4_K, 4096) == 8
 

@@ -60,7 +60,7 @@ def test_gemv_and_dequant(qt, N, K, T, warps, rows, split, unroll, bias, persist
     b = rng.standard_normal(N + off + 2).astype(np.float32) if bias else None
     d_out = cuda.to_device(res.copy())
     path = QG.gemv_path(qt, N, K, T, warps=warps, rows=rows, split=split, unroll=unroll,
-                        pipe=qt not in L.KQUANTS, persist=persist)
+                        pipe=qt != L.Q5_K, persist=persist)
     assert path[1] < -(-N // (warps * rows * split)) or persist > 1
     QG.gemv(cuda.to_device(x), planes, d_out, T, qtype=qt, n_off=off, residual=d_out,
             bias=None if b is None else cuda.to_device(b), stream=0, path=path)
