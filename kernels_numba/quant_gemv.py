@@ -186,9 +186,9 @@ def _gemv_source(QT: int, ONE: bool, W: int, R: int, SPLIT: int, U: int, PIPE: b
             emit(ind, f"nr{r} = min(lrow + {r * SPLIT}, N - 1)")
         for v in UU:
             emit(ind, f"u{v} = min((lit * {U} + {v}) * {LG} + li, NUN - 1)")
-            if KQ:
-                emit(ind, f"s{v} = u{v} >> 1")
-                emit(ind, f"h{v} = u{v} & 1")
+            if KQ:      # units 0 .. NSB-1: first halves, NSB .. 2 NSB-1: second halves (lanes of a
+                emit(ind, f"h{v} = 1 if u{v} >= NSB else 0")     # quarter-warp on consecutive x slots)
+                emit(ind, f"s{v} = u{v} - h{v} * NSB")
         for r in RR:
             for v in UU:
                 w = f"{dst}{r}_{v}_"
@@ -219,8 +219,8 @@ def _gemv_source(QT: int, ONE: bool, W: int, R: int, SPLIT: int, U: int, PIPE: b
             emit(ind, f"ok{v} = u < NUN")
             emit(ind, f"uc{v} = min(u, NUN - 1)")
             if KQ:
-                emit(ind, f"sb{v} = uc{v} >> 1")
-                emit(ind, f"hb{v} = uc{v} & 1")
+                emit(ind, f"hb{v} = 1 if uc{v} >= NSB else 0")
+                emit(ind, f"sb{v} = uc{v} - hb{v} * NSB")
             for r in RR:
                 w = f"{src}{r}_{v}_"
                 if Q6:
