@@ -438,7 +438,8 @@ def test_python_m_metrale_serve_starts_and_stops_on_sigterm():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "metrale", "serve", "device=cpu", f"server.port={port}"],
+    proc = subprocess.Popen([sys.executable, "-m", "metrale", "serve", "device=cpu", f"server.port={port}",
+                             "levers.cpu_kernels=numpy"],      # no CPU kernels to compile (seconds on 2 cores)
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"

@@ -23,7 +23,8 @@ from metrale.server.engine_process import EngineProcess, EngineStartError
 from metrale.settings import compose
 
 PROMPTS = ["The capital of France is", "def add(a, b):", "1, 2, 3, 4,"]
-TINY = ["model=tiny-shape", "device=cpu", "cache.num_blocks=512", "scheduler.max_num_seqs=64"]
+TINY = ["model=tiny-shape", "device=cpu", "cache.num_blocks=512", "scheduler.max_num_seqs=64",
+        "levers.cpu_kernels=numpy"]        # the NumPy reference: no CPU kernels to compile in each process
 
 
 def build_tiny(cfg):
@@ -140,6 +141,20 @@ def test_n_logprobs_and_tokenize_cross_the_pipe(pair):
     assert a["choices"] == b["choices"] and len(b["choices"]) == 2 and b["choices"][1]["logprobs"]["tokens"]
     for path, req in (("/tokenize", {"prompt": "hello"}), ("/detokenize", {"tokens": [75, 76, 77]})):
         assert httpx.post(here.url + path, json=req).json() == httpx.post(there.url + path, json=req).json()
+
+
+def test_the_loop_interface_streams_to_threads_and_tasks(pair):
+    """ProcessLoop.stream / astream (EngineLoop's interface) give the in-process engine's tokens."""
+    from metrale import SamplingParams
+    _, _, proc = pair
+    ids = proc.tokenizer.encode("library")
+    params = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
+    want = build_tiny(compose(TINY)).generate([ids], params, use_tqdm=False)[0].token_ids.tolist()
+    assert [int(t) for d in proc.loop.stream("lib-thread", ids, params) for t in d.token_ids] == want
+
+    async def tokens():
+        return [int(t) async for d in proc.loop.astream("lib-task", ids, params) for t in d.token_ids]
+    assert asyncio.run(tokens()) == want
 
 
 def test_refusals_come_back_as_400s(pair):

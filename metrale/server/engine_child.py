@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import pickle
 import signal
 import threading
 import time
@@ -18,7 +19,7 @@ import numpy as np
 from metrale.driver import ServerDraining
 from metrale.outputs import StreamDelta
 from metrale.sampling.params import InvalidRequestError
-from metrale.server.engine_process import PIPE_BYTES, EngineInfo, _FdHandle, _recv, _send, supports_structured_output
+from metrale.server.engine_process import PIPE_BYTES, EngineInfo, _FdHandle, _recv, _write_frame, supports_structured_output
 
 log = logging.getLogger("metrale.server")
 
@@ -38,11 +39,14 @@ class _Outbox:
             self.send(("deltas", items))
 
     def send(self, msg: tuple) -> None:
+        self.send_pickled(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def send_pickled(self, data: bytes) -> None:
         with self.lock:
             if self.closed:
                 return
             try:
-                _send(self.fd, msg)
+                _write_frame(self.fd, data)
             except OSError:
                 self.closed = True
 
@@ -86,7 +90,12 @@ def child_main(cfg, commands: _FdHandle, events: _FdHandle, build: Callable) -> 
     loop = engine.driver()          # the engine's loop thread, as in-process
     loop.hold_for_good()
     holder["loop"] = loop
-    out.send(("ready", _info(engine)))
+    try:
+        ready = pickle.dumps(("ready", _info(engine)), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:        # a tokenizer that does not pickle
+        out.send(("failed", f"the engine's tokenizer and limits do not pickle: {type(exc).__name__}: {exc}"))
+        return
+    out.send_pickled(ready)
     while loop.alive:
         loop.join(3600)
     out.send(("bye", "stopped" if holder.get("stopped") else "its engine loop crashed"))
@@ -118,20 +127,33 @@ def _read_commands(fd: int, holder: dict, out: _Outbox) -> None:
             holder["stopped"] = True
             loop.stop()
             return
-        loop, kind = holder["loop"], cmd[0]
-        if kind == "add":
-            _, key, request_id, prompt, params, age, chat = cmd
-            done: concurrent.futures.Future = concurrent.futures.Future()
-            done.add_done_callback(lambda fut, key=key: _answer_add(out, key, fut))
-            loop.add_nowait(request_id, prompt, params, _Sink(key, out), done, aloop=out,
-                            arrival=time.perf_counter() - age, chat=chat)
-        elif kind == "abort":
-            loop.abort(cmd[1])
-        elif kind == "call":
-            _answer_call(out, loop, cmd[1], cmd[2])
-        elif kind == "stop":
-            holder["stopped"] = True
-            loop.stop()
+        try:
+            _apply(cmd, holder, out)
+        except Exception as exc:   # a bad command must not end the reader, nor leave its caller waiting
+            log.exception("engine process: command %r failed", cmd[0])
+            why = f"{type(exc).__name__}: {exc}"
+            if cmd[0] == "add":
+                out.send(("refused", cmd[1], "error", why))
+            elif cmd[0] == "call":
+                out.send(("reply", cmd[1], False, why))
+
+
+def _apply(cmd: tuple, holder: dict, out: _Outbox) -> None:
+    """One command from the server, handed to the engine loop (or, metrics, answered here)."""
+    loop, kind = holder["loop"], cmd[0]
+    if kind == "add":
+        _, key, request_id, prompt, params, age, chat = cmd
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.add_done_callback(lambda fut, key=key: _answer_add(out, key, fut))
+        loop.add_nowait(request_id, prompt, params, _Sink(key, out), done, aloop=out,
+                        arrival=time.perf_counter() - age, chat=chat)
+    elif kind == "abort":
+        loop.abort(cmd[1])
+    elif kind == "call":
+        _answer_call(out, loop, cmd[1], cmd[2])
+    elif kind == "stop":
+        holder["stopped"] = True
+        loop.stop()
 
 
 def _answer_add(out: _Outbox, key: int, fut: concurrent.futures.Future) -> None:
@@ -160,7 +182,7 @@ def _answer_call(out: _Outbox, loop, cid: int, what: str) -> None:
 
 
 def _engine_state(engine) -> dict:
-    """The block manager and request counts, for tests and debugging (GET-free: the server asks)."""
+    """The block manager and request counts (tests and debugging: ProcessLoop.engine_state)."""
     blocks, sched = engine.blocks, engine.scheduler
     leak = None
     try:

@@ -1,7 +1,7 @@
 """The engine in its own process (`python -m metrale serve`, server.engine_process=true; vLLM's
 AsyncLLM / EngineCore split): the HTTP server and the engine loop no longer share a GIL.
 
-    server process (this module's EngineProcess)         engine process (child_main, spawned)
+    server process (this module's EngineProcess)         engine process (engine_child.py, spawned)
       HTTP handlers -> ProcessLoop.add/abort  --commands-->  reader thread -> EngineLoop commands
       event-loop reader: one message a step   <--events----  EngineLoop thread: Engine.poll(); each
       -> each request's asyncio.Queue                         dispatch of a step = one message
@@ -12,7 +12,7 @@ prompt ids, SamplingParams, age s, chat)`, `("abort", id)`, `("call", id, "metri
 `("failed", one line)`, then per step `("deltas", [(key, text, int32 bytes) or (key, text, int32
 bytes, index, finish_reason, logprobs, stop_reason), ...])`, per add `("added", key, prompt
 tokens)` or `("refused", key, kind, message)`, `("reply", id, ok, value)` and at the end
-`("bye",)`. The engine detokenizes (RequestState, as in-process): a delta's text is ready to send.
+`("bye", why)`. The engine detokenizes (RequestState, as in-process): a delta's text is ready to send.
 Invariants: every request the server accepted ends with one finished delta per completion, from
 the engine or, when the engine process dies, from here ('error: the engine process ...'); the
 engine process exits when told to stop or when the server's end of the commands pipe closes.
@@ -46,7 +46,7 @@ log = logging.getLogger("metrale.server")
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 _HEADER = struct.Struct("!I")
-PIPE_BYTES = 1 << 20        # the events pipe's buffer (Linux F_SETPIPE_SZ): ~500 steps of 64 deltas
+PIPE_BYTES = 1 << 20        # the events pipe's buffer (Linux F_SETPIPE_SZ): ~1,000 steps of 64 decode deltas
 STOP_TIMEOUT_S = 30.0       # how long a stopped engine process may take to exit before it is killed
 
 
@@ -87,7 +87,10 @@ def build_engine(cfg) -> Engine:
 
 # --------------------------------------------------------------------------------- framing
 def _send(fd: int, obj: Any) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    _write_frame(fd, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _write_frame(fd: int, data: bytes) -> None:
     view = memoryview(_HEADER.pack(len(data)) + data)
     while view:
         view = view[os.write(fd, view):]
@@ -253,17 +256,24 @@ class ProcessLoop:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Starts reading the engine's events on the running event loop (or, outside one, on a
-        thread of its own)."""
+        """Starts reading the engine's events on the running event loop (the app's lifespan), or
+        outside one on a thread of its own."""
         if self._aloop is not None:
             return
         try:
             self._aloop = asyncio.get_running_loop()
-            self._attach()
         except RuntimeError:
-            self._aloop = asyncio.new_event_loop()
-            threading.Thread(target=self._aloop.run_forever, name="metrale-engine-events", daemon=True).start()
-            self._aloop.call_soon_threadsafe(self._attach)
+            self._read_on_own_thread()
+        else:
+            self._attach()
+
+    def _read_on_own_thread(self) -> None:
+        """A caller came before start() (a library-style stream): the events get a loop of their own."""
+        with self._send_lock:
+            if self._aloop is None:
+                self._aloop = asyncio.new_event_loop()
+                threading.Thread(target=self._aloop.run_forever, name="metrale-engine-events", daemon=True).start()
+                self._aloop.call_soon_threadsafe(self._attach)
 
     def _attach(self) -> None:
         os.set_blocking(self._ev_fd, False)
@@ -323,8 +333,6 @@ class ProcessLoop:
 
     def submit(self, request_id: str, prompt, params, sink: queue.SimpleQueue, chat: bool = False) -> int:
         """`add` for a thread: blocks until the engine took (or refused) the request."""
-        if self._aloop is None:
-            self.start()
         return self._queue_add(request_id, prompt, params, None, sink, None, chat).result()
 
     def stream(self, request_id: str, prompt, params, chat: bool = False) -> Iterator[StreamDelta]:
@@ -350,6 +358,8 @@ class ProcessLoop:
         if not self.accepting or not self.alive:
             done.set_exception(self._refusal())
             return done
+        if self._aloop is None:
+            self._read_on_own_thread()
         key = next(self._next)
         self._live[key] = _Remote(request_id, aloop, sink, set(range(params.n)))
         self._keys_of[request_id] = key
@@ -357,6 +367,9 @@ class ProcessLoop:
         age = time.perf_counter() - arrival if arrival is not None else 0.0
         prompt = [int(t) for t in prompt] if isinstance(prompt, np.ndarray) else prompt
         self._post(("add", key, request_id, prompt, params, age, chat))
+        if self._gone.is_set():        # it died meanwhile (a thread caller): _ended may have missed this one
+            self._live.pop(key, None)
+            _settle(self._adds.pop(key, None), None, self._refusal())
         return done
 
     def abort(self, request_id: str, wait: bool = False) -> None:
@@ -385,6 +398,8 @@ class ProcessLoop:
         cid = next(self._next)
         done = self._calls[cid] = concurrent.futures.Future()
         self._post(("call", cid, what))
+        if self._gone.is_set():
+            _settle(self._calls.pop(cid, None), None, self._refusal())
         return await asyncio.wait_for(asyncio.wrap_future(done), timeout)
 
     # ------------------------------------------------------------- the two pipes
