@@ -61,7 +61,7 @@ class Sampler:
         self.min_p_floor = float(min_p_floor)
         self.masks = MaskWorker(self.vocab_size)
         self.device = None
-        if backend.name == "cuda":
+        if backend is not None and backend.name == "cuda":   # None: the host pipeline alone (tests)
             from metrale.sampling.device import DevicePipeline
             self.device = DevicePipeline(backend, self.vocab_size)
         self._warned_empty = False
