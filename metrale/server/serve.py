@@ -26,17 +26,23 @@ import sys
 import threading
 import time
 
+from typing import TYPE_CHECKING
+
 import uvicorn
 
 from metrale.driver import EngineLoop
+
+if TYPE_CHECKING:
+    from metrale.server.engine_process import ProcessLoop
 
 USAGE = __doc__
 
 
 class MetraleServer(uvicorn.Server):
-    """uvicorn.Server that drains the engine loop before it waits for connections to close."""
+    """uvicorn.Server that drains the engine loop (or stops the engine process) before it waits for
+    connections to close."""
 
-    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop, grace_s: float):
+    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop | ProcessLoop, grace_s: float):
         super().__init__(config)
         self.engine_loop, self.grace_s = engine_loop, grace_s
 
