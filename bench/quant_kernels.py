@@ -60,7 +60,7 @@ def _kernel_jobs(types, shapes, rows, fp8=False):
     return sorted(jobs, key=str)
 
 
-def compile_jobs(jobs) -> float:
+def compile_jobs(jobs, hint: bool = True) -> float:
     """Compile (qtype, one, cfg) kernels in this process (into the disk cache); seconds taken.
     qtype "FP8": quant_fp8's GEMV of cfg."""
     from numba import types as nt
@@ -71,6 +71,7 @@ def compile_jobs(jobs) -> float:
     U8 = nt.Array(nt.uint8, 2, "C")
     sig = (F2, U8, U8, U8, U8, F2, F2, F2, nt.int64, nt.int64)
     sig8 = (F2, U8, F2, F2, F2, F2, nt.int64, nt.int64, nt.int64, nt.int64)
+    QG.STREAM_HINT["on"] = hint
     t0 = time.time()
     for qt, one, cfg in jobs:
         if qt == "FP8":
@@ -96,7 +97,7 @@ def precompile(jobs, procs: int) -> None:
     chunks = [jobs[i::procs] for i in range(procs) if jobs[i::procs]]
     t0 = time.time()
     with mp.get_context("spawn").Pool(len(chunks)) as pool:
-        secs = pool.map(compile_jobs, chunks)
+        secs = pool.starmap(compile_jobs, [(c, QG.STREAM_HINT["on"]) for c in chunks])
     print(f"# precompiled {len(jobs)} kernels in {len(chunks)} processes: {time.time() - t0:.0f} s wall "
           f"({sum(secs):.0f} s of compiling)", flush=True)
 
@@ -137,7 +138,10 @@ def main() -> None:
     ap.add_argument("--precompile-only", action="store_true",
                     help="with --precompile: compile (T = 1 and 8 for the shapes' K) and exit")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--hint", type=int, default=1, help="0: weight loads without the streaming hints")
     args = ap.parse_args()
+    from kernels_numba import quant_gemv as QG
+    QG.STREAM_HINT["on"] = bool(args.hint)
 
     from kernels_numba import quant_layout as L
     names = {v: k for k, v in L.NAMES.items()}
@@ -146,7 +150,8 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     shapes = args.shapes.split(",")
     if args.precompile:
-        precompile(_kernel_jobs(types, shapes, sorted(set(rows) | {1, 8}), fp8), args.precompile)
+        pre_rows = sorted(set(rows) | {1, 8}) if args.precompile_only else rows
+        precompile(_kernel_jobs(types, shapes, pre_rows, fp8), args.precompile)
         if args.precompile_only:
             return
 
@@ -161,7 +166,7 @@ def main() -> None:
         except ImportError:
             pass
     gpu = torch.cuda.get_device_name() if torch is not None else str(getattr(cuda.get_current_device(), "name", "?"))
-    print(f"# {gpu}  torch {getattr(torch, '__version__', None)}", flush=True)
+    print(f"# {gpu}  torch {getattr(torch, '__version__', None)}  streaming load hints {QG.STREAM_HINT['on']}", flush=True)
     records, t_start = [], time.time()
 
     def rec(figure, value, unit, limit=None, peer=None, peer_name=None, **extra):

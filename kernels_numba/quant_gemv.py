@@ -47,12 +47,15 @@ from kernels_numba.ptx import (SIM, grid_trigger_early, grid_trigger_late, grid_
 from kernels_numba.quant_layout import (KQUANTS, NAMES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K,
                                         Q8_0, TYPES)
 from kernels_numba.quant_ptx import (bits_f32, dp4a_ss, dp4a_us, f32_bits, h2f, ldg_b2, ldg_b4,
-                                     ldg_b16, rni, shfl_xor_i32)
+                                     ldg_b16, ldg_b16s, rni, shfl_xor_i32)
 
 __all__ = ["gemv", "gemv_cfg", "gemv_path", "max_rows", "smem_bytes", "py_kernel", "kernel",
            "MAX_T", "SMEM_LIMIT"]
 
 MAX_T = 8
+# weights' 16-byte loads with the streaming hints (ldg_b16s: L1 no-allocate, L2 256-byte fetch); read
+# when a kernel's source is generated (bench/quant_kernels.py --hint 0 measures without)
+STREAM_HINT = {"on": True}
 SMEM_LIMIT = 48 * 1024          # dynamic shared memory without the opt-in attribute
 BIG_SMEM = 76 * 1024            # above: fewer than 3 blocks fit a multiprocessor (8 warps a block)
 
@@ -136,7 +139,7 @@ _GLOBALS = dict(cuda=cuda, float32=float32, int32=int32, uint32=uint32, min=min,
                 grid_trigger_late=grid_trigger_late, ldg_f32x4=ldg_f32x4, lds_u32x4=lds_u32x4,
                 shfl_xor_f32=shfl_xor_f32, shfl_xor_i32=shfl_xor_i32, bits_f32=bits_f32,
                 f32_bits=f32_bits, dp4a_us=dp4a_us, dp4a_ss=dp4a_ss, h2f=h2f, rni=rni, ldg_b2=ldg_b2,
-                ldg_b4=ldg_b4, ldg_b16=ldg_b16, q4_ops=q4_ops, q5_ops=q5_ops, q6_ops=q6_ops,
+                ldg_b4=ldg_b4, ldg_b16=ldg_b16, ldg_b16s=ldg_b16s, q4_ops=q4_ops, q5_ops=q5_ops, q6_ops=q6_ops,
                 kq_scale_min=kq_scale_min, kq_scale_min_h=kq_scale_min_h, sbyte=sbyte, MASK16=MASK16, U8=U8, U16=U16, U24=U24,
                 B255=B255)
 
@@ -194,7 +197,7 @@ def _gemv_source(QT: int, ONE: bool, W: int, R: int, SPLIT: int, U: int, PIPE: b
                 w = f"{dst}{r}_{v}_"
 
                 def words(base, expr):
-                    emit(ind, f"q = ldg_b16({expr})")
+                    emit(ind, f"q = {'ldg_b16s' if STREAM_HINT['on'] else 'ldg_b16'}({expr})")
                     emit(ind, ", ".join(f"{w}{base + e}" for e in range(4)) + " = q[0], q[1], q[2], q[3]")
                 if KQ:       # half h of super-block s: groups 4h + g at positions (4h + g) NSB + s
                     for g in range(4):
@@ -467,10 +470,11 @@ _KERNELS: dict = {}
 
 def py_kernel(*cfg):
     """The undecorated kernel of (qtype, one (T = 1), warps, rows, split, unroll, pipe, has_bias,
-    has_res)."""
-    if cfg not in _PY:
-        _PY[cfg] = _make_gemv(*cfg)
-    return _PY[cfg]
+    has_res), with the current STREAM_HINT."""
+    key = cfg + (STREAM_HINT["on"],)
+    if key not in _PY:
+        _PY[key] = _make_gemv(*cfg)
+    return _PY[key]
 
 
 def launch_bounds(qtype: int, one: bool, warps: int) -> tuple[int, int]:
@@ -483,14 +487,15 @@ def launch_bounds(qtype: int, one: bool, warps: int) -> tuple[int, int]:
 
 def kernel(*cfg):
     """The launchable kernel of py_kernel's cfg (on the GPU: on-disk cached, kernels_numba.jit)."""
-    k = _KERNELS.get(cfg)
+    key = cfg + (STREAM_HINT["on"],)
+    k = _KERNELS.get(key)
     if k is None:
         if SIM:
             k = cuda.jit(py_kernel(*cfg))
         else:
             from kernels_numba.jit import kernel as cached_kernel
             k = cached_kernel(py_kernel(*cfg), launch_bounds=launch_bounds(cfg[0], cfg[1], cfg[2]))
-        _KERNELS[cfg] = k
+        _KERNELS[key] = k
     return k
 
 

@@ -1,6 +1,8 @@
 """Inline-PTX intrinsics of the quantized kernels (quant_gemv, quant_dequant), each with a simulator twin.
 
   ldg_b16(a, r, c)    `ld.global.nc.v4.u32` of the 16 bytes a[r, c:c+16] (2-D uint8, c % 16 == 0) -> 4 x uint32
+  ldg_b16s(a, r, c)   the same for streamed weights: `.L1::no_allocate.L2::256B` (no L1 line kept for
+                      data read once; L2 fetches the 256-byte block: the warp's neighbours come next)
   ldg_b4(a, r, c)     `ld.global.nc.u32` of a[r, c:c+4] (c % 4 == 0) -> uint32 (little-endian)
   ldg_b2(a, r, c)     `ld.global.nc.u16` of a[r, c:c+2] (c % 2 == 0) -> uint32 (zero-extended)
   stg_u16x8(a, r, c, v0, v1, v2, v3)   `st.global.v4.u32` of 8 uint16 a[r, c:c+8] (2-D uint16, c % 8 == 0)
@@ -23,7 +25,7 @@ import numpy as np
 
 from kernels_numba.ptx import SIM
 
-__all__ = ["ldg_b16", "ldg_b4", "ldg_b2", "stg_u16x8", "stg_f32x4", "dp4a_us", "dp4a_ss", "h2f",
+__all__ = ["ldg_b16", "ldg_b16s", "ldg_b4", "ldg_b2", "stg_u16x8", "stg_f32x4", "dp4a_us", "dp4a_ss", "h2f",
            "rni", "f32_bits", "bits_f32", "shfl_xor_i32", "e4m3x2_f32"]
 
 if SIM:
@@ -36,11 +38,15 @@ if SIM:
         return (np.uint32(_word(a, r, c)), np.uint32(_word(a, r, c + 4)),
                 np.uint32(_word(a, r, c + 8)), np.uint32(_word(a, r, c + 12)))
 
+    ldg_b16s = None          # (set below: the same as ldg_b16)
+
     def ldg_b4(a, r, c):
         return np.uint32(_word(a, r, c))
 
     def ldg_b2(a, r, c):
         return np.uint32(int(a[r, c]) | (int(a[r, c + 1]) << 8))
+
+    ldg_b16s = ldg_b16
 
     def stg_u16x8(a, r, c, v0, v1, v2, v3):
         for i, v in enumerate((v0, v1, v2, v3)):
@@ -115,19 +121,26 @@ else:
     def _is_2d(a, dtype):
         return isinstance(a, types.Array) and a.dtype == dtype and a.ndim == 2
 
+    def _ldg16(op):
+        def gen(context, builder, sig, args):
+            p = _gptr(context, builder, sig, args)
+            sty = ir.LiteralStructType([_i32] * 4)
+            asm = ir.InlineAsm(ir.FunctionType(sty, [p.type]), op + " {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
+            res = builder.call(asm, [p])
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(4)])
+        return gen
+
     @intrinsic
     def ldg_b16(typingctx, a, r, c):
         if not _is_2d(a, types.uint8):
             return None
+        return types.UniTuple(types.uint32, 4)(a, r, c), _ldg16("ld.global.nc.v4.u32")
 
-        def gen(context, builder, sig, args):
-            p = _gptr(context, builder, sig, args)
-            sty = ir.LiteralStructType([_i32] * 4)
-            asm = ir.InlineAsm(ir.FunctionType(sty, [p.type]), "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];",
-                               "=r,=r,=r,=r,l")
-            res = builder.call(asm, [p])
-            return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(4)])
-        return types.UniTuple(types.uint32, 4)(a, r, c), gen
+    @intrinsic
+    def ldg_b16s(typingctx, a, r, c):
+        if not _is_2d(a, types.uint8):
+            return None
+        return types.UniTuple(types.uint32, 4)(a, r, c), _ldg16("ld.global.nc.L1::no_allocate.L2::256B.v4.u32")
 
     @intrinsic
     def ldg_b4(typingctx, a, r, c):
