@@ -557,11 +557,14 @@ def gemv_cfg(qtype: int, N: int, K: int, T: int = 1) -> tuple[int, int, int, int
     loads of codes and the super-block's 16-byte header, which the two lanes of the super-block share
     through L1). split and unroll leave the fewest lanes idle (K = 4096: a whole warp a row, one
     step; 14336: 16 lanes a K-quant row, 7 steps); the next step's loads are in flight while a step
-    computes (pipe) for T <= 2 and where x fills shared memory. One row a lane group. With x of T
-    rows leaving room for 1-2 blocks only (T = 8 at K = 14336), 8 warps a block. To be tuned on the
-    device (bench/quant_kernels.py --sweep)."""
+    computes (pipe) for T <= 2 and where x fills shared memory. One row a lane group. 8 warps a block
+    where x of T rows leaves room for 1-2 blocks only (T = 8 at K = 14336) and for K >= 8192 (the x
+    staging, 4 loads a thread a round trip to L2, then takes half as many round trips). To be tuned
+    on the device (bench/quant_kernels.py --sweep)."""
     big = smem_bytes(qtype, T, K, 8, 1) > BIG_SMEM
-    warps = 8 if big else 4
+    # K >= 8192: 8 warps share the x staging (its L2 round trips); not Q6_K (150 registers: one block
+    # of 8 warps a multiprocessor, against three of 4)
+    warps = 8 if big or (K >= 8192 and qtype != Q6_K) else 4
     if qtype in KQUANTS:
         split, unroll = _lanes(2 * (K // 256), (1,))
     else:
