@@ -2,22 +2,27 @@
 
 y[T, R] = x[T, K] @ W[R, K].T where W's rows are the file's raw blocks: Q4_0, Q4_1, Q5_0, Q5_1,
 Q8_0 (32 columns a block), Q4_K, Q5_K, Q6_K (256 a block), and dense f32 / f16 / bf16 rows
-(handled as 16-column "blocks"). Activations stay float32: each block is decoded in registers into
-<16 x float> vectors (LLVM IR written here, `_DECODERS`) and multiplied into per-token vector
-accumulators with FMAs, up to 8 activation rows a pass so a block is decoded once for 8 tokens.
-llama.cpp instead quantizes activations to 8 bits a block and takes integer dot products
-(VNNI); on this path float activations measured as fast at decode (weight bytes dominate) and keep
-the reference's arithmetic (docs/performance.md, "Fast CPU path").
+(handled as 16-column "blocks"). Two roads, both decoding each block in registers (LLVM IR written
+here as Numba intrinsics) and taking up to 8 activation rows a pass, so a block is decoded once for
+8 tokens:
+  matmul_into     float32 activations: blocks decoded to <16 x float>, FMAs into per-token vector
+                  accumulators (`_DECODERS`, `row_dot`); every kind; the reference's arithmetic up
+                  to summation order.
+  matmul_q8_into  llama.cpp's: activations quantized to int8 a 32-block, weights decoded to bytes,
+                  vpdpbusd (AVX-512 VNNI) integer dot products (`_U8_DECODERS`, `row_dot_q8`);
+                  block kinds only. 2.3x the float kernel with weights in cache; at decode the
+                  weights stream from DRAM and both ran alike (levers.cpu_activations, docs).
+A token's result does not depend on the rows beside it (the same accumulation order at every width).
 
-How the block type reaches the kernel: `as_blocks(data, kind)` views a part's uint8 rows as an
-array of one-field records whose field is named after the type ("q4_1", ...), so one generic
-kernel specializes per type through Numba's dispatch on the array's dtype, and the decoder is
-chosen when the intrinsic is typed. Kernels are cached on disk (cache=True); `compile_all` builds
-every specialization the runtime uses, once, with a line on stderr per family it had to compile.
+How the block type reaches the kernel: `as_blocks(data, kind)` views a part's uint8 rows as a
+read-only array of one-field records whose field is named after the type ("q4_1", ...), so one
+generic kernel specializes per type through Numba's dispatch on the array's dtype, and the decoder
+is chosen when the intrinsic is typed. Kernels are cached on disk (cache=True).
 
-References: `dequantize_ref` (the gguf package, an independent implementation) and
-`matmul_ref` (its dequantization @ x); tests/test_cpu_quant.py checks every type against them.
-Contracts: x float32 C-contiguous [T, K], K = W's columns; y float32 with unit column stride.
+References: `dequantize_ref` (the gguf package, an independent implementation), `matmul_ref` (its
+dequantization @ x) and `matmul_q8_ref` (the same against x quantized as quantize_q8 does);
+tests/test_cpu_quant.py checks every type against them.
+Contracts: x float32 C-contiguous [T, K], K = W's columns; y float32 C-contiguous [T, R].
 """
 from __future__ import annotations
 
@@ -96,7 +101,7 @@ class _IR:
 
     def splat(self, scalar, ty=VF):
         v = self.b.insert_element(ir.Constant(ty, ir.Undefined), scalar, ir.Constant(I32, 0))
-        return self.b.shuffle_vector(v, ir.Constant(ty, ir.Undefined), ir.Constant(ir.VectorType(I32, W), [0] * W))
+        return self.b.shuffle_vector(v, ir.Constant(ty, ir.Undefined), ir.Constant(ir.VectorType(I32, ty.count), [0] * ty.count))
 
     def bytes16(self, addr, off: int, signed: bool = False):
         v = self.load(addr, off, VI8)
@@ -227,8 +232,7 @@ _DECODERS = {
 }
 
 
-def _hsum(b: ir.IRBuilder, v):
-    n = W
+def _hsum(b: ir.IRBuilder, v, n: int = W):
     while n > 1:
         n //= 2
         lo = b.shuffle_vector(v, v, _cvec(I32, range(n)))
@@ -335,6 +339,148 @@ def row_decode(typingctx, w, row, out_addr):
     return sig, codegen
 
 
+# ------------------------------------------------------ 8-bit activations, integer dot products
+
+# The llama.cpp road: activations quantized to int8 a 32-column block (scale dx = max|x| / 127), a
+# block's weights decoded in registers to unsigned bytes u with w = a * u + c, and the block's
+# product  sum(w * x) = a * dx * sum(u * xq) + c * dx * sum(xq)  taken by vpdpbusd (AVX-512 VNNI:
+# 64 byte products an instruction; unsigned weights times signed activations). Q6_K's two scales a
+# block are a per-half scale vector; its and Q4_0 / Q5_0 / Q8_0's zero points are the c term.
+Q8_KINDS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
+VI8_32, VI32_8, VF8 = ir.VectorType(I8, 32), ir.VectorType(I32, 8), ir.VectorType(F32, 8)
+
+
+def _bvec(value: int):
+    return _cvec(I8, [value] * 32)
+
+
+def _join16(e: _IR, lo, hi):
+    return e.b.shuffle_vector(lo, hi, _cvec(I32, range(32)))
+
+
+# Each u8 decoder: (ir helper, block address) -> [(first column, <32 x i8> u, (a_lo, a_hi), (c_lo, c_hi))]
+# for every 32 columns of the block: w = a * u + c, with a and c per 16-column half.
+
+def _u8_legacy(e: _IR, a, kind: str):
+    d = e.f16(a, 0)
+    m = e.f16(a, 2) if kind in ("q4_1", "q5_1") else None
+    if kind == "q8_0":
+        u = e.b.xor(e.load(a, 2, VI8_32), _bvec(0x80))            # signed -> unsigned: w = d * (u - 128)
+        c = e.b.fmul(d, ir.Constant(F32, -128.0))
+        return [(0, u, (d, d), (c, c))]
+    off = {"q4_0": 2, "q4_1": 4, "q5_0": 6, "q5_1": 8}[kind]
+    q = e.load(a, off, VI8)
+    u = _join16(e, e.b.and_(q, _cvec(I8, [15] * 16)), e.b.lshr(q, _cvec(I8, [4] * 16)))
+    if kind in ("q5_0", "q5_1"):
+        qh = e.b.insert_element(ir.Constant(ir.VectorType(I32, 32), ir.Undefined), e.load(a, off - 4, I32), ir.Constant(I32, 0))
+        qh = e.b.shuffle_vector(qh, ir.Constant(ir.VectorType(I32, 32), ir.Undefined), _cvec(I32, [0] * 32))
+        bits = e.b.and_(e.b.lshr(qh, _cvec(I32, range(32))), _cvec(I32, [1] * 32))
+        u = e.b.or_(u, e.b.shl(e.b.trunc(bits, VI8_32), _bvec(4)))
+    if m is None:
+        c = e.b.fmul(d, ir.Constant(F32, -8.0 if kind == "q4_0" else -16.0))
+        return [(0, u, (d, d), (c, c))]
+    return [(0, u, (d, d), (m, m))]
+
+
+def _u8_k(e: _IR, a, five: bool):
+    d, dmin = e.f16(a, 0), e.f16(a, 2)
+    qs = 48 if five else 16
+    out = []
+    for s in range(8):
+        sc, mn = _k4_scale_min(e, a, s)
+        d1 = e.b.fmul(d, e.b.uitofp(sc, F32))
+        m1 = e.b.fneg(e.b.fmul(dmin, e.b.uitofp(mn, F32)))
+        q = e.load(a, qs + 32 * (s // 2), VI8_32)
+        u = e.b.lshr(q, _bvec(4)) if s % 2 else e.b.and_(q, _bvec(15))
+        if five:
+            h = e.b.and_(e.b.lshr(e.load(a, 16, VI8_32), _bvec(s)), _bvec(1))
+            u = e.b.or_(u, e.b.shl(h, _bvec(4)))
+        out.append((32 * s, u, (d1, d1), (m1, m1)))
+    return out
+
+
+def _u8_q6_k(e: _IR, a):
+    d = e.f16(a, 208)
+    out = []
+    for sb in range(8):
+        h, k = divmod(sb, 4)
+        ql = e.load(a, 64 * h + 32 * (k & 1), VI8_32)
+        ql = e.b.lshr(ql, _bvec(4)) if k >= 2 else e.b.and_(ql, _bvec(15))
+        qh = e.b.and_(e.b.lshr(e.load(a, 128 + 32 * h, VI8_32), _bvec(2 * k)), _bvec(3))
+        u = e.b.or_(ql, e.b.shl(qh, _bvec(4)))                      # w = d * sc * (u - 32)
+        sc = [e.b.fmul(d, e.b.sitofp(e.b.sext(e.load(a, 192 + 2 * sb + i, I8), I32), F32)) for i in (0, 1)]
+        cs = [e.b.fmul(x, ir.Constant(F32, -32.0)) for x in sc]
+        out.append((32 * sb, u, tuple(sc), tuple(cs)))
+    return out
+
+
+_U8_DECODERS = {k: (lambda e, a, k=k: _u8_legacy(e, a, k)) for k in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")}
+_U8_DECODERS.update({"q4_k": lambda e, a: _u8_k(e, a, False), "q5_k": lambda e, a: _u8_k(e, a, True),
+                     "q6_k": _u8_q6_k})
+
+
+def _splat8(e: _IR, lo, hi):
+    v = e.b.insert_element(ir.Constant(VF8, ir.Undefined), lo, ir.Constant(I32, 0))
+    v = e.b.insert_element(v, hi, ir.Constant(I32, 1))
+    return e.b.shuffle_vector(v, ir.Constant(VF8, ir.Undefined), _cvec(I32, [0, 0, 0, 0, 1, 1, 1, 1]))
+
+
+@intrinsic
+def row_dot_q8(typingctx, w, row, q_addr, q_stride, s_addr, s_stride, ntok):
+    """(x[t] . W[row] for t < ntok) with x given as quantize_q8's int8 rows (q_addr, rows q_stride
+    bytes apart) and per-block (dx, dx * sum of the first 16, dx * sum of the last 16) float32
+    triples (s_addr, s_stride); W a block array of a Q8_KINDS kind; ntok a literal 1..MAX_TOKENS."""
+    kind = _block_array_kind(w)
+    if kind not in Q8_KINDS or not isinstance(ntok, types.IntegerLiteral):
+        return None
+    n = ntok.literal_value
+    cols, nbytes = KINDS[kind]
+    decode = _U8_DECODERS[kind]
+    sig = types.UniTuple(types.float32, n)(w, row, q_addr, q_stride, s_addr, s_stride, ntok)
+
+    def codegen(context, builder, signature, args):
+        e = _IR(builder)
+        mod = builder.module
+        name = "llvm.x86.avx512.vpdpbusd.256"
+        dp = mod.globals.get(name) or ir.Function(mod, ir.FunctionType(VI32_8, [VI32_8] * 3), name)
+        name = "llvm.fma.v8f32"
+        fma8 = mod.globals.get(name) or ir.Function(mod, ir.FunctionType(VF8, [VF8] * 3), name)
+        rowp, nblocks = _row_base(context, builder, w, args[0], args[1])
+        qrows = [builder.add(args[2], builder.mul(args[3], ir.Constant(I64, t))) for t in range(n)]
+        srows = [builder.add(args[4], builder.mul(args[5], ir.Constant(I64, t))) for t in range(n)]
+        zero8 = ir.Constant(VF8, [ir.Constant(F32, 0.0)] * 8)
+        izero = ir.Constant(VI32_8, [ir.Constant(I32, 0)] * 8)
+        accs = [[cgutils.alloca_once_value(builder, zero8) for _ in range(2)] for _ in range(n)]
+        corr = [cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0)) for _ in range(n)]
+        with cgutils.for_range(builder, nblocks) as loop:
+            b = loop.index
+            addr = builder.add(rowp, builder.mul(b, ir.Constant(I64, nbytes)))
+            col0 = builder.mul(b, ir.Constant(I64, cols))
+            for k, (off, u, (alo, ahi), (clo, chi)) in enumerate(decode(e, addr)):
+                u32 = builder.bitcast(u, VI32_8)
+                col = builder.add(col0, ir.Constant(I64, off))
+                for t in range(n):
+                    xq = builder.load(builder.inttoptr(builder.add(qrows[t], col), VI32_8.as_pointer()), align=1)
+                    sp = builder.add(srows[t], builder.mul(builder.udiv(col, ir.Constant(I64, 32)), ir.Constant(I64, 12)))
+                    dx = e.load(sp, 0, F32, align=4)
+                    slo, shi = e.load(sp, 4, F32, align=4), e.load(sp, 8, F32, align=4)
+                    isum = builder.sitofp(builder.call(dp, [izero, u32, xq]), VF8)
+                    scale = e.splat(builder.fmul(alo, dx), VF8) if alo is ahi else \
+                        _splat8(e, builder.fmul(alo, dx), builder.fmul(ahi, dx))
+                    acc = accs[t][k % 2]
+                    builder.store(builder.call(fma8, [isum, scale, builder.load(acc)]), acc)
+                    c = builder.fmul(clo, builder.fadd(slo, shi)) if clo is chi else \
+                        builder.fadd(builder.fmul(clo, slo), builder.fmul(chi, shi))
+                    builder.store(builder.fadd(builder.load(corr[t]), c), corr[t])
+        sums = []
+        for t in range(n):
+            v = builder.fadd(builder.load(accs[t][0]), builder.load(accs[t][1]))
+            sums.append(builder.fadd(_hsum(builder, v, 8), builder.load(corr[t])))
+        return context.make_tuple(builder, signature.return_type, sums)
+
+    return sig, codegen
+
+
 # ------------------------------------------------------------------------------------- kernels
 
 ROWS_A_CHUNK = 16        # weight rows a parallel work item takes at up to MAX_TOKENS activation rows
@@ -344,15 +490,15 @@ TOKEN_TILE = 64          # activation rows a work item takes (64 x K floats stay
 
 
 @njit(inline="always")
-def _put(y, t, c, v, accumulate):
-    if accumulate:
-        y[t, c] += v
+def _put(y, t, c, v, residual):
+    if residual.shape[0]:
+        y[t, c] = residual[t, c] + v
     else:
         y[t, c] = v
 
 
 @njit(fastmath=FASTMATH)
-def _chunk(w, x, y, col0, r0, r1, t0, t1, accumulate):
+def _chunk(w, x, y, col0, r0, r1, t0, t1, residual):
     """Rows r0:r1 of W against activation rows t0:t1: up to 8 rows of x a pass over the weights."""
     xa, xs = x.ctypes.data, x.strides[0]
     t = t0
@@ -362,35 +508,57 @@ def _chunk(w, x, y, col0, r0, r1, t0, t1, accumulate):
             for r in range(r0, r1):
                 s = row_dot(w, r, xt, xs, 8)
                 for i in range(8):
-                    _put(y, t + i, col0 + r, s[i], accumulate)
+                    _put(y, t + i, col0 + r, s[i], residual)
             t += 8
         elif left >= 4:
             for r in range(r0, r1):
                 s = row_dot(w, r, xt, xs, 4)
                 for i in range(4):
-                    _put(y, t + i, col0 + r, s[i], accumulate)
+                    _put(y, t + i, col0 + r, s[i], residual)
             t += 4
         elif left >= 2:
             for r in range(r0, r1):
                 s = row_dot(w, r, xt, xs, 2)
-                _put(y, t, col0 + r, s[0], accumulate)
-                _put(y, t + 1, col0 + r, s[1], accumulate)
+                _put(y, t, col0 + r, s[0], residual)
+                _put(y, t + 1, col0 + r, s[1], residual)
             t += 2
         else:
             for r in range(r0, r1):
-                _put(y, t, col0 + r, row_dot(w, r, xt, xs, 1)[0], accumulate)
+                _put(y, t, col0 + r, row_dot(w, r, xt, xs, 1)[0], residual)
             t += 1
 
 
 MAX_PARTS = 4            # block arrays one matmul_into call takes (a tuple of this length, padded)
 
 
+@njit(fastmath=FASTMATH)
+def _rms_rows(x, weight, eps, out, t0, t1):
+    D = x.shape[1]
+    for t in range(t0, t1):
+        ss = np.float32(0.0)
+        for d in range(D):
+            ss += x[t, d] * x[t, d]
+        inv = np.float32(1.0) / np.sqrt(ss / np.float32(D) + np.float32(eps))
+        for d in range(D):
+            out[t, d] = x[t, d] * inv * weight[d]
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def matmul_into(parts, count, col0s, x, y, accumulate):
-    """y[:, col0s[p]:col0s[p] + R_p] = x @ W_p.T (accumulate: +=) for the first `count` block arrays
-    W_p [R_p, blocks] of the tuple `parts` (one kind, as_blocks; MAX_PARTS long, so one compiled
-    kernel a kind: `pad_parts`), all in one parallel loop over (row chunk, token tile) items."""
+def matmul_into(parts, count, col0s, x, norm, eps, normed, residual, y):
+    """y[:, col0s[p]:col0s[p] + R_p] = (residual +) x' @ W_p.T for the first `count` block arrays W_p
+    [R_p, blocks] of the tuple `parts` (one kind, as_blocks; MAX_PARTS long, so one compiled kernel
+    a kind: `pad_parts`), in one parallel loop over (row chunk, token tile) items. x' = x, or with
+    `norm` (weights [K]; empty: none) RMSNorm(x) written to `normed` [T, K] first. `residual` [T, R]
+    or empty [0, 0]."""
     T = x.shape[0]
+    src = x
+    if norm.shape[0]:
+        if T <= TOKEN_TILE:
+            _rms_rows(x, norm, eps, normed, 0, T)
+        else:
+            for tile in prange((T + TOKEN_TILE - 1) // TOKEN_TILE):
+                _rms_rows(x, norm, eps, normed, tile * TOKEN_TILE, min(T, (tile + 1) * TOKEN_TILE))
+        src = normed
     rows = ROWS_A_CHUNK if T <= MAX_TOKENS else ROWS_A_TILE
     tiles = (T + TOKEN_TILE - 1) // TOKEN_TILE
     first = np.zeros(count + 1, np.int64)
@@ -404,7 +572,98 @@ def matmul_into(parts, count, col0s, x, y, accumulate):
         w = parts[p]
         r0 = (c - first[p]) * rows
         t0 = tile * TOKEN_TILE
-        _chunk(w, x, y, col0s[p], r0, min(w.shape[0], r0 + rows), t0, min(T, t0 + TOKEN_TILE), accumulate)
+        _chunk(w, src, y, col0s[p], r0, min(w.shape[0], r0 + rows), t0, min(T, t0 + TOKEN_TILE), residual)
+
+
+@njit(fastmath=FASTMATH)
+def quantize_q8(x, xq, xs, t0, t1):
+    """Rows t0:t1 of x [T, K] as int8 xq [T, K] (round(x / dx), dx = max|x| / 127 a 32-block) and
+    xs [T, K / 32, 3] = (dx, dx * sum of the block's first 16 xq, dx * sum of its last 16)."""
+    nb = x.shape[1] // 32
+    for t in range(t0, t1):
+        for b in range(nb):
+            top = np.float32(0.0)
+            for j in range(32):
+                top = max(top, abs(x[t, 32 * b + j]))
+            dx = top / np.float32(127.0)
+            inv = np.float32(1.0) / dx if top > 0 else np.float32(0.0)
+            lo, hi = 0, 0
+            for j in range(32):
+                v = np.int32(np.rint(x[t, 32 * b + j] * inv))
+                xq[t, 32 * b + j] = v
+                if j < 16:
+                    lo += v
+                else:
+                    hi += v
+            xs[t, b, 0] = dx
+            xs[t, b, 1] = dx * np.float32(lo)
+            xs[t, b, 2] = dx * np.float32(hi)
+
+
+@njit(fastmath=FASTMATH)
+def _chunk_q8(w, xq, xs, y, col0, r0, r1, t0, t1, residual):
+    qa, qs_ = xq.ctypes.data, xq.strides[0]
+    sa, ss = xs.ctypes.data, xs.strides[0]
+    t = t0
+    while t < t1:
+        left, qt, st = t1 - t, qa + t * qs_, sa + t * ss
+        if left >= 8:
+            for r in range(r0, r1):
+                s = row_dot_q8(w, r, qt, qs_, st, ss, 8)
+                for i in range(8):
+                    _put(y, t + i, col0 + r, s[i], residual)
+            t += 8
+        elif left >= 4:
+            for r in range(r0, r1):
+                s = row_dot_q8(w, r, qt, qs_, st, ss, 4)
+                for i in range(4):
+                    _put(y, t + i, col0 + r, s[i], residual)
+            t += 4
+        elif left >= 2:
+            for r in range(r0, r1):
+                s = row_dot_q8(w, r, qt, qs_, st, ss, 2)
+                _put(y, t, col0 + r, s[0], residual)
+                _put(y, t + 1, col0 + r, s[1], residual)
+            t += 2
+        else:
+            for r in range(r0, r1):
+                _put(y, t, col0 + r, row_dot_q8(w, r, qt, qs_, st, ss, 1)[0], residual)
+            t += 1
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def matmul_q8_into(parts, count, col0s, x, norm, eps, normed, xq, xs, residual, y):
+    """matmul_into with 8-bit activations: x (or RMSNorm(x) into `normed`, given `norm`) quantized
+    into xq [T, K] int8 and xs [T, K / 32, 3] (quantize_q8), then integer block dot products
+    (row_dot_q8) for the Q8_KINDS block arrays of `parts`."""
+    T = x.shape[0]
+    tiles = (T + TOKEN_TILE - 1) // TOKEN_TILE
+    src = x
+    if norm.shape[0]:
+        src = normed
+    if T <= TOKEN_TILE:
+        if norm.shape[0]:
+            _rms_rows(x, norm, eps, normed, 0, T)
+        quantize_q8(src, xq, xs, 0, T)
+    else:
+        for tile in prange(tiles):
+            a, b = tile * TOKEN_TILE, min(T, (tile + 1) * TOKEN_TILE)
+            if norm.shape[0]:
+                _rms_rows(x, norm, eps, normed, a, b)
+            quantize_q8(src, xq, xs, a, b)
+    rows = ROWS_A_CHUNK if T <= MAX_TOKENS else ROWS_A_TILE
+    first = np.zeros(count + 1, np.int64)
+    for p in range(count):
+        first[p + 1] = first[p] + (parts[p].shape[0] + rows - 1) // rows
+    for item in prange(first[count] * tiles):
+        tile, c = item // first[count], item % first[count]
+        p = 0
+        while c >= first[p + 1]:
+            p += 1
+        w = parts[p]
+        r0 = (c - first[p]) * rows
+        t0 = tile * TOKEN_TILE
+        _chunk_q8(w, xq, xs, y, col0s[p], r0, min(w.shape[0], r0 + rows), t0, min(T, t0 + TOKEN_TILE), residual)
 
 
 def pad_parts(blocks: list) -> tuple:
@@ -441,3 +700,18 @@ def dequantize_ref(data: np.ndarray, kind: str) -> np.ndarray:
 
 def matmul_ref(x: np.ndarray, data: np.ndarray, kind: str) -> np.ndarray:
     return x.astype(np.float64) @ dequantize_ref(data, kind).astype(np.float64).T
+
+
+def quantize_q8_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(xq int8 [T, K], dx float32 [T, K / 32]) as quantize_q8 computes them (round half to even)."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    dx = (np.abs(blocks).max(-1) / np.float32(127.0)).astype(np.float32)
+    inv = np.divide(np.float32(1.0), dx, out=np.zeros_like(dx), where=dx > 0)
+    return np.rint(blocks * inv[..., None]).astype(np.int8).reshape(x.shape), dx
+
+
+def matmul_q8_ref(x: np.ndarray, data: np.ndarray, kind: str) -> np.ndarray:
+    """The q8 path's arithmetic in float64: gguf's dequantized W against x quantized as quantize_q8."""
+    xq, dx = quantize_q8_ref(x)
+    xd = xq.reshape(x.shape[0], -1, 32).astype(np.float64) * dx[..., None].astype(np.float64)
+    return xd.reshape(x.shape) @ dequantize_ref(data, kind).astype(np.float64).T

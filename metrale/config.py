@@ -42,6 +42,9 @@ class Levers:
                                          # stored (GGUF blocks stay quantized; metrale/runtime/cpu_ops.py) or
                                          # the float32 NumPy reference (weights expanded at load)
     cpu_threads: int = 0                 # Numba CPU kernels' threads (0: one per core)
+    cpu_activations: str = "f32"         # f32 | q8: products on GGUF blocks take float32 activations, or ones
+                                         # quantized to 8 bits a 32-block with integer dot products (VNNI, as
+                                         # llama.cpp: faster kernels, not faster decode here, less accurate)
     prefill_attention_min_tokens: int = 64  # segments this long use the tiled prefill kernel
     prefill_attention_kernel: str = "mma"   # mma (tensor cores, flash_prefill.py) | fma (FP32, attention.py)
     decode_attention_kernel: str = "mma"    # mma (tensor cores, flash_decode.py; H200: 2-2.9x at B>=128) | fma (attention.py)
@@ -178,6 +181,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "levers.preempt_mode": ("recompute", "abort"),
     "levers.numpy_dtype": ("float32", "float64"),
     "levers.cpu_kernels": ("numba", "numpy"),
+    "levers.cpu_activations": ("f32", "q8"),
     "levers.prefill_attention_kernel": ("mma", "fma"),
     "levers.decode_attention_kernel": ("mma", "fma"),
     "levers.pdl_trigger": ("auto", "early", "late", "exit"),

@@ -67,6 +67,45 @@ def test_decode_and_dot_every_kind(kind, rng):
     np.testing.assert_array_equal(dots[0], dots[1])      # a token's product does not depend on its batch
 
 
+@njit
+def _probe_q8(w, x, xq, xs, dots_out):
+    """quantize_q8, then x . W[r] by the integer kernel one activation row a pass and two a pass."""
+    Q.quantize_q8(x, xq, xs, 0, x.shape[0])
+    qa, qs, sa, ss = xq.ctypes.data, xq.strides[0], xs.ctypes.data, xs.strides[0]
+    for r in range(w.shape[0]):
+        for t in range(0, x.shape[0], 2):
+            s2 = Q.row_dot_q8(w, r, qa + t * qs, qs, sa + t * ss, ss, 2)
+            dots_out[1, t, r], dots_out[1, t + 1, r] = s2[0], s2[1]
+            for i in (t, t + 1):
+                dots_out[0, i, r] = Q.row_dot_q8(w, r, qa + i * qs, qs, sa + i * ss, ss, 1)[0]
+
+
+@pytest.mark.parametrize("kind", Q.Q8_KINDS)
+def test_q8_activations_every_kind(kind, rng):
+    """The integer path against its exact arithmetic (gguf's W against x quantized as the kernel does)
+    and, within the activation rounding, against the float product."""
+    cols = 512 if Q.KINDS[kind][0] == 256 else 96
+    data = random_rows(kind, 6, cols, rng)
+    x = rng.standard_normal((4, cols)).astype(np.float32)
+    xq, xs = np.empty(x.shape, np.int8), np.empty((4, cols // 32, 3), np.float32)
+    dots = np.empty((2, 4, 6), np.float32)
+    _probe_q8(Q.as_blocks(data, kind), x, xq, xs, dots)
+    want_q, want_d = Q.quantize_q8_ref(x)
+    np.testing.assert_array_equal(xq, want_q)
+    np.testing.assert_allclose(xs[..., 0], want_d, rtol=1e-6)      # max / 127 (fast-math: * 1/127)
+    ref = Q.dequantize_ref(data, kind)
+    exact = Q.matmul_q8_ref(x, data, kind)
+    tol = 1e-5 * np.abs(x).sum(1, keepdims=True) * np.abs(ref).max()
+    assert (np.abs(dots[0] - exact) <= tol).all()
+    np.testing.assert_array_equal(dots[0], dots[1])
+    rounding = (np.abs(x).reshape(4, -1, 32).max(-1) / 127 / 2).repeat(32, 1)    # |x - dequantized xq| bound
+    assert (np.abs(dots[0] - Q.matmul_ref(x, data, kind)) <= rounding @ np.abs(ref).T * 1.0001 + tol).all()
+
+
+def tol_of(x, ref):
+    return 1e-5 * np.abs(x).sum(1, keepdims=True) * np.abs(ref).max()
+
+
 def quantized(parts: list[tuple[str, int]], cols: int, rng) -> QuantizedTensor:
     return QuantizedTensor(tuple(QuantizedPart(gguf.GGMLQuantizationType[GGML[k]], rows, cols,
                                                random_rows(k, rows, cols, rng)) for k, rows in parts))
@@ -85,10 +124,18 @@ def test_matmul_parts_against_dequantize(parts, cols, rng):
         x = rng.standard_normal((T, cols)).astype(np.float32)
         want = x @ ref.T
         got = m.matmul(x)
-        tol = 1e-5 * np.abs(x).sum(1, keepdims=True) * np.abs(ref).max()
-        assert (np.abs(got - want) <= tol).all()
+        q8 = np.concatenate([Q.matmul_q8_ref(x, p.data, p.ggml_type.name.lower()) for p in w.parts], axis=1)
+        assert (np.abs(m.matmul(x, q8=True) - q8) <= tol_of(x, ref)).all()
+        assert (np.abs(got - want) <= tol_of(x, ref)).all()
         res = rng.standard_normal(got.shape).astype(np.float32)
-        np.testing.assert_allclose(m.matmul(x, res.copy(), accumulate=True), res + got, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(m.matmul(x, residual=res), res + got, rtol=1e-6, atol=1e-6)
+        norm = (1 + 0.1 * rng.standard_normal(cols)).astype(np.float32)
+        norm.flags.writeable = False
+        xn = x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + 1e-5) * norm
+        assert (np.abs(m.matmul(x, norm=norm, eps=1e-5) - xn @ ref.T) <= tol_of(xn, ref)).all()
+        got = m.matmul(x, norm=norm, eps=1e-5, residual=res, q8=True)        # the first kind's kernel norms
+        step = np.abs(xn).reshape(T, -1, 32).max(-1).repeat(32, 1) / 127       # one int8 step of each xq
+        assert (np.abs(got - res - xn @ ref.T) <= step @ np.abs(ref).T + tol_of(xn, ref)).all()
     ids = np.array([0, len(ref) - 1, 30, 30])
     np.testing.assert_array_equal(m.rows(ids), ref[ids].astype(np.float32))
 

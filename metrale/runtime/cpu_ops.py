@@ -10,6 +10,7 @@ per forward from levers.cpu_threads (Numba's setting is per calling thread).
 """
 from __future__ import annotations
 
+import logging
 import sys
 import time
 
@@ -20,8 +21,15 @@ from kernels_numba import cpu_quant as Q
 from metrale.models.quantized import QuantizedTensor
 from metrale.runtime.numpy_backend import NumpyOps
 
+log = logging.getLogger("metrale")
+
 _KIND = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q8_0": "q8_0",
          "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
+
+
+_NONE = np.zeros(0, np.float32)
+_NONE.flags.writeable = False       # "no norm": empty, read-only as every norm weight reaching a kernel
+_NO_RESIDUAL = np.zeros((0, 0), np.float32)
 
 
 class CpuMatrix:
@@ -40,22 +48,36 @@ class CpuMatrix:
             parts, self.shape = [(Q.as_blocks(w, "f32"), 0)], w.shape
         self.parts = tuple(parts)
         self.kinds = tuple(sorted({Q.kind_of(b.dtype) for b, _ in parts}))
-        self.groups = []          # (parts tuple, count, first output columns): one kernel call each
+        self.groups = []          # (parts tuple, count, first output columns, kind): one kernel call each
         for kind in self.kinds:
             mine = [(b, c) for b, c in parts if Q.kind_of(b.dtype) == kind]
             for i in range(0, len(mine), Q.MAX_PARTS):
                 some = mine[i:i + Q.MAX_PARTS]
                 cols = np.zeros(Q.MAX_PARTS, np.int64)
                 cols[:len(some)] = [c for _, c in some]
-                self.groups.append((Q.pad_parts([b for b, _ in some]), len(some), cols))
+                self.groups.append((Q.pad_parts([b for b, _ in some]), len(some), cols, kind))
 
-    def matmul(self, x: np.ndarray, out: np.ndarray | None = None, accumulate: bool = False) -> np.ndarray:
-        """x [T, cols] -> out [T, rows] = x @ W.T (accumulate: out += x @ W.T)."""
-        if out is None:
-            out = np.empty((x.shape[0], self.shape[0]), np.float32)
-        if x.shape[0]:
-            for blocks, count, col0s in self.groups:
-                Q.matmul_into(blocks, count, col0s, x, out, accumulate)
+    def matmul(self, x: np.ndarray, norm: np.ndarray | None = None, eps: float = 0.0,
+               residual: np.ndarray | None = None, q8: bool = False) -> np.ndarray:
+        """x [T, cols] float32 C-contiguous -> [T, rows] = (residual +) x' @ W.T, x' = x or, given a
+        read-only float32 norm weight [cols], RMSNorm(x) (computed once, inside the first kernel).
+        q8: block kinds that have it take the 8-bit-activation kernel (Q.matmul_q8_into)."""
+        T = x.shape[0]
+        out = np.empty((T, self.shape[0]), np.float32)
+        if not T:
+            return out
+        res = _NO_RESIDUAL if residual is None else residual
+        normed = x if norm is None else np.empty_like(x)
+        xq = xs = None
+        for i, (blocks, count, col0s, kind) in enumerate(self.groups):
+            src, nw = (x, _NONE if norm is None else norm) if i == 0 else (normed if norm is not None else x, _NONE)
+            if q8 and kind in Q.Q8_KINDS:
+                if xq is None:
+                    xq = np.empty(x.shape, np.int8)
+                    xs = np.empty((T, x.shape[1] // 32, 3), np.float32)
+                Q.matmul_q8_into(blocks, count, col0s, src, nw, eps, normed, xq, xs, res, out)
+            else:
+                Q.matmul_into(blocks, count, col0s, src, nw, eps, normed, res, out)
         return out
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
@@ -95,10 +117,6 @@ def cpu_vector(backend, weight) -> np.ndarray:
     return hit[1]
 
 
-_NONE = np.zeros(0, np.float32)
-_NONE.flags.writeable = False       # "no per-head norm"
-
-
 def _f32(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.float32)
 
@@ -115,6 +133,7 @@ class CpuOps(NumpyOps):
             if numba.get_num_threads() != threads:        # set_num_threads costs ~1 ms
                 numba.set_num_threads(threads)
         self._cos_sin = None
+        self._q8 = getattr(backend, "cpu_activations", "f32") == "q8"
 
     def _m(self, weight) -> CpuMatrix:
         return cpu_matrix(self.b, weight)
@@ -133,12 +152,16 @@ class CpuOps(NumpyOps):
         return out
 
     def linear(self, x, weight, bias=None):
-        y = self._m(weight).matmul(_f32(x))
+        y = self._m(weight).matmul(_f32(x), q8=self._q8)
         return y if bias is None else y + bias
 
     def linear_residual(self, x, weight, residual):
-        out = np.array(residual, dtype=np.float32, order="C")
-        return self._m(weight).matmul(_f32(x), out, accumulate=True)
+        return self._m(weight).matmul(_f32(x), residual=_f32(residual), q8=self._q8)
+
+    def norm_linear(self, x, norm_weight, weight, bias=None):
+        y = self._m(weight).matmul(_f32(x), norm=cpu_vector(self.b, norm_weight), eps=float(self.cfg.rms_norm_eps),
+                                   q8=self._q8)
+        return y if bias is None else y + bias
 
     def silu_mul(self, gate_up):
         gate_up = _f32(gate_up)
@@ -192,11 +215,22 @@ def start(backend, cfg) -> None:
     for the KV pool (NumPy asks for huge pages on large arrays, which turns each layer's first
     K/V write into 2 MiB of resident memory), and every kernel compiled or loaded (warm_up)."""
     backend.cpu_threads = int(cfg.levers.cpu_threads)
+    backend.cpu_activations = str(cfg.levers.cpu_activations)
+    if backend.cpu_activations == "q8" and not has_vnni():
+        log.warning("levers.cpu_activations=q8 needs AVX-512 VNNI, which this CPU lacks: float32 activations")
+        backend.cpu_activations = "f32"
     for cache in getattr(backend, "caches", {}).values():
         for a in vars(cache).values():
             if isinstance(a, np.ndarray) and a.nbytes >= 1 << 21:
                 small_pages(a)
     warm_up(backend)
+
+
+def has_vnni() -> bool:
+    """Whether the host CPU has AVX-512 VNNI (vpdpbusd on 256-bit vectors), which the q8 kernels use."""
+    from llvmlite import binding
+    features = binding.get_host_cpu_features()
+    return bool(features.get("avx512vnni")) and bool(features.get("avx512vl"))
 
 
 def small_pages(a: np.ndarray) -> None:
@@ -232,7 +266,7 @@ def warm_up(backend, stream=sys.stderr) -> float:
                 if (isinstance(w, QuantizedTensor) or (isinstance(w, np.ndarray) and w.ndim == 2)) \
                         and kind in cpu_matrix(backend, w).kinds:
                     m = cpu_matrix(backend, w)
-                    m.matmul(np.zeros((1, m.shape[1]), np.float32))
+                    m.matmul(np.zeros((1, m.shape[1]), np.float32), q8=getattr(backend, "cpu_activations", "") == "q8")
                     m.rows(np.zeros(1, np.int64))
                     break
         listener.label = "norms, RoPE and attention"
