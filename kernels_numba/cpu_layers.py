@@ -343,8 +343,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_start, positions, win
 def warm() -> None:
     """Calls every kernel here once on tiny inputs of the runtime's types (compiles or loads them)."""
     x = np.ones((1, 16), np.float32)
-    ro = np.ones(16, np.float32)
-    ro.flags.writeable = False               # weights reach the kernels read-only
+    ro = np.ones(16, np.float32)             # a norm weight
     for fn in (_rms_norm_serial, _rms_norm_parallel):
         fn(x, ro, 1e-5, np.empty_like(x))
     for fn in (_silu_mul_serial, _silu_mul_parallel):

@@ -315,6 +315,56 @@ def row_dot(typingctx, w, row, x_addr, x_stride, ntok):
 
 
 @intrinsic
+def rows4_dot(typingctx, w, row, x_addr):
+    """(x . W[row + i] for i < 4) as a tuple of float32, one activation row: the decode shape. Four
+    rows a pass share each x load and give the core four independent weight streams; each row's
+    accumulation is row_dot's (two chains, blocks in order), so results equal row_dot's."""
+    kind = _block_array_kind(w)
+    if kind is None:
+        return None
+    cols, nbytes = KINDS[kind]
+    decode = _DECODERS[kind]
+    sig = types.UniTuple(types.float32, 4)(w, row, x_addr)
+
+    def codegen(context, builder, signature, args):
+        e = _IR(builder)
+        a = context.make_array(w)(context, builder, args[0])
+        base, stride = builder.ptrtoint(a.data, I64), builder.extract_value(a.strides, 0)
+        nblocks = builder.extract_value(a.shape, 1)
+        rowps = [builder.add(base, builder.mul(builder.add(args[1], ir.Constant(I64, i)), stride)) for i in range(4)]
+        per_block = cols // W
+        unroll = 2 if per_block == 1 else 1
+        zero = ir.Constant(VF, [ir.Constant(F32, 0.0)] * W)
+        accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(2)] for _ in range(4)]
+
+        def blocks(b0, count):
+            k = 0
+            for u in range(count):
+                b = builder.add(b0, ir.Constant(I64, u))
+                col0 = builder.mul(b, ir.Constant(I64, cols * 4))
+                decoded = [decode(e, builder.add(rp, builder.mul(b, ir.Constant(I64, nbytes)))) for rp in rowps]
+                for j, (off, _) in enumerate(decoded[0]):
+                    xa = builder.add(builder.add(args[2], col0), ir.Constant(I64, off * 4))
+                    xv = builder.load(builder.inttoptr(xa, VF.as_pointer()), align=4)
+                    for i in range(4):
+                        acc = accs[i][k % 2]
+                        builder.store(e.fma(decoded[i][j][1], xv, builder.load(acc)), acc)
+                    k += 1
+
+        steps = builder.udiv(nblocks, ir.Constant(I64, unroll))
+        with cgutils.for_range(builder, steps) as loop:
+            blocks(builder.mul(loop.index, ir.Constant(I64, unroll)), unroll)
+        if unroll > 1:
+            odd = builder.icmp_unsigned("!=", builder.urem(nblocks, ir.Constant(I64, unroll)), ir.Constant(I64, 0))
+            with builder.if_then(odd):
+                blocks(builder.sub(nblocks, ir.Constant(I64, 1)), 1)
+        sums = [_hsum(builder, builder.fadd(builder.load(accs[i][0]), builder.load(accs[i][1]))) for i in range(4)]
+        return context.make_tuple(builder, signature.return_type, sums)
+
+    return sig, codegen
+
+
+@intrinsic
 def row_decode(typingctx, w, row, out_addr):
     """Writes W[row] as float32 at out_addr (the row's columns, contiguous)."""
     kind = _block_array_kind(w)
@@ -523,7 +573,13 @@ def _chunk(w, x, y, col0, r0, r1, t0, t1, residual):
                 _put(y, t + 1, col0 + r, s[1], residual)
             t += 2
         else:
-            for r in range(r0, r1):
+            r = r0
+            while r + 4 <= r1:
+                s = rows4_dot(w, r, xt)
+                for i in range(4):
+                    _put(y, t, col0 + r + i, s[i], residual)
+                r += 4
+            for r in range(r, r1):
                 _put(y, t, col0 + r, row_dot(w, r, xt, xs, 1)[0], residual)
             t += 1
 

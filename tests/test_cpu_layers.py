@@ -11,7 +11,6 @@ from kernels_numba import cpu_layers as L
 def test_rms_norm_and_silu_mul(T, rng):
     x = rng.standard_normal((T, 48)).astype(np.float32)
     w = rng.standard_normal(48).astype(np.float32)
-    w.flags.writeable = False                  # as the runtime hands weights over: one compiled signature
     out = np.empty_like(x)
     L.rms_norm(x, w, 1e-5, out)
     np.testing.assert_allclose(out, L.rms_norm_ref(x, w, 1e-5), rtol=2e-6, atol=2e-6)
@@ -35,8 +34,6 @@ def test_rope_to_cache(interleaved, rot, norms, T, rng):
     cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
     qn, kn = ((1 + 0.1 * rng.standard_normal(hd)).astype(np.float32) for _ in range(2))
     none = np.zeros(0, np.float32)
-    for a in (qn, kn, none):
-        a.flags.writeable = False
     slot = rng.permutation(slots)[:T].astype(np.int32)
     slot[1] = -1                                           # a token whose K/V is not stored
     k_flat, v_flat = np.zeros((slots, Hk, hd), np.float32), np.zeros((slots, Hk, hd), np.float32)

@@ -130,7 +130,6 @@ def test_matmul_parts_against_dequantize(parts, cols, rng):
         res = rng.standard_normal(got.shape).astype(np.float32)
         np.testing.assert_allclose(m.matmul(x, residual=res), res + got, rtol=1e-6, atol=1e-6)
         norm = (1 + 0.1 * rng.standard_normal(cols)).astype(np.float32)
-        norm.flags.writeable = False
         xn = x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + 1e-5) * norm
         assert (np.abs(m.matmul(x, norm=norm, eps=1e-5) - xn @ ref.T) <= tol_of(xn, ref)).all()
         got = m.matmul(x, norm=norm, eps=1e-5, residual=res, q8=True)        # the first kind's kernel norms

@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from kernels_numba import cpu_dense as D
 from kernels_numba import cpu_layers as L
 from kernels_numba import cpu_quant as Q
 from metrale.models.quantized import QuantizedTensor
@@ -27,8 +28,7 @@ _KIND = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q8_0":
          "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
 
 
-_NONE = np.zeros(0, np.float32)
-_NONE.flags.writeable = False       # "no norm": empty, read-only as every norm weight reaching a kernel
+_NONE = np.zeros(0, np.float32)      # "no norm" (norm weights reach the kernels as writable copies)
 _NO_RESIDUAL = np.zeros((0, 0), np.float32)
 
 
@@ -105,15 +105,12 @@ def cpu_matrix(backend, weight) -> CpuMatrix:
 
 
 def cpu_vector(backend, weight) -> np.ndarray:
-    """A norm weight as the kernels read it (float32, contiguous, read-only: one kernel signature
-    whether the loader copied it or left it in the file's map), kept on the backend."""
+    """A norm weight as the kernels read it: a float32 contiguous writable copy (one kernel signature
+    whether the loader copied it or left it in the file's read-only map), kept on the backend."""
     cache = backend.__dict__.setdefault("_cpu_vectors", {})
     hit = cache.get(id(weight))
     if hit is None or hit[0] is not weight:
-        v = np.array(weight, dtype=np.float32, order="C") if not isinstance(weight, np.ndarray) or \
-            weight.dtype != np.float32 or not weight.flags.c_contiguous else weight.view()
-        v.flags.writeable = False
-        hit = cache[id(weight)] = (weight, v)
+        hit = cache[id(weight)] = (weight, np.array(weight, dtype=np.float32, order="C"))
     return hit[1]
 
 
@@ -123,6 +120,8 @@ def _f32(x: np.ndarray) -> np.ndarray:
 
 class CpuOps(NumpyOps):
     reads_quantized = True      # the backend may hand it QuantizedTensor weights
+    fused_layer = True          # a layer's three steps as one Numba call each (False: their composition;
+                                # tests/test_cpu_dense.py and bench/cpu_decode.py --fused compare them)
 
     def __init__(self, backend, batch):
         super().__init__(backend, batch)
@@ -133,6 +132,7 @@ class CpuOps(NumpyOps):
             if numba.get_num_threads() != threads:        # set_num_threads costs ~1 ms
                 numba.set_num_threads(threads)
         self._cos_sin = None
+        self._attn_parallel = None
         self._q8 = getattr(backend, "cpu_activations", "f32") == "q8"
 
     def _m(self, weight) -> CpuMatrix:
@@ -198,6 +198,53 @@ class CpuOps(NumpyOps):
         L.paged_attention(_f32(q).reshape(out.shape), k, v, bt.block_tables, bt.seq_query_start, bt.positions,
                           int(c.layer_window(layer)), float(1.0 / np.sqrt(c.head_dim)), out)
         return out.reshape(q.shape[0], c.q_size)
+
+    # -- a layer's three fused steps, one Numba call each (kernels_numba/cpu_dense.py), for weights
+    #    of one kind group; the composition above otherwise
+
+    def _one_group(self, weight):
+        if not self.fused_layer:
+            return None
+        m = self._m(weight)
+        return m.groups[0] if len(m.groups) == 1 else None
+
+    def _road(self, *groups):
+        return D.Q8 if self._q8 and all(g[3] in Q.Q8_KINDS for g in groups) else D.F32
+
+    def norm_qkv_to_cache(self, x, norm_weight, weight, bias, layer, q_norm, k_norm):
+        g = self._one_group(weight)
+        if g is None:
+            return super().norm_qkv_to_cache(x, norm_weight, weight, bias, layer, q_norm, k_norm)
+        c = self.cfg
+        k, v = self._kv(layer)
+        cos, sin = self._rope_tables()
+        q = np.empty((x.shape[0], c.num_heads, c.head_dim), np.float32)
+        vec = lambda w: _NONE if w is None else cpu_vector(self.b, w)  # noqa: E731
+        D.attn_in(_f32(x), vec(norm_weight), float(c.rms_norm_eps), g[0], g[1], g[2], vec(bias), cos, sin,
+                  bool(c.rope_interleaved), vec(q_norm), vec(k_norm), self.batch.slot_mapping,
+                  k.reshape(-1, c.num_kv_heads, c.head_dim), v.reshape(-1, c.num_kv_heads, c.head_dim), q,
+                  self._road(g))
+        return q
+
+    def attention_linear_residual(self, q, layer, weight, residual):
+        g = self._one_group(weight)
+        if g is None:
+            return super().attention_linear_residual(q, layer, weight, residual)
+        c, bt = self.cfg, self.batch
+        k, v = self._kv(layer)
+        if self._attn_parallel is None:
+            pairs = int(bt.context_lens.max()) * bt.num_tokens * c.num_heads
+            self._attn_parallel = pairs >= L.PARALLEL_MIN_SCORES
+        return D.attn_out(_f32(q).reshape(q.shape[0], c.num_heads, c.head_dim), k, v, bt.block_tables,
+                          bt.seq_query_start, bt.positions, int(c.layer_window(layer)), float(1.0 / np.sqrt(c.head_dim)),
+                          self._attn_parallel, g[0], g[1], g[2], _f32(residual), self._road(g))
+
+    def mlp_residual(self, residual, norm_weight, gate_up, down):
+        g1, g2 = self._one_group(gate_up), self._one_group(down)
+        if g1 is None or g2 is None:
+            return super().mlp_residual(residual, norm_weight, gate_up, down)
+        return D.mlp(_f32(residual), cpu_vector(self.b, norm_weight), float(self.cfg.rms_norm_eps), g1[0], g1[1], g1[2],
+                     self._m(gate_up).shape[0] // 2, g2[0], g2[1], g2[2], self._road(g1, g2))
 
 
 # ------------------------------------------------------------------------------ the CPU runtime

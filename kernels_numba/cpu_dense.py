@@ -1,0 +1,97 @@
+"""A dense decoder layer's three fused steps on the CPU, each one Numba call (the Ops that
+metrale/models/llama.py calls per layer): the products of kernels_numba/cpu_quant.py and the layer
+kernels of cpu_layers.py composed inside Numba, so a layer costs three dispatches from Python
+instead of seven and none of their glue (at SmolLM2's decode that glue was ~1 ms of 10 a token).
+
+  attn_in    RMSNorm -> qkv product (+ bias) -> per-head norms, RoPE, K/V into the paged cache -> q
+  attn_out   paged attention -> o product + residual
+  mlp        RMSNorm -> gate|up product -> silu * mul -> down product + residual
+
+Each weight is one kind group of cpu_quant.matmul_into (its parts tuple, count and first columns;
+CpuOps takes the unfused road for a matrix of several kinds). `road` picks the products' kernel by
+its type, when Numba types the call (so the other is not compiled): an int8 array (Q8, any length)
+matmul_q8_into, a float32 one (F32) matmul_into. Small batches run the row-wise kernels on the
+calling thread, as cpu_layers does.
+
+Numba caches a function under its own file's stamp only, and these call into two other modules:
+importing kernels_numba.jit first keys the disk cache by a hash of every kernel module instead.
+References: the unfused composition (tests/test_cpu_dense.py compares them).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, types
+from numba.extending import overload
+
+from kernels_numba import jit as _keyed_cache  # noqa: F401  (the cache directory: see above)
+from kernels_numba import cpu_layers as L
+from kernels_numba import cpu_quant as Q
+
+Q8, F32 = np.zeros(0, np.int8), np.zeros(0, np.float32)     # the two values of `road`
+
+
+def _product(parts, count, cols, x, norm, eps, normed, residual, y, road):
+    raise NotImplementedError("called from Numba only")
+
+
+@overload(_product)
+def _product_road(parts, count, cols, x, norm, eps, normed, residual, y, road):
+    if isinstance(road, types.Array) and road.dtype == types.int8:
+        def q8(parts, count, cols, x, norm, eps, normed, residual, y, road):
+            xq = np.empty(x.shape, np.int8)
+            xs = np.empty((x.shape[0], x.shape[1] // 32, 3), np.float32)
+            Q.matmul_q8_into(parts, count, cols, x, norm, eps, normed, xq, xs, residual, y)
+        return q8
+
+    def f32(parts, count, cols, x, norm, eps, normed, residual, y, road):
+        Q.matmul_into(parts, count, cols, x, norm, eps, normed, residual, y)
+    return f32
+
+
+@njit(cache=True)
+def attn_in(x, norm, eps, parts, count, cols, bias, cos, sin, interleaved, q_norm, k_norm, slots,
+            k_flat, v_flat, q_out, road):
+    """q_out [T, Hq, hd] and the batch's K/V from the residual stream x [T, D]."""
+    T = x.shape[0]
+    Hq, hd, Hk = q_out.shape[1], q_out.shape[2], k_flat.shape[1]
+    qkv = np.empty((T, (Hq + 2 * Hk) * hd), np.float32)
+    _product(parts, count, cols, x, norm, eps, np.empty_like(x), np.empty((0, 0), np.float32), qkv, road)
+    if bias.shape[0]:
+        for t in range(T):
+            qkv[t] += bias
+    if T >= L.PARALLEL_MIN_ROWS:
+        L._rope_parallel(qkv, cos, sin, interleaved, q_norm, k_norm, eps, slots, k_flat, v_flat, q_out)
+    else:
+        L._rope_serial(qkv, cos, sin, interleaved, q_norm, k_norm, eps, slots, k_flat, v_flat, q_out)
+
+
+@njit(cache=True)
+def attn_out(q, k_cache, v_cache, block_tables, seq_start, positions, window, scale, parallel,
+             parts, count, cols, residual, road):
+    """residual + attention(q) @ W_o.T, [T, D]."""
+    T = q.shape[0]
+    att = np.empty(q.shape, np.float32)
+    if parallel:
+        L._attention_parallel(q, k_cache, v_cache, block_tables, seq_start, positions, window, scale, att)
+    else:
+        L._attention_serial(q, k_cache, v_cache, block_tables, seq_start, positions, window, scale, att)
+    flat = att.reshape(T, q.shape[1] * q.shape[2])
+    y = np.empty(residual.shape, np.float32)
+    _product(parts, count, cols, flat, np.empty(0, np.float32), 0.0, flat, residual, y, road)
+    return y
+
+
+@njit(cache=True)
+def mlp(x, norm, eps, gu_parts, gu_count, gu_cols, ffn, dn_parts, dn_count, dn_cols, road):
+    """x + down(silu(gate) * up) of RMSNorm(x), [T, D]; ffn the intermediate size."""
+    T = x.shape[0]
+    gu = np.empty((T, 2 * ffn), np.float32)
+    _product(gu_parts, gu_count, gu_cols, x, norm, eps, np.empty_like(x), np.empty((0, 0), np.float32), gu, road)
+    act = np.empty((T, ffn), np.float32)
+    if T >= L.PARALLEL_MIN_ROWS:
+        L._silu_mul_parallel(gu, act)
+    else:
+        L._silu_mul_serial(gu, act)
+    y = np.empty(x.shape, np.float32)
+    _product(dn_parts, dn_count, dn_cols, act, np.empty(0, np.float32), 0.0, act, x, y, road)
+    return y
