@@ -64,7 +64,10 @@ def test_astreams_share_the_loop_and_never_block_it():
     assert outs == [reference_continuation([5, 6], 12), reference_continuation([7, 8, 9], 9),
                     reference_continuation([4], 15)]
     gaps = [b - a for a, b in zip(ticks, ticks[1:])]
-    assert max(gaps) < 0.03, max(gaps)        # a forward takes 50 ms: the loop never waited for one
+    # a forward takes 50 ms and there are 15 steps: a loop that waited for them would show ~15 gaps of
+    # 50 ms; one scheduling hiccup of a loaded 2-core CI machine (a 0.34 s gap was seen) is not that
+    assert sum(g > 0.045 for g in gaps) <= 1, sorted(gaps)[-4:]
+    assert sorted(gaps)[len(gaps) // 2] < 0.01
 
 
 def test_generate_beside_a_stream_and_an_early_stop():
