@@ -5,6 +5,8 @@
                                             quantized linear (a bf16 scratch the bf16 GEMMs read)
   gather_rows(planes, ids, out, qtype)      out[t, :] = w[ids[t], :] as float32 (out [T, K]); ids
                                             outside [0, N) give zero rows: a quantized token_embd
+  feed_ids(ids, src, prev)                  ids[t] = prev[src[t]] where src[t] >= 0 (the host a step
+                                            ahead: embedding.embedding_feed's ids, before gather_rows)
 
 One thread a group of 32 values (its 16-byte qs load, its scales: the K-quant header decoded for
 the group's index), 32 values written as four 16-byte stores (bf16) or eight (float32). Values
@@ -20,7 +22,7 @@ from kernels_numba.quant_gemv import U16, MASK16, kq_scale_min, q4_ops, q5_ops, 
 from kernels_numba.quant_layout import KQUANTS, NAMES, Q4_0, Q4_1, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from kernels_numba.quant_ptx import h2f, ldg_b2, ldg_b4, ldg_b16, stg_f32x4, stg_u16x8
 
-__all__ = ["dequant_bf16", "gather_rows", "THREADS"]
+__all__ = ["dequant_bf16", "gather_rows", "feed_ids", "feed_ids_ref", "THREADS"]
 
 THREADS = 128
 
@@ -188,3 +190,27 @@ def gather_rows(planes: dict, ids, out, qtype: int, stream=0) -> None:
     total = T * (K // 32)
     kernel(qtype, True)[-(-total // THREADS), THREADS, stream](
         planes["qs"], planes["qh"], planes["sc"], planes["dm"], ids, out, 0)
+
+
+def _feed_ids_kernel(ids, src, prev):
+    grid_wait()      # PDL: prev is the last step's argmax
+    grid_trigger()
+    t = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if t < ids.shape[0] and src[t] >= 0:
+        ids[t] = prev[src[t]]
+
+
+_FEED: list = []
+
+
+def feed_ids(ids, src, prev, stream=0) -> None:
+    """ids[t] = prev[src[t]] where src[t] >= 0 (int32 device arrays; ids and src [T])."""
+    if ids.shape[0] == 0:
+        return
+    if not _FEED:
+        _FEED.append(cuda.jit(_feed_ids_kernel))
+    _FEED[0][-(-ids.shape[0] // THREADS), THREADS, stream](ids, src, prev)
+
+
+def feed_ids_ref(ids: np.ndarray, src: np.ndarray, prev: np.ndarray) -> np.ndarray:
+    return np.where(src >= 0, prev[np.maximum(src, 0)], ids).astype(np.int32)

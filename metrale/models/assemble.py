@@ -37,7 +37,10 @@ def load_model(cfg) -> tuple[ModelConfig, Tokenizer, object]:
 
 def _keeps_quantized(cfg, device: str) -> bool:
     """GGUF blocks stay quantized on the fast CPU path (levers.cpu_kernels=numba; a family it does
-    not run expands them at load), expand to float32 / bf16 everywhere else."""
+    not run expands them at load) and on CUDA with levers.weights=native; they expand to float32 /
+    bf16 everywhere else."""
+    if device == "cuda":
+        return str(cfg.levers.weights) == "native"
     from metrale.runtime.cpu_ops import uses_cpu_kernels
     return device == "cpu" and uses_cpu_kernels(cfg)
 

@@ -141,7 +141,30 @@ def load_gguf(path: Path, keep_quantized: bool = False) -> tuple[ModelConfig, di
         if not config.tie_word_embeddings:
             yield "lm_head", matrix("output.weight")
 
-    return config, fields, stream
+    if not keep_quantized:
+        return config, fields, stream
+    from metrale.models.quantized import QuantizedStream
+    return config, fields, QuantizedStream(stream, _quantized_parts(tensors, config))
+
+
+def _quantized_parts(tensors: dict, config: ModelConfig) -> dict:
+    """name -> ((ggml type, rows, cols), ...) of the matrices load_gguf's stream yields as
+    QuantizedTensor (read from the header: no tensor data touched)."""
+    names = {"embed": ("token_embd.weight",)}
+    for i in range(config.num_layers):
+        p = f"blk.{i}."
+        for suffix, name in _GGUF_LAYER.items():
+            names[f"layers.{i}.{name}"] = (p + suffix + ".weight",)
+        names[f"layers.{i}.qkv"] = tuple(p + f"attn_{x}.weight" for x in "qkv")
+        names[f"layers.{i}.gate_up"] = (p + "ffn_gate.weight", p + "ffn_up.weight")
+    if not config.tie_word_embeddings:
+        names["lm_head"] = ("output.weight",)
+    out = {}
+    for name, ts in names.items():
+        if all(t in tensors for t in ts) and all(_is_block_type(tensors[t]) for t in ts):
+            out[name] = tuple((int(tensors[t].tensor_type), int(np.prod(tensors[t].shape[1:])), int(tensors[t].shape[0]))
+                              for t in ts)
+    return out
 
 
 def _is_block_type(tensor) -> bool:

@@ -72,3 +72,27 @@ def from_gguf_tensor(tensor) -> QuantizedTensor:
     cols, rows = int(tensor.shape[0]), int(np.prod(tensor.shape[1:]))
     data = np.asarray(tensor.data).view(np.uint8).reshape(rows, -1)
     return QuantizedTensor((QuantizedPart(kind, rows, cols, data),))
+
+
+class QuantizedStream:
+    """A weight-stream factory (calling it streams (name, array) pairs) that says up front which
+    matrices stream as QuantizedTensor: `parts[name]` = their parts' (ggml type id, rows, cols).
+    load_gguf(keep_quantized=True) returns one, read from the file's header; the CUDA backend sizes
+    its weight region, the KV pool and the many-rows scratch from it before any weight streams."""
+
+    def __init__(self, stream, parts: dict[str, tuple[tuple[int, int, int], ...]]) -> None:
+        self._stream, self.parts = stream, dict(parts)
+
+    def __call__(self):
+        return self._stream()
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, int]]:
+        return {name: (sum(p[1] for p in ps), ps[0][2]) for name, ps in self.parts.items()}
+
+    @classmethod
+    def of(cls, items: list) -> "QuantizedStream":
+        """A stream of an in-memory list of pairs (tests, benchmarks)."""
+        parts = {n: tuple((int(p.ggml_type), p.rows, p.cols) for p in a.parts)
+                 for n, a in items if isinstance(a, QuantizedTensor)}
+        return cls(lambda: iter(items), parts)

@@ -372,10 +372,12 @@ class CudaBackend(Backend):
     dtype = np.dtype(np.float32)     # logits and hidden rows (weights and caches are bf16)
 
     def __init__(self, config: ModelConfig, weights: WeightStream | None, *, cfg, random_seed: int = 0,
-                 family: Family | None = None, ep=None):
+                 family: Family | None = None, ep=None, quantized: dict | None = None):
         """weights: canonical (name, float array) pairs, or None for random weights made on the device.
         ep: expert parallelism (metrale.parallel.ExpertParallel; MoE families): this rank's experts
-        only, CUDA graphs off (the exchange syncs with the host)."""
+        only, CUDA graphs off (the exchange syncs with the host). quantized: the parts of the
+        matrices that stream as QuantizedTensor (QuantizedStream.parts), kept in their blocks with
+        levers.weights=native, dequantized to bf16 at load with bf16."""
         self.config = c = config
         self.cfg, self.ep = cfg, ep
         self.family = family or family_for(config)
@@ -394,6 +396,8 @@ class CudaBackend(Backend):
         self.graph_sizes = sorted(int(s) for s in levers.graph_batch_sizes)
         self.mixed_graphs = self.use_graphs and bool(levers.mixed_graphs) and self.part.mixed_graphs
         self._init_decode_fusion(levers)
+        self.native = _choice("weights", levers.weights, ("native", "bf16")) == "native"
+        self.quantized = dict(quantized or {}) if self.native else {}
         self.max_model_len = min(c.max_position, cfg.scheduler.max_model_len or c.max_position)
         self.max_seqs = self.num_state_slots = int(cfg.scheduler.max_num_seqs)
         self.max_tokens = max(int(cfg.scheduler.max_num_batched_tokens), self.graph_sizes[-1] if self.graph_sizes else 1)
@@ -403,6 +407,7 @@ class CudaBackend(Backend):
         self._check_config()                           # before any device memory
         self.cache_kinds = {kind: resolve(DEVICE_CACHES[kind]) for kind in self.family.caches}
         self.ops_class = compose_ops(CudaOps, self.part.ops)
+        self.quant_scratch_elems = self._init_quantized()
         # PDL is process-wide (it wraps Numba's launcher); the last backend built decides
         self.pdl = pdl.enable(bool(levers.pdl))
         self.stream = Stream()
@@ -437,7 +442,25 @@ class CudaBackend(Backend):
     @classmethod
     def from_config(cls, cfg, config: ModelConfig, weights, family: Family) -> "CudaBackend":
         """The CUDA backend of a composed config; `weights` a zero-argument stream factory or None."""
-        return cls(config, weights() if weights is not None else None, cfg=cfg, random_seed=int(cfg.seed), family=family)
+        from metrale.models.quantized import QuantizedStream
+        quantized = weights.parts if isinstance(weights, QuantizedStream) else None
+        return cls(config, weights() if weights is not None else None, cfg=cfg, random_seed=int(cfg.seed), family=family,
+                   quantized=quantized)
+
+    def _init_quantized(self) -> int:
+        """levers.weights=native with quantized matrices: their ops go through QuantOps, carried
+        norm sums are off (the quant GEMV has no such epilogue); returns the many-rows scratch's
+        bf16 elements (runtime/cuda/quant.py plan_scratch)."""
+        if not self.quantized:
+            return 0
+        from metrale.runtime.cuda import quant
+        if not self.part.quantized_weights:
+            raise ValueError(f"levers.weights=native: the {self.family.name} family's CUDA part has no quantized "
+                             "road; use levers.weights=bf16")
+        self.ops_class = compose_ops(CudaOps, (quant.QuantOps, *self.part.ops))
+        self.carry_norm_sums = False
+        shapes = {n: (sum(p[1] for p in ps), ps[0][2]) for n, ps in self.quantized.items()}
+        return quant.plan_scratch(shapes, self.max_tokens, self.max_rows)
 
     def _check_config(self) -> None:
         """What the kernels cannot run, refused before the device is touched."""
@@ -456,7 +479,7 @@ class CudaBackend(Backend):
     def _plan_memory(self, levers, weights: WeightStream | None, seed: int) -> None:
         """One pool: weights, activations (with the slot caches' pools), then the paged caches in
         what is left of cache.gpu_memory_utilization * total (or cache.num_blocks blocks)."""
-        weight_bytes = self.part.weight_bytes()
+        weight_bytes = self.part.weight_bytes() + self._quantized_bytes_delta()
         self.pdl_trigger = self._pdl_trigger(str(levers.pdl_trigger), weight_bytes)
         act_bytes = self._activation_bytes() + sum(k.fixed_bytes(self) for k in self.cache_kinds.values())
         free, total = free_device_memory()
@@ -478,6 +501,11 @@ class CudaBackend(Backend):
                        for kind, k in self.cache_kinds.items()}
         self.kv = next((cache for cache in self.caches.values() if cache.paged), None)   # the block tables index it
         self.states = self.caches.get(STATE)
+
+    def _quantized_bytes_delta(self) -> int:
+        """Device bytes the native blocks of self.quantized take minus their bf16 bytes (negative)."""
+        from metrale.runtime.cuda.quant import device_bytes_bound
+        return sum(device_bytes_bound(ps) - 2 * sum(p[1] for p in ps) * ps[0][2] for ps in self.quantized.values())
 
     def _pdl_trigger(self, choice: str, weight_bytes: int) -> str:
         """levers.pdl_trigger -> the trigger mode kernels compiled from now on carry (pdl.set_trigger):
@@ -621,7 +649,7 @@ class CudaBackend(Backend):
     def _activation_bytes(self) -> int:
         n = sum(math.prod(shape) * np.dtype(dt).itemsize + 256 for shape, dt in self.part.activation_plan().values())
         meta = 4 * (8 * self.max_tokens + 4 * self.max_seqs + self.max_rows + self.max_seqs * self.max_blocks) + 4096
-        return n + meta
+        return n + meta + 2 * self.quant_scratch_elems + 256
 
     def _alloc_activations(self) -> None:
         self.act = {name: self.pool.alloc("activations", shape, dt)
@@ -633,13 +661,31 @@ class CudaBackend(Backend):
         self.act["sin"].copy_to_device(np.ascontiguousarray(sin, np.float32))
         self.cos, self.sin = self.act["cos"], self.act["sin"]
         self.meta = MetaBuffers(self.pool, self.max_tokens, self.max_seqs, self.max_rows, self.max_blocks)
+        self.quant_scratch = (self.pool.alloc("activations", self.quant_scratch_elems, np.uint16)
+                              if self.quant_scratch_elems else None)
         self.part.after_activations()
+
+    def quant_scratch_view(self, n: int, k: int):
+        """The many-rows scratch as a bf16 [n, k] image (QuantOps' bf16 road)."""
+        return self._cached(("quant_scratch", n, k), lambda: self.quant_scratch[:n * k].reshape(n, k))
 
     def _load_weights(self, weights: WeightStream | None, seed: int) -> dict:
         if weights is None:
             return self._random_weights(seed)
-        arena = self.pool["weights"]
-        return {name: arena.upload(array) for name, array in self.part.prepare(weights)}
+        from metrale.models.quantized import QuantizedTensor
+        from metrale.runtime.cuda.quant import upload_quantized
+        arena, out = self.pool["weights"], {}
+        if not self.native:      # levers.weights=bf16: blocks dequantized here, uploaded as bf16
+            weights = ((n, a.dequantize() if isinstance(a, QuantizedTensor) else a) for n, a in weights)
+        for name, array in self.part.prepare(weights):
+            if not isinstance(array, QuantizedTensor):
+                out[name] = arena.upload(array)
+            elif name in self.quantized:
+                out[name] = upload_quantized(array, arena=arena)
+            else:
+                raise ValueError(f"weight {name} streams quantized but was not announced (pass its parts as "
+                                 "quantized=, e.g. through metrale.models.quantized.QuantizedStream)")
+        return out
 
     def _random_weights(self, seed: int) -> dict:
         """The family's random layout (CudaPart.random_layout), matrices filled on the device."""
@@ -790,7 +836,7 @@ class CudaBackend(Backend):
     def export_weights(self) -> WeightStream:
         """The canonical weights as float32 host arrays (bf16 matrices widened, the family's device
         layout undone): a NumPy oracle then computes with exactly the weights this backend holds."""
-        host = ((name, _widened(array.copy_to_host())) for name, array in self.weights.items())
+        host = ((name, _host_float(array)) for name, array in self.weights.items())
         yield from self.part.export(host)
 
     def kv_tokens_that_fit(self, utilization: float = 0.9) -> int:
@@ -821,11 +867,20 @@ class CudaBackend(Backend):
                 "kv_pool_bytes": usage["kv"].used, "kv_pool_tokens": self.num_blocks * self.block_size,
                 "device_used_bytes": total - free, "device_total_bytes": total, "graphs": len(self.graphs),
                 "mixed_graphs": len(self._mixed_lru), **{f"mixed_{k}": v for k, v in self.mixed_stats.items()},
+                "weights_native": len(self.quantized), "quant_scratch_bytes": 2 * self.quant_scratch_elems,
                 **{k: v for cache in self.caches.values() for k, v in cache.memory().items()}}
 
 
 def _widened(host: np.ndarray) -> np.ndarray:
     return from_bf16_bits(host) if host.dtype == np.uint16 else host
+
+
+def _host_float(array) -> np.ndarray:
+    """A device weight as float32 on the host: a quantized one through its file blocks' dequantization."""
+    from metrale.runtime.cuda.quant import DeviceQuantized
+    if isinstance(array, DeviceQuantized):
+        return array.host.dequantize()
+    return _widened(array.copy_to_host())
 
 
 def _choice(name: str, value, allowed: tuple[str, ...]) -> str:

@@ -21,6 +21,7 @@ class CudaPart:
     feeds_tokens = False           # the host may run a step ahead, inputs fed on the device (levers.overlap)
     mixed_graphs = False           # prefill / mixed steps may replay from bucketed graphs (levers.mixed_graphs)
     f32_weights: tuple[str, ...] = ()   # name suffixes of matrices kept float32 (not GEMM operands)
+    quantized_weights = False      # its ops take DeviceQuantized matrices (levers.weights=native; QuantOps)
 
     def __init__(self, backend):
         self.b, self.config = backend, backend.config
@@ -44,8 +45,11 @@ class CudaPart:
 
     def prepare(self, items) -> Iterator[tuple[str, np.ndarray]]:
         """Canonical (name, float array) pairs -> the device layout: matrices as bf16 bits, the rest float32."""
+        from metrale.models.quantized import QuantizedTensor
         for name, array in items:
-            if array.ndim >= 2 and not name.endswith(self.f32_weights):
+            if isinstance(array, QuantizedTensor):       # uploaded in its blocks by the backend
+                yield name, array
+            elif array.ndim >= 2 and not name.endswith(self.f32_weights):
                 yield name, to_bf16_bits(array)
             else:
                 yield name, np.ascontiguousarray(array, dtype=np.float32)
@@ -66,7 +70,7 @@ class CudaPart:
 
 
 class DenseCuda(CudaPart):
-    carries_norm_sums = feeds_tokens = mixed_graphs = True
+    carries_norm_sums = feeds_tokens = mixed_graphs = quantized_weights = True
 
     def gemm_dims(self) -> list[tuple[str, int]]:
         c = self.config

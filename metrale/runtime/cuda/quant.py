@@ -21,7 +21,7 @@ output columns [row0, row0 + rows). x and out are float32, C-contiguous, 16-byte
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from numba import cuda
@@ -30,9 +30,13 @@ from kernels_numba import gemm, quant_dequant, quant_fp8, quant_gemv
 from kernels_numba.quant_layout import NAMES, PLANES, TYPES
 
 __all__ = ["DevicePart", "DeviceQuantized", "upload_quantized", "quant_linear", "quant_embedding",
-           "dequantize_into", "scratch_elems", "GEMV_MAX_ROWS", "DeviceFP8", "upload_fp8", "fp8_linear"]
+           "dequantize_into", "scratch_elems", "GEMV_MAX_ROWS", "DeviceFP8", "upload_fp8", "fp8_linear",
+           "device_bytes_bound", "SCRATCH_MAX_ELEMS", "plan_scratch", "QuantOps"]
 
 GEMV_MAX_ROWS = quant_gemv.MAX_T
+ALIGN = 256                      # the pool's allocation alignment (runtime/cuda/pool.py)
+SCRATCH_MAX_ELEMS = 1 << 27      # bf16 values (256 MB) the many-rows scratch holds at most; a larger
+                                 # weight (a 128K-vocabulary lm_head) is dequantized a row chunk at a time
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,11 @@ class DevicePart:
 
 @dataclass(frozen=True)
 class DeviceQuantized:
+    """A quantized weight on the device: row-stacked parts. host: the QuantizedTensor it came from
+    (file bytes in the memory map: export_weights dequantizes it); chunks: row chunks made on use."""
     parts: tuple[DevicePart, ...]
+    host: object = field(default=None, compare=False, repr=False)
+    chunks: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -64,23 +72,60 @@ class DeviceQuantized:
         return tuple(NAMES[p.qtype] for p in self.parts)
 
 
-def upload_quantized(tensor, stream=0) -> DeviceQuantized:
+def upload_quantized(tensor, stream=0, arena=None) -> DeviceQuantized:
     """A QuantizedTensor (or anything with .parts of ggml_type / rows / cols / data) repacked and
-    copied to the device. The copies are queued on `stream`; the host planes are kept alive by the
-    returned value's device arrays only until the copies complete (synchronize before freeing)."""
-    filler = cuda.to_device(np.zeros((1, 16), np.uint8), stream=stream)
+    copied to the device: into `arena` (a DevicePool region: at most device_bytes_bound(tensor)
+    bytes of it) or, without one, fresh device arrays. The copies are queued on `stream`; the host
+    planes are kept alive by the returned value's device arrays only until the copies complete
+    (synchronize before freeing)."""
+    put = (lambda a: cuda.to_device(a, stream=stream)) if arena is None else (lambda a: arena.upload(a, stream))
+    filler = put(np.zeros((1, 16), np.uint8))
     quant_dequant.ids_filler()              # made now, not at a first launch inside a capture
     parts, row0 = [], 0
     for p in tensor.parts:
         qtype = int(p.ggml_type)
         if qtype not in TYPES:
-            raise ValueError(f"no CUDA kernels for ggml type {qtype}")
+            raise ValueError(f"no CUDA kernels for ggml type {_type_name(qtype)} (they cover "
+                             f"{', '.join(NAMES.values())}); use levers.weights=bf16")
         host = p.repack() if hasattr(p, "repack") else _repack(qtype, p.data, p.cols)
-        planes = {k: (filler if host[k] is None else cuda.to_device(host[k], stream=stream)) for k in PLANES}
+        planes = {k: (filler if host[k] is None else put(host[k])) for k in PLANES}
         nbytes = sum(v.nbytes for v in host.values() if v is not None)
         parts.append(DevicePart(qtype, int(p.rows), int(p.cols), row0, planes, nbytes))
         row0 += int(p.rows)
-    return DeviceQuantized(tuple(parts))
+    return DeviceQuantized(tuple(parts), host=tensor)
+
+
+def _type_name(qtype: int) -> str:
+    try:
+        import gguf
+        return gguf.GGMLQuantizationType(qtype).name
+    except (ImportError, ValueError):
+        return str(qtype)
+
+
+def device_bytes_bound(parts) -> int:
+    """Arena bytes upload_quantized takes at most for a weight of `parts`, (ggml type, rows, cols)
+    triples: the file's bytes (the planes hold exactly those) plus each allocation's alignment."""
+    from kernels_numba.quant_layout import BLOCK
+    n = ALIGN                                                      # the filler
+    for qtype, rows, cols in parts:
+        if qtype not in BLOCK:
+            raise ValueError(f"no CUDA kernels for ggml type {_type_name(qtype)}; use levers.weights=bf16")
+        block, nbytes = BLOCK[qtype]
+        n += rows * (cols // block) * nbytes + len(PLANES) * ALIGN
+    return n
+
+
+def plan_scratch(shapes, max_tokens: int, max_rows: int, cap: int = SCRATCH_MAX_ELEMS) -> int:
+    """bf16 elements of the many-rows scratch for quantized weights of `shapes` ({name: (N, K)}): the
+    largest N K (at most `cap`, and at least 64 rows of the widest K), or 0 when no step can exceed
+    GEMV_MAX_ROWS rows (embed and lm_head see max_rows rows, the rest max_tokens)."""
+    need = [n * k for name, (n, k) in shapes.items()
+            if (max_rows if name in ("embed", "lm_head") else max_tokens) > GEMV_MAX_ROWS]
+    if not need:
+        return 0
+    widest = max(k for _, k in shapes.values())
+    return max(min(max(need), cap), 64 * widest)
 
 
 def _repack(qtype, data, cols):
@@ -128,6 +173,10 @@ def quant_linear(x, dq: DeviceQuantized, out, rows: int, stream=0, residual=None
     if rows <= limit:
         for p in dq.parts:
             step = quant_gemv.max_rows(p.qtype, k)
+            if rows <= step:                # one launch, no slices (a Numba slice costs ~20 us of Python)
+                quant_gemv.gemv(x, p.planes, out, rows, qtype=p.qtype, n_off=p.row0, bias=bias,
+                                residual=residual, stream=stream)
+                continue
             for t0 in range(0, rows, step):
                 t = min(step, rows - t0)
                 quant_gemv.gemv(x[t0:t0 + t], p.planes, out[t0:t0 + t], t, qtype=p.qtype, n_off=p.row0,
@@ -136,15 +185,43 @@ def quant_linear(x, dq: DeviceQuantized, out, rows: int, stream=0, residual=None
         return
     if scratch is None:
         scratch = cuda.device_array(n * k, np.uint16, stream=stream)
-    w = dequantize_into(dq, scratch, stream)
     xs, os_ = x[:rows], out[:rows]
     s = stream or None
-    if residual is None:
-        gemm.linear(xs, w, os_, bias, s)
-        return
-    if not _same(residual[:rows], os_):
+    if residual is not None and not _same(residual[:rows], os_):
         os_.copy_to_device(residual[:rows], stream=stream)
-    gemm.linear_residual(xs, w, os_, bias, s)
+    for n0, sub in row_chunks(dq, scratch.size):
+        w = dequantize_into(sub, scratch, stream)
+        o = os_ if sub is dq else os_[:, n0:n0 + sub.shape[0]]      # a column window (strided rows)
+        b = bias if bias is None or sub is dq else bias[n0:n0 + sub.shape[0]]
+        (gemm.linear if residual is None else gemm.linear_residual)(xs, w, o, b, s)
+
+
+def row_chunks(dq: DeviceQuantized, max_elems: int) -> tuple:
+    """(first row, DeviceQuantized) pieces of dq of at most max_elems values each (whole multiples
+    of 64 rows: the bf16 GEMM's tiles), cut across parts as needed (the planes are row-major, so a
+    piece is plane row slices); ((0, dq),) when dq fits. Cached on dq."""
+    n, k = dq.shape
+    if n * k <= max_elems:
+        return ((0, dq),)
+    step = max_elems // k // 64 * 64
+    if step < 64:
+        raise ValueError(f"quant scratch of {max_elems} values holds fewer than 64 rows of K={k}")
+    got = dq.chunks.get(step)
+    if got is None:
+        got = dq.chunks[step] = tuple((n0, _rows_of(dq, n0, min(n, n0 + step))) for n0 in range(0, n, step))
+    return got
+
+
+def _rows_of(dq: DeviceQuantized, r0: int, r1: int) -> DeviceQuantized:
+    parts = []
+    for p in dq.parts:
+        a, b = max(r0, p.row0), min(r1, p.row0 + p.rows)
+        if a >= b:
+            continue
+        planes = {name: (v[a - p.row0:b - p.row0] if v.shape[0] == p.rows else v)   # not the 1-row filler
+                  for name, v in p.planes.items()}
+        parts.append(DevicePart(p.qtype, b - a, p.cols, a - r0, planes, p.nbytes * (b - a) // p.rows))
+    return DeviceQuantized(tuple(parts))
 
 
 def quant_embedding(ids, dq: DeviceQuantized, out, stream=0) -> None:
@@ -207,3 +284,103 @@ def fp8_linear(x, d: DeviceFP8, out, rows: int, stream=0, residual=None, *, bias
     if not _same(residual[:rows], os_):
         os_.copy_to_device(residual[:rows], stream=stream)
     gemm.linear_residual(xs, w, os_, bias, stream or None)
+
+
+# ----------------------------------------------------------------------------- the ops of a quantized model
+def _quantized(weight) -> bool:
+    return isinstance(weight, DeviceQuantized)
+
+
+class QuantOps:
+    """CudaOps for a model whose matrices may be DeviceQuantized (levers.weights=native), composed
+    before CudaOps and the family's mixins. Each op with a quantized weight takes one of three roads:
+      GEMV    up to GEMV_MAX_ROWS rows: the weight read in its blocks (quant_linear), after a separate
+              RMSNorm / silu*mul launch (the quant GEMV has no prologues and no carried norm sums);
+      bf16    more rows, the weight fits the backend's scratch (b.quant_scratch): dequantized into
+              it, then the op's own bf16 road (cuBLASLt or the Numba GEMMs) on that image;
+      chunks  more rows, a larger weight: quant_linear dequantizes and multiplies row chunks
+              (Numba GEMMs into column windows of the output).
+    Ops with bf16 weights go to super() unchanged. Nothing is allocated (graph-capture safe)."""
+
+    def _bf16(self, weight, rows: int):
+        """The weight's bf16 image in the scratch, dequantized now on the stream (the bf16 road), or
+        None (the GEMV or the chunks road)."""
+        if rows <= GEMV_MAX_ROWS:
+            return None
+        scratch = self.b.quant_scratch
+        assert scratch is not None, "a quantized product of more rows than the scratch was planned for"
+        n, k = weight.shape
+        if n * k > scratch.size:
+            return None
+        view = self.b.quant_scratch_view(n, k)
+        dequantize_into(weight, view, self.s)
+        return view
+
+    def _qlinear(self, x, weight, out, bias=None, residual=None):
+        quant_linear(x, weight, out, x.shape[0], self.s, residual=residual, bias=bias, scratch=self.b.quant_scratch)
+        return out
+
+    def embed(self, weight):
+        if not _quantized(weight):
+            return super().embed(weight)
+        out = self._buf("residual")
+        if self.b.overlap:      # fed rows take their token from the last step's argmax
+            quant_dequant.feed_ids(self.token_ids, self.token_src, self.b.act["argmax"], stream=self.s)
+        quant_embedding(self.token_ids, weight, out, self.s)
+        self._resid_ss = None
+        return out
+
+    def linear(self, x, weight, bias=None):
+        if not _quantized(weight):
+            return super().linear(x, weight, bias)
+        w = self._bf16(weight, x.shape[0])
+        if w is not None:
+            return super().linear(x, w, bias)
+        return self._qlinear(x, weight, self.b.view(f"out{weight.shape[0]}", x.shape[0]), bias)
+
+    def linear_residual(self, x, weight, residual, prefetch: bool = False):
+        if not _quantized(weight):
+            return super().linear_residual(x, weight, residual, prefetch)
+        w = self._bf16(weight, x.shape[0])
+        if w is not None:
+            return super().linear_residual(x, w, residual)
+        self._resid_ss = None
+        return self._qlinear(x, weight, residual, residual=residual)
+
+    def norm_linear(self, x, norm_weight, weight, bias=None):
+        if not _quantized(weight):
+            return super().norm_linear(x, norm_weight, weight, bias)
+        w = self._bf16(weight, x.shape[0])
+        if w is not None:
+            return super().norm_linear(x, norm_weight, w, bias)
+        return self.linear(self.rms_norm(x, norm_weight), weight, bias)
+
+    def norm_qkv_to_cache(self, x, norm_weight, weight, bias, layer, q_norm, k_norm):
+        if not _quantized(weight):
+            return super().norm_qkv_to_cache(x, norm_weight, weight, bias, layer, q_norm, k_norm)
+        w = self._bf16(weight, x.shape[0])
+        if w is not None:
+            return super().norm_qkv_to_cache(x, norm_weight, w, bias, layer, q_norm, k_norm)
+        return self.qkv_to_cache(self.norm_linear(x, norm_weight, weight, bias), layer, q_norm, k_norm)
+
+    def attention_linear_residual(self, q, layer, weight, residual):
+        if not _quantized(weight):
+            return super().attention_linear_residual(q, layer, weight, residual)
+        w = self._bf16(weight, self.g.tokens)
+        if w is not None:
+            return super().attention_linear_residual(q, layer, w, residual)
+        return self.linear_residual(self.attention(q, layer), weight, residual)
+
+    def silu_mul_linear_residual(self, gate_up, weight, residual):
+        if not _quantized(weight):
+            return super().silu_mul_linear_residual(gate_up, weight, residual)
+        w = self._bf16(weight, gate_up.shape[0])
+        if w is not None:
+            return super().silu_mul_linear_residual(gate_up, w, residual)
+        return self.linear_residual(self.silu_mul(gate_up), weight, residual)
+
+    def mlp_residual(self, residual, norm_weight, gate_up, down):
+        if not (_quantized(gate_up) or _quantized(down)):
+            return super().mlp_residual(residual, norm_weight, gate_up, down)
+        # gate_up's image (if any) is read before down's overwrites the scratch: one stream
+        return self.silu_mul_linear_residual(self.norm_linear(residual, norm_weight, gate_up), down, residual)
