@@ -66,13 +66,13 @@ class CudaSide:
 
     def tiny(self, ep=None):
         from metrale.models.checkpoint import load_deepseek_dir
-        from metrale.runtime.cuda_deepseek import DeepseekCudaBackend
+        from metrale.runtime.cuda_backend import CudaBackend
         config, _, stream = load_deepseek_dir(Path(self.ckpt), None if ep is None else ep.expert_range)
-        return DeepseekCudaBackend(config, stream(), cfg=_cfg(graphs=False), ep=ep)
+        return CudaBackend(config, stream(), cfg=_cfg(graphs=False), ep=ep)
 
     def lite(self, ep=None):
-        from metrale.runtime.cuda_deepseek import DeepseekCudaBackend
-        return DeepseekCudaBackend(_lite_config(self.layers), None, cfg=_cfg(graphs=ep is None), ep=ep)
+        from metrale.runtime.cuda_backend import CudaBackend
+        return CudaBackend(_lite_config(self.layers), None, cfg=_cfg(graphs=ep is None), ep=ep)
 
     def bind(self, be) -> None:
         self.comm.set_stream(None if be is None else be.stream)

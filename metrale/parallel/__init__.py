@@ -8,7 +8,7 @@ from metrale.parallel.ep import ExpertParallel, combine_slots
 from metrale.parallel.launch import Report, launch
 from metrale.parallel.nccl import Nccl4pyCommunicator, nccl_info, nccl_unique_id
 from metrale.parallel.plan import Command, StepPlan, decode_plan, encode_plan
-from metrale.parallel.runner import EPRank, ep_generate
+from metrale.parallel.ep_rank import EPRank, ep_generate
 
 __all__ = ["Communicator", "FakeCommunicator", "FakeWorld", "QueueCommunicator", "broadcast", "gather", "run_ranks",
            "ExpertParallel", "combine_slots", "Report", "launch", "Nccl4pyCommunicator", "nccl_info", "nccl_unique_id",
