@@ -1,0 +1,155 @@
+"""QuantOps (metrale/runtime/cuda/quant.py: the CUDA backend's ops on DeviceQuantized weights,
+levers.weights=native) composed onto CudaOps under the simulator, on a stand-in backend, against
+the NumPy composition on gguf's dequantization of the same blocks: the GEMV road (T <= 8; x through
+the kernels' q8 quantization in the reference), the bf16 road (T = 9: the scratch image and the bf16
+GEMM), the chunks road (a weight over the scratch: row chunks across parts into column windows,
+also accumulating into a residual), the MLP at one row, the quantized embedding with fed ids."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kernels_numba import quant_layout as L
+from kernels_numba.ptx import SIM
+
+pytestmark = pytest.mark.skipif(not SIM, reason="run with NUMBA_ENABLE_CUDASIM=1")
+
+from numba import cuda  # noqa: E402
+
+from kernels_numba.bf16 import from_bf16_bits, to_bf16_bits  # noqa: E402
+
+K = 256          # the K-quants' super-block
+EPS = 1e-5
+
+
+class _Backend:
+    """What CudaOps and QuantOps read of a CudaBackend."""
+
+    def __init__(self, T, N, scratch_elems, overlap=False):
+        self.fuse_decode, self.carry_norm_sums, self.overlap = True, False, overlap
+        self.skinny_max_t = 1            # rows > 1: gemm.linear's FMA path (FMA_MAX_T raised below)
+        z = lambda *s: cuda.to_device(np.zeros(s, np.float32))  # noqa: E731
+        self.act = {"h": z(T, K), "rows": z(T, K), "residual": z(T, K), "act": z(T, 64), f"out{N}": z(T, N),
+                    "argmax": cuda.to_device(np.array([7, 3, 1], np.int32))}
+        self.quant_scratch = cuda.device_array(scratch_elems, np.uint16)
+
+    def blas_takes(self, rows, weight):
+        return False
+
+    def view(self, name, n, shape=None):
+        v = self.act[name][:n]
+        return v if shape is None else v.reshape(shape)
+
+    def quant_scratch_view(self, n, k):
+        return self.quant_scratch[:n * k].reshape(n, k)
+
+
+def _ops(T, N, scratch_elems=1 << 16, overlap=False, token_ids=None, token_src=None):
+    from metrale.models.families import compose_ops
+    from metrale.runtime.cuda.quant import QuantOps
+    from metrale.runtime.cuda_backend import CudaOps
+    ops = object.__new__(compose_ops(CudaOps, (QuantOps,)))
+    ops.b, ops.s, ops.cfg = _Backend(T, N, scratch_elems, overlap), 0, SimpleNamespace(rms_norm_eps=EPS)
+    ops.g = SimpleNamespace(tokens=T)
+    ops._ss_used, ops._resid_ss, ops.rows_ptr = 0, None, -1
+    if token_ids is not None:
+        ops.token_ids, ops.token_src = cuda.to_device(token_ids), cuda.to_device(token_src)
+    return ops
+
+
+def _weight(parts, seed):
+    """(DeviceQuantized, float64 reference [N, K]) of row-stacked random parts (type, rows, cols)."""
+    import gguf
+    from metrale.models.quantized import QuantizedPart, QuantizedTensor
+    from metrale.runtime.cuda.quant import upload_quantized
+    rng = np.random.default_rng(seed)
+    qparts = []
+    for qt, rows, cols in parts:
+        data = L.random_blocks(qt, rows, cols, rng, scale=0.3)
+        qparts.append(QuantizedPart(gguf.GGMLQuantizationType(qt), rows, cols, data))
+    t = QuantizedTensor(tuple(qparts))
+    return upload_quantized(t), t.dequantize().astype(np.float64)
+
+
+def _rms(x, w):
+    x = x.astype(np.float64)
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + EPS) * w
+
+
+def _relerr(a, b):
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+
+@pytest.fixture(autouse=True)
+def _sim_patches(monkeypatch):
+    import metrale.runtime.cuda_backend as cb
+    from kernels_numba import gemm
+    monkeypatch.setattr(cb, "_ptr", id)          # simulator arrays have no __cuda_array_interface__
+    monkeypatch.setattr(gemm, "FMA_MAX_T", 16)   # the mma GEMMs are slow here (test_gemm_sim has them)
+
+
+@pytest.mark.parametrize("T", [1, 3, 9])
+def test_norm_linear_gemv_and_bf16_roads(T):
+    """A qkv-like weight (Q4_K rows over Q6_K rows) with a bias: T <= 8 the quant GEMV, T = 9 the
+    scratch's bf16 image and the bf16 GEMM."""
+    dq, w = _weight([(L.Q4_K, 64, K), (L.Q6_K, 64, K)], seed=T)
+    rng = np.random.default_rng(10 + T)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    nw = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
+    bias = rng.standard_normal(128).astype(np.float32)
+    ops = _ops(T, 128)
+    got = ops.norm_linear(cuda.to_device(x), cuda.to_device(nw), dq, cuda.to_device(bias)).copy_to_host()
+    h = _rms(x, nw)
+    if T <= 8:
+        want = L.gemv_ref(h.astype(np.float32), w, bias=bias)
+        assert _relerr(got, want) < 3e-3
+    else:
+        wb = from_bf16_bits(to_bf16_bits(w.astype(np.float32))).astype(np.float64)
+        assert _relerr(got, h @ wb.T + bias) < 1e-5
+
+
+def test_chunks_road_across_parts_and_into_a_residual():
+    """T = 9 on a 128-row weight (Q8_0 96 rows over Q4_0 32) with a scratch of 64 rows: two chunks,
+    the second across the parts, each its column window of out (norm_linear) or of the residual."""
+    dq, w = _weight([(L.Q8_0, 96, K), (L.Q4_0, 32, K)], seed=5)
+    wb = from_bf16_bits(to_bf16_bits(w.astype(np.float32))).astype(np.float64)
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((9, K)).astype(np.float32)
+    nw = np.ones(K, np.float32)
+    ops = _ops(9, 128, scratch_elems=64 * K)
+    got = ops.norm_linear(cuda.to_device(x), cuda.to_device(nw), dq).copy_to_host()
+    assert _relerr(got, _rms(x, nw) @ wb.T) < 1e-5
+    res = rng.standard_normal((9, 128)).astype(np.float32)
+    d_res = cuda.to_device(res)
+    assert ops.linear_residual(cuda.to_device(x), dq, d_res) is d_res
+    assert _relerr(d_res.copy_to_host(), x.astype(np.float64) @ wb.T + res) < 1e-5
+
+
+def test_mlp_residual_one_row():
+    """norm -> gate_up (Q5_K) GEMV -> silu*mul -> down (Q4_1, K = 64) GEMV accumulating into the residual."""
+    F = 64
+    gu, w_gu = _weight([(L.Q5_K, 2 * F, K)], seed=7)
+    down, w_down = _weight([(L.Q4_1, K, F)], seed=8)
+    rng = np.random.default_rng(9)
+    res = rng.standard_normal((1, K)).astype(np.float32)
+    nw = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
+    ops = _ops(1, 2 * F)
+    d_res = cuda.to_device(res)
+    ops.mlp_residual(d_res, cuda.to_device(nw), gu, down)
+    g = L.gemv_ref(_rms(res, nw).astype(np.float32), w_gu)
+    a = (g[:, :F] / (1 + np.exp(-g[:, :F])) * g[:, F:]).astype(np.float32)
+    want = L.gemv_ref(a, w_down) + res
+    got = d_res.copy_to_host()
+    assert _relerr(got - res, want - res) < 3e-3
+
+
+def test_quantized_embedding_with_fed_ids():
+    """Rows 0 and 2 take the previous step's argmax (rows 1 and 0 of it), row 1 its own id; the
+    fed ids are written back as embedding_feed does."""
+    dq, w = _weight([(L.Q6_K, 64, K)], seed=11)
+    ids, src = np.array([0, 5, 0], np.int32), np.array([1, -1, 0], np.int32)
+    ops = _ops(3, 64, overlap=True, token_ids=ids, token_src=src)
+    got = ops.embed(dq).copy_to_host()
+    want_ids = np.array([3, 5, 7], np.int32)
+    np.testing.assert_array_equal(ops.token_ids.copy_to_host(), want_ids)
+    np.testing.assert_allclose(got, w[want_ids], rtol=1e-6, atol=1e-7)
