@@ -20,6 +20,9 @@ LAYER_TYPES = [
 ]
 
 
+KQUANT_STD = {L.Q4_K: 0.032, L.Q5_K: 0.066, L.Q6_K: 0.172}    # std of random_blocks' values at scale 1
+
+
 def write_quant_gguf(path, seed=0, hidden=256, ffn=512, heads=4, kv_heads=2, vocab=512, embed="Q8_0",
                      output="Q6_K", layer_types=LAYER_TYPES):
     """A tiny llama GGUF of the given block types (random blocks of weight-like scale; legacy types
@@ -46,8 +49,8 @@ def write_quant_gguf(path, seed=0, hidden=256, ffn=512, heads=4, kv_heads=2, voc
             w.add_tensor(name, x.astype(np.float16))
             return
         qt = int(T[kind])
-        if qt in L.KQUANTS:     # gguf cannot quantize K-quants: random blocks, scales of about std
-            data = L.random_blocks(qt, rows, cols, rng, scale=std / 0.03)
+        if qt in L.KQUANTS:     # gguf cannot quantize K-quants: random blocks, values of about std
+            data = L.random_blocks(qt, rows, cols, rng, scale=std / KQUANT_STD[qt])
         else:
             data = gguf.quants.quantize(x, T[kind])
         w.add_tensor(name, data, raw_shape=(rows, data.shape[1]), raw_dtype=T[kind])
@@ -321,3 +324,12 @@ def test_a_family_without_a_quantized_road_is_refused():
     b.family = SimpleNamespace(name="mla")
     with pytest.raises(ValueError, match="the mla family's CUDA part has no quantized road; use levers.weights=bf16"):
         b._init_quantized()
+
+
+def test_the_tiny_gguf_runs_on_the_numpy_backend(tiny):
+    """The GPU test's model file is valid: it loads (blocks dequantized) and decodes."""
+    from metrale import Engine, SamplingParams
+    eng = Engine(model=str(tiny), device="cpu", levers={"cpu_kernels": "numpy"}, cache={"num_blocks": 64})
+    out = eng.generate([np.arange(5, 20, dtype=np.int32)], SamplingParams(max_tokens=4, temperature=0.0,
+                                                                          ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 4 and eng.backend.config.vocab_size == 512

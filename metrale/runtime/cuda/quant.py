@@ -116,7 +116,7 @@ def device_bytes_bound(parts) -> int:
     return n
 
 
-def plan_scratch(shapes, max_tokens: int, max_rows: int, cap: int = SCRATCH_MAX_ELEMS) -> int:
+def plan_scratch(shapes, max_tokens: int, max_rows: int, cap: int | None = None) -> int:
     """bf16 elements of the many-rows scratch for quantized weights of `shapes` ({name: (N, K)}): the
     largest N K (at most `cap`, and at least 64 rows of the widest K), or 0 when no step can exceed
     GEMV_MAX_ROWS rows (embed and lm_head see max_rows rows, the rest max_tokens)."""
@@ -124,6 +124,7 @@ def plan_scratch(shapes, max_tokens: int, max_rows: int, cap: int = SCRATCH_MAX_
             if (max_rows if name in ("embed", "lm_head") else max_tokens) > GEMV_MAX_ROWS]
     if not need:
         return 0
+    cap = SCRATCH_MAX_ELEMS if cap is None else cap
     widest = max(k for _, k in shapes.values())
     return max(min(max(need), cap), 64 * widest)
 
