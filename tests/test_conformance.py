@@ -46,7 +46,7 @@ def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
 
 def test_the_fixtures_cover_every_family():
     archs = {json.loads((FIXTURES / n / "config.json").read_text())["model_type"] for n in CASES}
-    assert archs == {"llama", "qwen2", "qwen3", "mistral", "deepseek_v2", "deepseek_v3", "qwen3_next"}
+    assert archs == {"llama", "qwen2", "qwen3", "mistral", "deepseek_v2", "deepseek_v3", "qwen3_next", "gemma3_text"}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -102,3 +102,36 @@ def test_deepseek_v3_without_routing_keys_routes_as_transformers():
     c = config_of("deepseek_v3_defaults")
     assert (c.scoring_func, c.topk_method, c.n_group, c.topk_group) == ("sigmoid", "noaux_tc", 4, 2)
     assert c.norm_topk_prob and c.routed_scaling_factor == 2.5
+
+
+# ------------------------------------------------------------------------------------ Gemma 3
+
+def test_gemma3_configs_are_read():
+    c = config_of("gemma3")
+    assert c.architecture == "gemma3" and c.sliding_layers == (True, False, True) and c.sliding_window == 8
+    assert (c.rope_theta, c.extra["rope_scaling"]["rope_type"], c.local_rope_theta) == (1e6, "linear", 1e4)
+    assert (c.query_pre_attn_scalar, c.final_logit_softcapping, c.embed_scale) == (24.0, 30.0, 8.0)
+    legacy = config_of("gemma3_legacy")      # rope_theta / rope_local_base_freq / sliding_window_pattern
+    assert legacy.sliding_layers == (True, False, True) and legacy.extra["rope_scaling"] is None
+    assert (legacy.rope_theta, legacy.local_rope_theta, legacy.final_logit_softcapping) == (1e6, 1e3, 0.0)
+
+
+@pytest.mark.parametrize("change", [dict(local_rope_theta=0.0), dict(query_pre_attn_scalar=0.0),
+                                    dict(final_logit_softcapping=0.0), dict(sliding_window=0),
+                                    dict(embed_scale=1.0)], ids=lambda d: next(iter(d)))
+def test_each_gemma3_feature_matters(change):
+    """Dropping any one Gemma 3 feature gives other logits, so the conformance tests above fail
+    without it (the sandwich norms and 1 + w norms fail them outright)."""
+    from dataclasses import replace
+    from metrale.runtime.numpy_backend import NumpyBackend
+    config, _, stream = _load_hf(FIXTURES / "gemma3")
+    be = NumpyBackend(replace(config, **change), stream(), num_blocks=6, block_size=BLOCK, dtype="float64")
+    assert rel_err(run(be, [(0, len(IDS))]), reference("gemma3")) > 1e-2
+
+
+def test_gemma3_on_cuda_is_refused_naming_what_is_missing():
+    from metrale.models.families import family_for
+    family = family_for(config_of("gemma3"))
+    assert family.name == "gemma3"
+    with pytest.raises(ValueError, match="runs on the NumPy backend only so far .*sandwich norms.*use device=cpu"):
+        family.cuda_part()

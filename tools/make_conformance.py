@@ -30,6 +30,9 @@ MLA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermedi
            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
            v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1,
            max_position_embeddings=64, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+# Gemma 3: 3 layers, head_dim 32 != hidden / heads, window 8 (24 tokens), tied embeddings
+GEMMA = dict(BASE, num_hidden_layers=3, head_dim=32, sliding_window=8, tie_word_embeddings=True, pad_token_id=0,
+             hidden_activation="gelu_pytorch_tanh")
 YARN_DS = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
 
@@ -69,11 +72,40 @@ VARIANTS: dict[str, tuple[str, dict, str]] = {
                                                      "rope_type": "default", "rope_theta": 10000.0,
                                                      "partial_rotary_factor": 0.25}),
                          "hybrid: Gated DeltaNet + gated full attention, partial RoPE, dense MLPs"),
+    "gemma3": ("Gemma3TextConfig", dict(GEMMA, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                        query_pre_attn_scalar=24, final_logit_softcapping=30.0, rope_parameters={
+                                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                            "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                               "rope_theta": 1e6}}),
+               "Gemma 3: sandwich norms (1 + w), q/k norm, window 8 on sliding layers, RoPE per layer type "
+               "(local default, global linear), query_pre_attn_scalar != head_dim, scaled embeddings, "
+               "GELU-tanh MLP, final logit softcapping"),
+    "gemma3_legacy": ("Gemma3TextConfig", dict(GEMMA, sliding_window_pattern=2, rope_theta=1e6,
+                                               rope_local_base_freq=1000.0, query_pre_attn_scalar=32),
+                      "Gemma 3 config of transformers 4 (rewritten after saving): rope_theta, rope_local_base_freq, "
+                      "sliding_window_pattern instead of rope_parameters / layer_types"),
 }
 
 # keys transformers 5 writes that a config of an older version would not have: dropped so the
 # stored config.json also checks that metrale's defaults for absent keys match transformers'
 DROP_KEYS = {"deepseek_v3_defaults": ("scoring_func", "topk_method")}
+
+
+def legacy_gemma3(cfg: dict) -> dict:
+    """A Gemma 3 config.json as transformers 4 wrote it: rope_theta / rope_local_base_freq /
+    rope_scaling at the top level and sliding_window_pattern instead of layer_types."""
+    rope = cfg.pop("rope_parameters")
+    cfg.pop("layer_types")
+    cfg["rope_theta"] = rope["full_attention"]["rope_theta"]
+    cfg["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+    cfg["rope_scaling"] = None
+    cfg.pop("_sliding_window_pattern", None)
+    cfg["sliding_window_pattern"] = 2
+    return cfg
+
+
+# name -> a rewrite of the saved config.json (checked by the reload: transformers must read it the same)
+REWRITE = {"gemma3_legacy": legacy_gemma3}
 
 
 def randomize(model, seed: int) -> None:
@@ -83,8 +115,10 @@ def randomize(model, seed: int) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim == 1:
-                # norms: around 1 (Qwen3-Next stores w of x * (1 + w): around 0); biases, A_log, dt: small
-                base = 0.0 if ("bias" in name or "qwen3_next" in type(model).__module__
+                # norms: around 1 (Qwen3-Next and Gemma 3 store w of x * (1 + w): around 0); biases, A_log,
+                # dt: small
+                module = type(model).__module__
+                base = 0.0 if ("bias" in name or "qwen3_next" in module or "gemma3" in module
                                or "A_log" in name or "dt_bias" in name) else 1.0
                 p.copy_(base + 0.1 * torch.randn(p.shape, generator=gen))
             else:
@@ -126,6 +160,8 @@ def save(model, name: str, path: Path) -> None:
     cfg = json.loads(cfg_path.read_text())
     for key in DROP_KEYS.get(name, ()):
         cfg.pop(key, None)
+    if name in REWRITE:
+        cfg = REWRITE[name](cfg)
     cfg_path.write_text(json.dumps(cfg, indent=1, sort_keys=True) + "\n")
     (path / "generation_config.json").unlink(missing_ok=True)
 

@@ -33,15 +33,15 @@ def _gguf_reader(path: Path):
 
 def gguf_model_config(fields: dict, name: str = "") -> ModelConfig:
     arch = fields.get("general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3"):
-        raise ValueError(f"unsupported GGUF architecture '{arch}' (supported: llama, qwen2, qwen3)")
+    if arch not in ("llama", "qwen2", "qwen3", "gemma3"):
+        raise ValueError(f"unsupported GGUF architecture '{arch}' (supported: llama, qwen2, qwen3, gemma3)")
     g = lambda key, default=None: fields.get(f"{arch}.{key}", default)  # noqa: E731
     hidden = int(g("embedding_length"))
     heads = int(g("attention.head_count"))
     head_dim = int(g("attention.key_length", 0) or g("rope.dimension_count", 0) or hidden // heads)
     vocab = int(g("vocab_size", 0) or len(fields.get("tokenizer.ggml.tokens", [])))
     eos = fields.get("tokenizer.ggml.eos_token_id")
-    return ModelConfig(
+    config = ModelConfig(
         architecture=arch, vocab_size=vocab, hidden_size=hidden,
         intermediate_size=int(g("feed_forward_length")), num_layers=int(g("block_count")),
         num_heads=heads, num_kv_heads=int(g("attention.head_count_kv", heads)), head_dim=head_dim,
@@ -60,6 +60,10 @@ def gguf_model_config(fields: dict, name: str = "") -> ModelConfig:
         # llama.cpp's key for a window on every layer (Mistral-style); absent: full attention
         sliding_window=int(g("attention.sliding_window", 0) or 0),
     )
+    if arch == "gemma3":
+        from metrale.models.gemma import gemma3_gguf_config
+        return gemma3_gguf_config(fields, config)
+    return config
 
 
 def gguf_rope_scaling(fields: dict, arch: str, where: str = "") -> dict | None:
@@ -90,7 +94,9 @@ def gguf_rope_scaling(fields: dict, arch: str, where: str = "") -> dict | None:
 
 
 _GGUF_LAYER = {"attn_norm": "attn_norm", "attn_output": "o", "ffn_norm": "mlp_norm",
-               "ffn_down": "down", "attn_q_norm": "q_norm", "attn_k_norm": "k_norm"}
+               "ffn_down": "down", "attn_q_norm": "q_norm", "attn_k_norm": "k_norm",
+               # Gemma's sandwich norms (llama.cpp stores every Gemma norm as 1 + w already)
+               "post_attention_norm": "post_attn_norm", "post_ffw_norm": "post_mlp_norm"}
 
 
 def _dequantize(tensor) -> np.ndarray:
@@ -184,9 +190,12 @@ def hf_model_config(cfg: dict, name: str = "") -> ModelConfig:
     from metrale.models.hybrid import HYBRID_TYPES, hybrid_model_config
     if arch in HYBRID_TYPES:
         return hybrid_model_config(cfg, name)
+    from metrale.models.gemma import GEMMA3_TYPES, gemma3_model_config
+    if arch in GEMMA3_TYPES:
+        return gemma3_model_config(cfg, name)
     if arch not in ("llama", "qwen2", "qwen3", "mistral"):
         raise ValueError(f"unsupported model_type '{arch}' (supported: llama, qwen2, qwen3, mistral, "
-                         f"{', '.join(HYBRID_TYPES)})")
+                         f"{', '.join(HYBRID_TYPES + GEMMA3_TYPES)})")
     heads = int(cfg["num_attention_heads"])
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -264,6 +273,10 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict, Callable[[], WeightStrea
         if config.is_hybrid:
             from metrale.models.hybrid import hybrid_weight_stream
             yield from hybrid_weight_stream(config, get, where.__contains__)
+            return
+        if config.architecture == "gemma3":
+            from metrale.models.gemma import gemma3_weight_stream
+            yield from gemma3_weight_stream(config, get, where.__contains__)
             return
         yield "embed", get("model.embed_tokens.weight")
         for i in range(config.num_layers):

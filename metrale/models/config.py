@@ -48,6 +48,12 @@ class ModelConfig:
     # (() = every layer); 0 = full attention everywhere.
     sliding_window: int = 0
     sliding_layers: tuple[bool, ...] = ()
+    # ---- Gemma 3 (models/gemma.py); the defaults mean "not used"
+    local_rope_theta: float = 0.0          # sliding layers' RoPE base (0: the model's RoPE on every layer)
+    query_pre_attn_scalar: float = 0.0     # scores scaled by its ** -0.5 (0: head_dim)
+    final_logit_softcapping: float = 0.0   # logits = cap * tanh(logits / cap) (0: none)
+    embed_scale: float = 1.0               # embeddings multiplied on the way in (Gemma: sqrt(hidden))
+    hidden_act: str = "silu"               # the MLP's gate activation: silu | gelu_tanh
     # ---- DeepSeek-V2/V3 (docs/deepseek.md); all optional, the defaults mean "not used"
     # MLA: kv_lora_rank > 0 turns it on; the latent cache holds kv_lora_rank + qk_rope_head_dim
     # values per token and layer (num_kv_heads = 1, head_dim = qk_nope_head_dim + qk_rope_head_dim).
@@ -168,6 +174,8 @@ class ModelConfig:
         head = 0 if self.tie_word_embeddings else v * d
         if not (self.is_mla or self.is_moe or self.is_hybrid or self.attn_output_gate):
             per_layer = d * (self.q_size + 2 * self.kv_size) + self.q_size * d + 3 * d * f + 2 * d
+            if self.architecture == "gemma3":         # post-attention / post-MLP norms, q/k norms
+                per_layer += 2 * d + 2 * self.head_dim
             return v * d + self.num_layers * per_layer + d + head
         total = v * d + d + head
         for i in range(self.num_layers):

@@ -19,6 +19,7 @@ from metrale.models.config import ModelConfig
 REGISTERED = (
     "metrale.models.deepseek:FAMILY",     # DeepSeek-V2/V3: MLA + MoE
     "metrale.models.hybrid:FAMILY",       # Qwen3-Next style: Gated DeltaNet + attention
+    "metrale.models.gemma:FAMILY",        # Gemma 3: sandwich norms, local/global attention
     "metrale.models.llama:FAMILY",        # dense Llama / Qwen2 / Qwen3 / Mistral
 )
 
@@ -37,10 +38,13 @@ class Family:
     cuda: str = ""                  # "module:Class" of its CUDA part (runtime/cuda_<family>.py); "" = CPU only
     layer_prefix: bool = True       # a forward of the first layers is a valid draft (levers: spec.method=self)
     check_weights: Callable[[ModelConfig, dict, Any], None] | None = None   # (config, weights, ep) -> raise
+    cuda_missing: str = ""          # without a CUDA part: what it lacks (named in the refusal)
 
     def cuda_part(self) -> type:
         if not self.cuda:
-            raise ValueError(f"the {self.name} model family runs on the NumPy backend only so far; use device=cpu")
+            missing = f" (no {self.cuda_missing} yet)" if self.cuda_missing else ""
+            raise ValueError(f"the {self.name} model family runs on the NumPy backend only so far{missing}; "
+                             "use device=cpu")
         return resolve(self.cuda)
 
 
