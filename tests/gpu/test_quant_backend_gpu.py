@@ -128,3 +128,26 @@ def test_native_and_bf16_generate_alike(native, bf16, twin):
     a = np.asarray(native.generate([prompt], p, use_tqdm=False)[0].token_ids)
     b = np.asarray(bf16.generate([prompt], p, use_tqdm=False)[0].token_ids)
     assert _near_greedy(a, prompt, twin) > 0.8 and _near_greedy(b, prompt, twin) > 0.8
+
+
+SMOL = "/tmp/mdl/smollm2.gguf"
+
+
+@pytest.mark.skipif(not __import__("os").path.exists(SMOL), reason=f"real SmolLM2 GGUF not at {SMOL}")
+def test_real_smollm2_native_against_its_exact_weights():
+    """The embedded SmolLM2 (Q4_1 / Q8_0 blocks) native: teacher-forced top-1 and logits against the
+    NumPy backend on the blocks' exact dequantization (the figure is printed for docs/quant.md)."""
+    eng = Engine(model=SMOL, device="cuda", cache={"num_blocks": 256}, levers={"weights": "native"})
+    try:
+        be = eng.backend
+        assert eng.memory_report()["weights_native"] > 0
+        cpu = NumpyBackend(be.config, be.export_weights(), num_blocks=64, block_size=be.block_size)
+        text = "<|im_start|>user\nWrite a short story about a robot who learns to paint.<|im_end|>\n<|im_start|>assistant\n"
+        ids = eng.tokenizer.encode(text, add_special_tokens=True)
+        a, b = prefill_logits(be, ids), prefill_logits(cpu, ids)
+        agree = float((a.argmax(-1) == b.argmax(-1)).mean())
+        print(f"smollm2 native: top-1 {agree:.3f} of {len(ids)}, rel err {rel_err(a, b):.4f}, "
+              f"weights {eng.memory_report()['weights_bytes'] / 2**20:.1f} MiB")
+        assert rel_err(a, b) < 3e-2 and agree > 0.9
+    finally:
+        eng.backend.close()

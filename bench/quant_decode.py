@@ -1,0 +1,112 @@
+"""Decode throughput of a quantized model through the CUDA backend: levers.weights=native (GGUF blocks
+on the device, quant GEMV) against bf16 on the same shape, at the backend level (graph replays, no
+scheduler), with the device weight bytes each holds.
+
+    python -m bench.quant_decode --weights native --batch 1 8      # Llama-3-8B shape, random Q4_K
+    python -m bench.quant_decode --weights bf16 --batch 1 8         # the same shape, random bf16
+
+native: random Q4_K blocks for every matrix and Q6_K for the lm_head (Q4_K_M's types but for its
+Q6_K halves of v / down), one block set per distinct shape shared by all layers (the weights are
+read per layer all the same; generating 4 GB of random blocks once is what keeps start-up short).
+bf16: the model preset's random bf16 weights, made on the device. One JSON line at the end."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+
+class _SharedPart:
+    """A QuantizedPart whose repacked planes are computed once and shared by every layer using it."""
+
+    def __init__(self, part):
+        self.ggml_type, self.rows, self.cols, self.data = part.ggml_type, part.rows, part.cols, part.data
+        self._planes = None
+
+    def repack(self):
+        if self._planes is None:
+            from kernels_numba.quant_layout import repack
+            self._planes = repack(int(self.ggml_type), self.data, self.cols)
+        return self._planes
+
+
+def random_quantized_items(config, body: str = "Q4_K", head: str = "Q6_K", seed: int = 0) -> list:
+    """(name, weight) pairs of the dense family's canonical names: QuantizedTensor matrices of
+    random blocks (types `body`, `head` for the lm_head), float32 norms."""
+    import gguf
+
+    from kernels_numba import quant_layout as L
+    from metrale.models.quantized import QuantizedPart, QuantizedTensor
+    rng = np.random.default_rng(seed)
+    c, d = config, config.hidden_size
+    cache: dict = {}
+
+    def q(kind, rows, cols):
+        key = (kind, rows, cols)
+        if key not in cache:
+            qt = gguf.GGMLQuantizationType[kind]
+            part = QuantizedPart(qt, rows, cols, L.random_blocks(int(qt), rows, cols, rng, scale=cols ** -0.5 / 0.03))
+            cache[key] = QuantizedTensor((_SharedPart(part),))
+        return cache[key]
+
+    norm = lambda: (1 + 0.05 * rng.standard_normal(d)).astype(np.float32)  # noqa: E731
+    items = [("embed", q(body, c.vocab_size, d))]
+    for i in range(c.num_layers):
+        p = f"layers.{i}."
+        items += [(p + "attn_norm", norm()), (p + "qkv", q(body, c.q_size + 2 * c.kv_size, d)),
+                  (p + "o", q(body, d, c.q_size)), (p + "mlp_norm", norm()),
+                  (p + "gate_up", q(body, 2 * c.intermediate_size, d)), (p + "down", q(body, d, c.intermediate_size))]
+    items.append(("final_norm", norm()))
+    if not c.tie_word_embeddings:
+        items.append(("lm_head", q(head, c.vocab_size, d)))
+    return items
+
+
+def make_backend(model: str, weights: str, max_batch: int, overrides: list[str] = ()):
+    from metrale.models.assemble import make_backend as build
+    from metrale.models.checkpoint import random_model_config
+    from metrale.models.quantized import QuantizedStream
+    from metrale.models.registry import resolve_model
+    from metrale.settings import compose
+    cfg = compose(["device=cuda", f"levers.weights={weights}", f"scheduler.max_num_seqs={max(max_batch, 1)}",
+                   "scheduler.max_num_batched_tokens=4096", "scheduler.max_model_len=4096",
+                   f"levers.graph_batch_sizes=[{','.join(str(b) for b in sorted({1, max_batch}))}]",
+                   "levers.warm_mixed=false", *overrides])
+    source = resolve_model(model)
+    config = random_model_config(source.preset, source.name)
+    t0 = time.perf_counter()
+    stream = QuantizedStream.of(random_quantized_items(config)) if weights == "native" else None
+    t1 = time.perf_counter()
+    backend = build("cuda", cfg, config, stream)
+    return backend, t1 - t0, time.perf_counter() - t1
+
+
+def main() -> None:
+    from bench.decode_metrale import decode_tok_s
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3-8b-shape")
+    ap.add_argument("--weights", choices=("native", "bf16"), default="native")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--override", nargs="*", default=[])
+    args = ap.parse_args()
+    backend, gen_s, load_s = make_backend(args.model, args.weights, max(args.batch), args.override)
+    mem = backend.memory_report()
+    print(f"{args.model} weights={args.weights}: blocks made in {gen_s:.1f} s, backend in {load_s:.1f} s; "
+          f"device weights {mem['weights_bytes'] / 2**30:.2f} GiB ({mem['weights_native']} native matrices), "
+          f"scratch {mem['quant_scratch_bytes'] / 2**20:.0f} MiB, kv tokens {mem['kv_pool_tokens']}", flush=True)
+    results = []
+    for b in args.batch:
+        r = decode_tok_s(backend, b, args.context)
+        r["bytes_per_step"] = mem["weights_bytes"] + r["bytes_per_step"] - backend.config.num_parameters() * 2
+        results.append(r)
+        print(f"decode weights={args.weights} B={b:3d} ctx={args.context}: {r['step_ms']:.3f} ms/step "
+              f"{r['tok_s']:.0f} tok/s, {r['bytes_per_step'] / (r['step_ms'] / 1e3) / 1e12:.2f} TB/s of weights + KV",
+              flush=True)
+    print(json.dumps({"model": args.model, "weights": args.weights, "results": results, "memory": mem}))
+
+
+if __name__ == "__main__":
+    main()
