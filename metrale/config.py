@@ -45,10 +45,11 @@ class Levers:
     cpu_activations: str = "f32"         # f32 | q8: products on GGUF blocks take float32 activations, or ones
                                          # quantized to 8 bits a 32-block with integer dot products (VNNI, as
                                          # llama.cpp: faster kernels, not faster decode here, less accurate)
-    weights: str = "native"              # native | bf16: on CUDA, GGUF block-quantized matrices stay in their
-                                         # blocks on the device (quantized GEMV up to 8 rows, bf16 dequantized
-                                         # into a scratch beyond; docs/quant.md) or are dequantized to bf16 at
-                                         # load. Other checkpoints and device=cpu (levers.cpu_kernels) unaffected
+    weights: str = "bf16"                # bf16 | native: on CUDA, GGUF block-quantized matrices are dequantized to
+                                         # bf16 at load, or stay in their blocks on the device (quantized GEMV up to
+                                         # 8 rows, bf16 dequantized into a scratch beyond; docs/quant.md; native
+                                         # becomes the default once its GPU tests have run). Other checkpoints and
+                                         # device=cpu (levers.cpu_kernels) unaffected
     prefill_attention_min_tokens: int = 64  # segments this long use the tiled prefill kernel
     prefill_attention_kernel: str = "mma"   # mma (tensor cores, flash_prefill.py) | fma (FP32, attention.py)
     decode_attention_kernel: str = "mma"    # mma (tensor cores, flash_decode.py; H200: 2-2.9x at B>=128) | fma (attention.py)

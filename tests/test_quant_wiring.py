@@ -83,8 +83,8 @@ def tiny(tmp_path_factory):
 # ----------------------------------------------------------------------------- the lever
 def test_lever_values_default_and_bisect_preset():
     from metrale.settings import ConfigError, compose
-    assert compose([]).levers.weights == "native"
-    assert compose(["levers.weights=bf16"]).levers.weights == "bf16"
+    assert compose([]).levers.weights == "bf16"             # native once its GPU tests have run
+    assert compose(["levers.weights=native"]).levers.weights == "native"
     assert compose(["+lever=bisect"]).levers.weights == "bf16"
     with pytest.raises(ConfigError, match="^levers.weights: 'int4' is not one of native, bf16$"):
         compose(["levers.weights=int4"])
@@ -93,8 +93,8 @@ def test_lever_values_default_and_bisect_preset():
 def test_which_loads_keep_blocks():
     from metrale.models.assemble import _keeps_quantized
     from metrale.settings import compose
-    assert _keeps_quantized(compose([]), "cuda")
-    assert not _keeps_quantized(compose(["levers.weights=bf16"]), "cuda")
+    assert _keeps_quantized(compose(["levers.weights=native"]), "cuda")
+    assert not _keeps_quantized(compose([]), "cuda")
     assert _keeps_quantized(compose(["levers.weights=bf16"]), "cpu")       # the CPU path: levers.cpu_kernels
     assert not _keeps_quantized(compose(["levers.cpu_kernels=numpy"]), "cpu")
 

@@ -193,3 +193,41 @@ def test_compaction_paths_at_qwen_vocab(dist):
     want, *_ = K.sample_rows_ref(logits, mask, f, i, toks, rep, add)
     same = out == want
     assert same.sum() >= R - 1, (np.flatnonzero(~same), out[~same], want[~same])   # a border case at most
+
+
+def test_captured_sampling_equals_eager_launches():
+    """DevicePipeline's graphs (a layout without adjustments captured once, replayed) draw what its
+    eager launches draw, step after step, and a layout with adjustments stays eager."""
+    from metrale import Engine
+    from metrale.sampling.device import DevicePipeline
+    from metrale.sampling.sampler import PackedRows
+    eng = Engine(model="smollm2-135m-shape", device="cuda", cache={"num_blocks": 64})
+    V = eng.model_config.vocab_size
+    rng = np.random.default_rng(3)
+    R = 4
+    logits = cuda.to_device((rng.standard_normal((R, V)) * 3).astype(np.float32))
+    rows = PackedRows(R, -(-V // 32))
+    rows.fparams[:, K.F_INV_TEMP] = [0.0, 1.0 / 0.7, 1.0, 1.0 / 0.9]
+    rows.fparams[:, K.F_TOP_P] = [1.0, 0.9, 1.0, 0.95]
+    rows.fparams[:, K.F_LOG_MIN_P] = -np.inf
+    rows.fparams[:, K.F_REP] = 1.0
+    rows.iparams[:, K.I_TOP_K] = [-1, -1, 40, -1]
+    rows.iparams[:, K.I_NUM_LOGPROBS] = [-1, 2, -1, 0]
+    rows.iparams[:, K.I_SEED_LO] = rng.integers(-2**31, 2**31, R)
+    mask = np.zeros((R, 1), np.uint32)
+    graphed, eager = DevicePipeline(eng.backend, V, graphs=True), DevicePipeline(eng.backend, V, graphs=False)
+    for step in range(6):
+        rows.iparams[:, K.I_STEP] = step
+        a, b = graphed.run(logits, mask, rows), eager.run(logits, mask, rows)
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+    assert graphed.graphs and any(lay.graph is not None for lay in graphed._layouts.values())
+    rows.adj_token, rows.adj_rep = np.array([7], np.int32), np.array([0], np.int32)
+    rows.adj_add = np.array([5.0], np.float32)
+    rows.iparams[:, K.I_ADJ_START], rows.iparams[:, K.I_ADJ_END] = 0, 0
+    rows.iparams[0, K.I_ADJ_END] = 1                   # row 0 gets a logit bias: eager, applied once
+    fresh = cuda.to_device(logits.copy_to_host())
+    got = graphed.run(fresh, mask, rows)
+    want = eager.run(cuda.to_device(logits.copy_to_host()), mask, rows)
+    np.testing.assert_array_equal(got[0], want[0])
+    assert all(lay.graph is None for key, lay in graphed._layouts.items() if key[1] > 0)

@@ -5,14 +5,25 @@ more) and reused: one pinned host staging buffer and one device buffer for the i
 iparams | fparams | adj_token | adj_rep | adj_add | mask rows), copied with one transfer of the
 prefix a step uses, and one output buffer (tokens | logprobs | top ids | top logprobs) fetched
 with one transfer. The kernels themselves allocate nothing.
+
+A step's layout depends only on (rows, list length, mask words, logits buffer): the device views
+of that layout are built once, and with `graphs` the two kernels of a layout without adjustments
+are captured once as a CUDA graph and replayed (two Numba launches and their argument marshalling
+cost more host time than a small model's decode step leaves; a layout with adjustments runs eagerly,
+since a capture's warm-up would apply them to the logits twice).
 """
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 from numba import cuda
 
 from kernels_numba import sampling as K
 from metrale.runtime.cuda import Event, cu
+from metrale.runtime.cuda.graph import CudaGraph
+
+log = logging.getLogger("metrale.sampling")
 
 TOP = K.MAX_TOP_LOGPROBS
 
@@ -40,9 +51,41 @@ class PendingDraw:
                 out[2 * R + R * TOP:].view(np.float32).reshape(R, TOP))
 
 
+class _Layout:
+    """One step layout's spans of the input buffer and the kernels' device views over it."""
+
+    def __init__(self, pipe: "DevicePipeline", logits, R: int, N: int, W: int) -> None:
+        self.spans, off = {}, 0
+        for name, size in (("i", R * K.NI), ("f", R * K.NF), ("tok", N), ("rep", N), ("add", N), ("mask", R * W)):
+            self.spans[name] = (off, off + size)
+            off += size
+        self.words = off
+        d = pipe.in_dev
+
+        def view(name, shape=None, dtype=np.int32):
+            a, b = self.spans[name]
+            v = d[a:max(b, a + 1)]
+            if dtype is not np.int32:
+                v = v.view(dtype)
+            return v.reshape(shape) if shape is not None else v
+
+        iparams, fparams = view("i", (R, K.NI)), view("f", (R, K.NF), np.float32)
+        tok, rep, add = view("tok"), view("rep"), view("add", None, np.float32)
+        mask_d = view("mask", (R, W), np.uint32)
+        o = pipe.out_dev
+        tokens, lps = o[0:R], o[R:2 * R].view(np.float32)
+        top_ids = o[2 * R:2 * R + R * TOP].reshape(R, TOP)
+        top_lps = o[2 * R + R * TOP:2 * R + 2 * R * TOP].view(np.float32).reshape(R, TOP)
+        self.prepare_args = (logits, fparams, iparams, tok, rep, add, pipe.raw_saved, pipe.lse, top_ids, top_lps)
+        self.sample_args = (logits, mask_d, fparams, iparams, tok, pipe.raw_saved, pipe.lse, tokens, lps)
+        self.graph: CudaGraph | None = None
+
+
 class DevicePipeline:
-    def __init__(self, backend, vocab_size: int):
+    def __init__(self, backend, vocab_size: int, graphs: bool = True):
         self.stream = backend.stream
+        self.graphs = graphs
+        self._layouts: dict[tuple, _Layout] = {}
         self.words = -(-vocab_size // 32)
         self.max_rows = int(backend.max_rows)
         self.capacity = 0
@@ -64,6 +107,7 @@ class DevicePipeline:
         self.in_hosts = [cuda.pinned_array(n, np.int32) for _ in range(2)]
         self.in_dev = cuda.device_array(n, np.int32)
         self.raw_saved = cuda.device_array(max(capacity, 1), np.float32)
+        self._layouts = {}                  # their views were of the old buffers
 
     def forward(self, backend, batch):
         return device_logits(backend, batch)
@@ -82,37 +126,35 @@ class DevicePipeline:
         turn = self._turn
         self._turn ^= 1
         W = mask.shape[1]
-        h, d = self.in_hosts[turn], self.in_dev
-        spans, off = {}, 0
-        for name, size in (("i", R * K.NI), ("f", R * K.NF), ("tok", N), ("rep", N), ("add", N), ("mask", R * W)):
-            spans[name] = (off, off + size)
-            off += size
-        h[slice(*spans["i"])] = rows.iparams.ravel()
-        h[slice(*spans["f"])] = rows.fparams.ravel().view(np.int32)
-        h[slice(*spans["tok"])] = rows.adj_token
-        h[slice(*spans["rep"])] = rows.adj_rep
-        h[slice(*spans["add"])] = rows.adj_add.view(np.int32)
-        h[slice(*spans["mask"])] = np.ascontiguousarray(mask, np.uint32).ravel().view(np.int32)
+        key = (R, N, W, _ptr(logits))
+        lay = self._layouts.get(key)
+        if lay is None:
+            lay = self._layouts[key] = _Layout(self, logits, R, N, W)
+        h, sp = self.in_hosts[turn], lay.spans
+        h[slice(*sp["i"])] = rows.iparams.ravel()
+        h[slice(*sp["f"])] = rows.fparams.ravel().view(np.int32)
+        h[slice(*sp["tok"])] = rows.adj_token
+        h[slice(*sp["rep"])] = rows.adj_rep
+        h[slice(*sp["add"])] = rows.adj_add.view(np.int32)
+        h[slice(*sp["mask"])] = np.ascontiguousarray(mask, np.uint32).ravel().view(np.int32)
         s = self.stream
-        cu("cuMemcpyHtoDAsync", _ptr(d), h.ctypes.data, off * 4, s.handle)
-
-        def view(name, shape=None, dtype=np.int32):
-            a, b = spans[name]
-            v = d[a:max(b, a + 1)]
-            if dtype is not np.int32:
-                v = v.view(dtype)
-            return v.reshape(shape) if shape is not None else v
-
-        iparams, fparams = view("i", (R, K.NI)), view("f", (R, K.NF), np.float32)
-        tok, rep, add = view("tok"), view("rep"), view("add", None, np.float32)
-        mask_d = view("mask", (R, W), np.uint32)
+        cu("cuMemcpyHtoDAsync", _ptr(self.in_dev), h.ctypes.data, lay.words * 4, s.handle)
+        if self.graphs and N == 0:
+            if lay.graph is None:
+                try:
+                    lay.graph = CudaGraph.capture(s, lambda: self._kernels(lay), warmup=1)
+                except Exception as exc:     # never lose a step to a capture: eager from now on
+                    log.warning("sampling kernels not captured as a CUDA graph (%s: %s); launching them eagerly",
+                                type(exc).__name__, exc)
+                    self.graphs = False
+                    self._kernels(lay)
+                else:
+                    lay.graph.replay()
+            else:
+                lay.graph.replay()
+        else:
+            self._kernels(lay)
         o = self.out_dev
-        tokens, lps = o[0:R], o[R:2 * R].view(np.float32)
-        top_ids = o[2 * R:2 * R + R * TOP].reshape(R, TOP)
-        top_lps = o[2 * R + R * TOP:2 * R + 2 * R * TOP].view(np.float32).reshape(R, TOP)
-        st = s.numba
-        K.prepare_rows(logits, fparams, iparams, tok, rep, add, self.raw_saved, self.lse, top_ids, top_lps, stream=st)
-        K.sample_rows(logits, mask_d, fparams, iparams, tok, self.raw_saved, self.lse, tokens, lps, stream=st)
         if feed is not None:
             cu("cuMemcpyDtoDAsync", _ptr(feed), _ptr(o), R * 4, s.handle)
         n_out = R * (2 + 2 * TOP)
@@ -120,3 +162,8 @@ class DevicePipeline:
         cu("cuMemcpyDtoHAsync", host.ctypes.data, _ptr(o), n_out * 4, s.handle)
         self.events[turn].record(s)
         return PendingDraw(host, self.events[turn], R)
+
+    def _kernels(self, lay: _Layout) -> None:
+        st = self.stream.numba
+        K.prepare_rows(*lay.prepare_args, stream=st)
+        K.sample_rows(*lay.sample_args, stream=st)
