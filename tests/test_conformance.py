@@ -46,7 +46,8 @@ def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
 
 def test_the_fixtures_cover_every_family():
     archs = {json.loads((FIXTURES / n / "config.json").read_text())["model_type"] for n in CASES}
-    assert archs == {"llama", "qwen2", "qwen3", "mistral", "deepseek_v2", "deepseek_v3", "qwen3_next", "gemma3_text"}
+    assert archs == {"llama", "qwen2", "qwen3", "mistral", "deepseek_v2", "deepseek_v3", "qwen3_next", "gemma3_text",
+                     "qwen3_moe"}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -135,3 +136,49 @@ def test_gemma3_on_cuda_is_refused_naming_what_is_missing():
     assert family.name == "gemma3"
     with pytest.raises(ValueError, match="runs on the NumPy backend only so far .*sandwich norms.*use device=cpu"):
         family.cuda_part()
+
+
+# ---------------------------------------------------------------------------------------- MoE
+
+def test_qwen_moe_layers_and_routing_are_read():
+    c = config_of("qwen3_moe")           # transformers 5 writes num_local_experts, not num_experts
+    assert (c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (8, 2, 32)
+    assert [c.is_moe_layer(i) for i in range(2)] == [False, True] and c.norm_topk_prob   # mlp_only_layers=[0]
+    step = config_of("qwen3_moe_step")   # decoder_sparse_step=2
+    assert [step.is_moe_layer(i) for i in range(3)] == [False, True, False] and not step.norm_topk_prob
+    nxt = config_of("qwen3_next_moe")
+    assert nxt.shared_expert_gate and nxt.shared_intermediate_size == 48 and nxt.is_hybrid
+
+
+@pytest.mark.parametrize("name, change", [("qwen3_moe", dict(norm_topk_prob=False)),
+                                          ("qwen3_moe_step", dict(norm_topk_prob=True)),
+                                          ("qwen3_moe", dict(moe_layers=(True, True)))], ids=str)
+def test_each_moe_setting_matters(name, change):
+    """Routing without (or with) renormalization or the wrong layers gives other logits."""
+    from dataclasses import replace
+    from metrale.runtime.numpy_backend import NumpyBackend
+    config, _, stream = _load_hf(FIXTURES / name)
+    weights = dict(stream())
+    if change.get("moe_layers"):         # layer 0's dense MLP replaced by layer 1's experts
+        weights.update({k.replace("layers.1.", "layers.0."): v for k, v in weights.items() if "layers.1." in k
+                        and ("expert" in k or "router" in k)})
+    be = NumpyBackend(replace(config, **change), weights, num_blocks=6, block_size=BLOCK, dtype="float64")
+    assert rel_err(run(be, [(0, len(IDS))]), reference(name)) > 1e-2
+
+
+def test_shared_expert_gate_matters():
+    from metrale.runtime.numpy_backend import NumpyBackend
+    config, _, stream = _load_hf(FIXTURES / "qwen3_next_moe")
+    weights = {k: v for k, v in stream() if not k.endswith("shared_gate")}
+    be = NumpyBackend(config, weights, num_blocks=6, block_size=BLOCK, dtype="float64", num_state_slots=1,
+                      num_state_checkpoints=0)
+    assert rel_err(run(be, [(0, len(IDS))]), reference("qwen3_next_moe")) > 1e-2
+
+
+@pytest.mark.parametrize("name, family", [("qwen3_moe", "moe"), ("qwen3_next_moe", "hybrid_moe")])
+def test_moe_families_on_cuda_are_refused_naming_what_is_missing(name, family):
+    from metrale.models.families import family_for
+    f = family_for(config_of(name))
+    assert f.name == family
+    with pytest.raises(ValueError, match="NumPy backend only so far .*MoE layers.*use device=cpu"):
+        f.cuda_part()

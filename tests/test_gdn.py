@@ -193,8 +193,10 @@ def test_config_reading(tiny):
     assert config.layer_types == ("linear_attention", "full_attention") * 2
     assert config.num_kv_layers == 2 and config.num_state_layers == 2 and config.kv_layer(3) == 1
     assert config.rotary_dim == 4 and config.attn_output_gate and config.qk_norm
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        hybrid_model_config(qwen3_next_cfg(num_experts=8))
+    # MoE layers are read (the hybrid_moe family runs them; tests/test_conformance.py: qwen3_next_moe)
+    moe = hybrid_model_config(qwen3_next_cfg(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                                             mlp_only_layers=[0]))
+    assert [moe.is_moe_layer(i) for i in range(4)] == [False, True, True, True] and moe.norm_topk_prob
     c = hybrid_model_config(qwen3_next_cfg(layer_types=["full_attention"] * 4))
     assert not c.is_hybrid and c.num_kv_layers == 4
 

@@ -193,9 +193,10 @@ def hf_model_config(cfg: dict, name: str = "") -> ModelConfig:
     from metrale.models.gemma import GEMMA3_TYPES, gemma3_model_config
     if arch in GEMMA3_TYPES:
         return gemma3_model_config(cfg, name)
-    if arch not in ("llama", "qwen2", "qwen3", "mistral"):
+    from metrale.models.moe import QWEN_MOE_TYPES, qwen_moe_fields
+    if arch not in ("llama", "qwen2", "qwen3", "mistral") + QWEN_MOE_TYPES:
         raise ValueError(f"unsupported model_type '{arch}' (supported: llama, qwen2, qwen3, mistral, "
-                         f"{', '.join(HYBRID_TYPES + GEMMA3_TYPES)})")
+                         f"{', '.join(QWEN_MOE_TYPES + HYBRID_TYPES + GEMMA3_TYPES)})")
     heads = int(cfg["num_attention_heads"])
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -209,9 +210,10 @@ def hf_model_config(cfg: dict, name: str = "") -> ModelConfig:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta,
         rope_interleaved=False, max_position=int(cfg.get("max_position_embeddings", 8192)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")), qk_norm=(arch == "qwen3"),
+        attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")), qk_norm=arch in ("qwen3", "qwen3_moe"),
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, name=name,
         extra={"rope_scaling": rope_scaling}, sliding_window=window, sliding_layers=window_layers,
+        **(qwen_moe_fields(cfg, int(cfg["num_hidden_layers"]), arch) if arch in QWEN_MOE_TYPES else {}),
     )
 
 
@@ -224,7 +226,7 @@ def hf_sliding_window(cfg: dict, arch: str) -> tuple[int, tuple[bool, ...]]:
     if arch == "mistral":
         window = cfg.get("sliding_window", 4096)
         return (int(window), ()) if window else (0, ())
-    if arch not in ("qwen2", "qwen3") or not cfg.get("use_sliding_window", False):
+    if arch not in ("qwen2", "qwen3", "qwen3_moe") or not cfg.get("use_sliding_window", False):
         return 0, ()
     window = cfg.get("sliding_window", 4096)
     if not window:
@@ -290,6 +292,10 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict, Callable[[], WeightStrea
                 yield f"layers.{i}.k_norm", get(p + "self_attn.k_norm.weight")
             yield f"layers.{i}.o", get(p + "self_attn.o_proj.weight")
             yield f"layers.{i}.mlp_norm", get(p + "post_attention_layernorm.weight")
+            if config.is_moe_layer(i):              # Qwen3-MoE (models/moe.py)
+                from metrale.models.moe import qwen_moe_stream
+                yield from qwen_moe_stream(config, i, get, where.__contains__)
+                continue
             yield f"layers.{i}.gate_up", np.concatenate(
                 [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
             yield f"layers.{i}.down", get(p + "mlp.down_proj.weight")

@@ -70,6 +70,12 @@ class ModelConfig:
     n_shared_experts: int = 0
     first_k_dense_replace: int = 0
     moe_layer_freq: int = 1
+    # Qwen-style MoE (models/moe.py): moe_layers[i] says whether layer i is MoE (() = the
+    # first_k_dense_replace / moe_layer_freq rule above); the shared expert's width when it is not
+    # n_shared_experts * moe_intermediate_size, and whether sigmoid(h @ shared_gate) scales it.
+    moe_layers: tuple[bool, ...] = ()
+    shared_intermediate_size: int = 0
+    shared_expert_gate: bool = False
     scoring_func: str = "softmax"            # softmax | sigmoid
     topk_method: str = "greedy"              # greedy | group_limited_greedy | noaux_tc
     n_group: int = 1
@@ -82,6 +88,8 @@ class ModelConfig:
             raise ValueError(f"sliding_window must be >= 0, got {self.sliding_window}")
         if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
             raise ValueError(f"sliding_layers has {len(self.sliding_layers)} entries for {self.num_layers} layers")
+        if self.moe_layers and len(self.moe_layers) != self.num_layers:
+            raise ValueError(f"moe_layers has {len(self.moe_layers)} entries for {self.num_layers} layers")
         if self.sliding_window and self.is_hybrid:   # kv_layer(i) != i there; no hybrid family has a window
             raise ValueError("sliding_window is not supported in hybrid (Gated DeltaNet) models")
 
@@ -109,6 +117,8 @@ class ModelConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     def is_moe_layer(self, layer: int) -> bool:
+        if self.moe_layers:
+            return self.is_moe and self.moe_layers[layer]
         return (self.is_moe and layer >= self.first_k_dense_replace
                 and (layer - self.first_k_dense_replace) % self.moe_layer_freq == 0)
 
@@ -192,7 +202,9 @@ class ModelConfig:
                 total += d * (self.q_size + 2 * self.kv_size) + self.q_size * d * (2 if self.attn_output_gate else 1)
             if self.is_moe_layer(i):
                 fm, e = self.moe_intermediate_size, self.n_routed_experts
-                total += (e + self.n_shared_experts) * 3 * d * fm + e * d + (e if self.topk_method == "noaux_tc" else 0)
+                shared = 3 * d * (self.shared_intermediate_size or self.n_shared_experts * fm)
+                total += e * 3 * d * fm + shared + e * d + (e if self.topk_method == "noaux_tc" else 0)
+                total += d if self.shared_expert_gate else 0
             else:
                 total += 3 * d * f
             total += 2 * d

@@ -27,12 +27,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kernels_numba.moe import RouteConfig, route_ref
 from metrale.models.config import ModelConfig
 from metrale.models.families import LATENT, Family
 from metrale.models.llama import Ops
+# the MoE block is models/moe.py's (re-exported: tests and the CUDA part import these names from here)
+from metrale.models.moe import (MoeNumpyOps, check_expert_weights, expert_mlp, local_experts,  # noqa: F401
+                                route_config)
 from metrale.models.rope import rope_type, yarn_mscale
-from metrale.parallel.ep import combine_slots
 from metrale.runtime.numpy_backend import apply_rope
 
 Tensor = Any
@@ -76,46 +77,11 @@ def deepseek_softmax_scale(config: ModelConfig) -> float:
     return scale
 
 
-# ------------------------------------------------------------------------------- NumPy experts
-
-def expert_mlp(rows: np.ndarray, local_ids: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
-    """Unweighted SwiGLU expert outputs [N, D] of rows [N, D], row i through expert local_ids[i]
-    (indices into the stacked w_gate_up [E', 2F, D] / w_down [E', D, F])."""
-    out = np.zeros((rows.shape[0], w_down.shape[1]), rows.dtype)
-    if rows.shape[0] == 0:
-        return out
-    order = np.argsort(local_ids, kind="stable")
-    counts = np.bincount(local_ids, minlength=w_gate_up.shape[0])
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            idx = order[start:start + n]
-            h = rows[idx] @ w_gate_up[e].T
-            f = h.shape[1] // 2
-            out[idx] = (h[:, :f] / (1.0 + np.exp(-h[:, :f])) * h[:, f:]) @ w_down[e].T
-            start += n
-    return out
-
-
-def local_experts(x: np.ndarray, topk_ids: np.ndarray, topk_weights: np.ndarray,
-                  w_gate_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
-    """Routed MoE output [T, D] with every expert on this process."""
-    k = topk_ids.shape[1]
-    rows = np.repeat(x, k, axis=0)
-    return combine_slots(expert_mlp(rows, topk_ids.reshape(-1), w_gate_up, w_down), topk_weights)
-
-
-def route_config(config: ModelConfig) -> RouteConfig:
-    return RouteConfig(config.n_routed_experts, config.num_experts_per_tok, config.scoring_func,
-                       config.topk_method, config.n_group, config.topk_group, config.norm_topk_prob,
-                       config.routed_scaling_factor)
-
-
 # ------------------------------------------------------------------------------- NumPy ops
 
-class MlaNumpyOps:
+class MlaNumpyOps(MoeNumpyOps):
     """The ops deepseek_forward adds, as a NumpyOps mixin: MLA over the backend's latent pages
-    (`kv.latent`, `mla_mode`) and the MoE block (local experts, or the ranks' through `ep`)."""
+    (`kv.latent`, `mla_mode`) and the MoE block (models/moe.py: local experts, or the ranks' through `ep`)."""
 
     def mla_attention(self, h, layer, w, p):
         c, bt, be = self.cfg, self.batch, self.b
@@ -163,46 +129,6 @@ class MlaNumpyOps:
             else:
                 out[a:b] = np.einsum("qhr,hvr->qhv", np.einsum("hql,lr->qhr", prob, lat_c), w_uv)
         return out.reshape(t, nh * vd)
-
-    def moe_residual(self, h, layer, w, p, residual):
-        """residual + routed experts (local or expert-parallel) + shared experts of one MoE layer."""
-        logits = h @ w[p + "router"].T
-        ids, weights = route_ref(logits, route_config(self.cfg), w.get(p + "router_bias"))
-        weights = weights.astype(h.dtype)
-        gu, down = w[p + "experts_gate_up"], w[p + "experts_down"]
-        if self.b.ep is None:
-            out = local_experts(h, ids, weights, gu, down)
-        else:
-            out = self.b.ep.dispatch_combine(h, ids, weights, lambda rows, local: expert_mlp(rows, local, gu, down))
-        if p + "shared_gate_up" in w:
-            sg = h @ w[p + "shared_gate_up"].T
-            f = sg.shape[1] // 2
-            out = out + (sg[:, :f] / (1.0 + np.exp(-sg[:, :f])) * sg[:, f:]) @ w[p + "shared_down"].T
-        return residual + out
-
-    @staticmethod
-    def serve_experts(backend, num_layers: int | None = None) -> None:
-        """Backend.idle_step of an expert-parallel rank without tokens: its experts serve the other
-        ranks' rows in every MoE layer (the collectives of a step must be entered by every rank)."""
-        c = backend.config
-        d, k = c.hidden_size, c.num_experts_per_tok
-        for i in range(c.num_layers if num_layers is None else num_layers):
-            if c.is_moe_layer(i):
-                p = f"layers.{i}."
-                gu, down = backend.weights[p + "experts_gate_up"], backend.weights[p + "experts_down"]
-                backend.ep.dispatch_combine(np.zeros((0, d), backend.dtype), np.zeros((0, k), np.int32),
-                                            np.zeros((0, k), backend.dtype),
-                                            lambda rows, local, gu=gu, down=down: expert_mlp(rows, local, gu, down))
-
-
-def check_expert_weights(config: ModelConfig, weights: dict, ep) -> None:
-    """Each MoE layer holds the experts of this rank (all of them without expert parallelism)."""
-    local = config.n_routed_experts if ep is None else ep.num_local
-    for i in range(config.num_layers):
-        gu = weights.get(f"layers.{i}.experts_gate_up")
-        if config.is_moe_layer(i) and (gu is None or gu.shape[0] != local):
-            have = None if gu is None else gu.shape[0]
-            raise ValueError(f"layer {i}: {have} experts loaded, this rank needs {local}")
 
 
 FAMILY = Family(

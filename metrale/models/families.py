@@ -18,7 +18,9 @@ from metrale.models.config import ModelConfig
 # The registered families, most specific first: the first whose `matches` accepts a config runs it.
 REGISTERED = (
     "metrale.models.deepseek:FAMILY",     # DeepSeek-V2/V3: MLA + MoE
+    "metrale.models.hybrid:FAMILY_MOE",   # Qwen3-Next style with MoE layers
     "metrale.models.hybrid:FAMILY",       # Qwen3-Next style: Gated DeltaNet + attention
+    "metrale.models.moe:FAMILY",          # Qwen3-MoE: standard attention, MoE MLPs
     "metrale.models.gemma:FAMILY",        # Gemma 3: sandwich norms, local/global attention
     "metrale.models.llama:FAMILY",        # dense Llama / Qwen2 / Qwen3 / Mistral
 )
@@ -64,8 +66,7 @@ def family_for(config: ModelConfig) -> Family:
     for family in families():
         if family.matches(config):
             return family
-    raise ValueError(f"{config.name or config.architecture}: no registered model family runs this config "
-                     f"(MoE layers without MLA are not supported)")
+    raise ValueError(f"{config.name or config.architecture}: no registered model family runs this config")
 
 
 def family_named(name: str) -> Family:

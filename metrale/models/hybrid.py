@@ -26,6 +26,7 @@ from metrale.cache.kinds import CacheKind
 from metrale.models.config import ModelConfig
 from metrale.models.families import KV, STATE, Family
 from metrale.models.llama import llama_forward
+from metrale.models.moe import MoeNumpyOps, check_expert_weights, qwen_moe_fields, qwen_moe_stream
 from metrale.models.rope import hf_rope_settings
 
 HYBRID_TYPES = ("qwen3_next", "metrale_hybrid")
@@ -45,12 +46,7 @@ def hybrid_model_config(cfg: dict, name: str = "") -> ModelConfig:
         raise ValueError(f"layer_types must list {n} entries of '{LINEAR}' / '{FULL}', got {types}")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hybrid models support hidden_act 'silu' only, not '{cfg['hidden_act']}'")
-    experts = int(cfg.get("num_experts", 0) or 0)
-    mlp_only, step = set(cfg.get("mlp_only_layers") or []), int(cfg.get("decoder_sparse_step", 1) or 1)
-    moe = [i for i in range(n) if experts > 0 and i not in mlp_only and (i + 1) % step == 0]
-    if moe:
-        raise ValueError(f"{name or arch}: mixture-of-experts layers ({len(moe)} of {n}) are not supported "
-                         "yet; only dense-MLP hybrid checkpoints load")
+    moe = qwen_moe_fields(cfg, n, arch)       # {} without MoE layers (models/moe.py: FAMILY_MOE runs them)
     rope = cfg.get("rope_parameters") or {}
     theta, scaling = hf_rope_settings(cfg, name or arch)
     heads = int(cfg["num_attention_heads"])
@@ -79,6 +75,7 @@ def hybrid_model_config(cfg: dict, name: str = "") -> ModelConfig:
         linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim", 4)),
         rotary_dim=int(head_dim * partial) if partial < 1.0 else 0,
         attn_output_gate=qwen or bool(cfg.get("attn_output_gate", False)),
+        **moe,
     )
 
 
@@ -134,6 +131,9 @@ def hybrid_weight_stream(config: ModelConfig, get: Callable[[str], np.ndarray], 
                 yield o + "k_norm", norm(s + "k_norm.weight")
             yield o + "o", get(s + "o_proj.weight")
         yield o + "mlp_norm", norm(p + "post_attention_layernorm.weight")
+        if config.is_moe_layer(i):
+            yield from qwen_moe_stream(config, i, get, has)
+            continue
         yield o + "gate_up", np.concatenate([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
         yield o + "down", get(p + "mlp.down_proj.weight")
     yield "final_norm", norm("model.norm.weight")
@@ -400,4 +400,19 @@ FAMILY = Family(
     numpy_ops=(GdnNumpyOps,),
     cuda="metrale.runtime.cuda_hybrid:HybridCuda",
     layer_prefix=False,      # the first layers' recurrent states would advance with draft tokens
+)
+
+
+# Qwen3-Next with its MoE layers (models/moe.py's block): NumPy backend only so far
+FAMILY_MOE = Family(
+    name="hybrid_moe",
+    matches=lambda c: c.is_hybrid and c.is_moe,
+    forward=llama_forward,
+    caches=(KV, STATE),
+    random_weights=None,
+    numpy_ops=(GdnNumpyOps, MoeNumpyOps),
+    cuda="",
+    cuda_missing="CUDA part for the MoE layers of hybrid models (HybridCuda runs dense-MLP hybrids)",
+    layer_prefix=False,
+    check_weights=check_expert_weights,
 )

@@ -2,8 +2,8 @@
 family value (FAMILY).
 
 Each backend supplies Ops bound to one ForwardBatch; the model never sees devices, streams or
-KV layouts. Dense Llama, Qwen2 (qkv bias), Qwen3 (per-head q/k norm) and Mistral share this code
-path, and so do hybrid models (models/hybrid.py, docs/hybrid.md): a layer whose
+KV layouts. Dense Llama, Qwen2 (qkv bias), Qwen3 (per-head q/k norm), Mistral and Qwen3-MoE (a MoE
+layer's MLP is ops.moe_residual, models/moe.py) share this code path, and so do hybrid models (models/hybrid.py, docs/hybrid.md): a layer whose
 config.layer_types entry is "linear_attention" mixes tokens with a Gated DeltaNet
 (ops.gated_delta_net) instead of paged attention; attention layers index the KV cache by their
 rank among the attention layers (config.kv_layer).
@@ -48,6 +48,8 @@ class Ops(Protocol):
     def sigmoid_mul(self, x: Tensor, gate: Tensor) -> Tensor: ...
     def gated_delta_net(self, proj: Tensor, layer: int, conv: Tensor, a_log: Tensor, dt_bias: Tensor,
                         norm: Tensor) -> Tensor: ...
+    # MoE layers only (models/moe.py: MoeNumpyOps): residual + the routed and shared experts of h
+    def moe_residual(self, h: Tensor, layer: int, w: dict, prefix: str, residual: Tensor) -> Tensor: ...
 
 
 def llama_forward(ops: Ops, w: dict[str, Tensor], config: ModelConfig, num_layers: int | None = None,
@@ -74,7 +76,10 @@ def llama_forward(ops: Ops, w: dict[str, Tensor], config: ModelConfig, num_layer
                 mixed = ops.sigmoid_mul(ops.attention(q, kv), ops.norm_linear(residual, norm, w[p + "attn_gate"]))
         if mixed is not None:
             residual = ops.linear_residual(mixed, w[p + "o"], residual)
-        residual = ops.mlp_residual(residual, w[p + "mlp_norm"], w[p + "gate_up"], w[p + "down"])
+        if config.is_moe_layer(i):     # Qwen3-MoE / Qwen3-Next MoE layers (models/moe.py)
+            residual = ops.moe_residual(ops.rms_norm(residual, w[p + "mlp_norm"]), i, w, p, residual)
+        else:
+            residual = ops.mlp_residual(residual, w[p + "mlp_norm"], w[p + "gate_up"], w[p + "down"])
     rows = ops.logits_rows(residual)
     logits = ops.norm_linear(rows, w["final_norm"], w.get("lm_head", w["embed"]))
     return (logits, rows) if return_hidden else logits
