@@ -712,11 +712,12 @@ class CudaBackend(Backend):
             raise ValueError(f"step of {T} tokens / {S} seqs / {R} logits rows exceeds the CUDA buffers "
                              f"({self.max_tokens} / {self.max_seqs} / {self.max_rows})")
         max_ctx = int(batch.context_lens.max())
-        # Decode steps, and verify blocks (a few tokens per sequence, logits for every row) mixed
-        # with decode rows, run the same token-level kernels: pad to a ladder size and replay the
-        # decode graph of that size (padding tokens are one-token sequences writing nowhere).
-        graphed = (self.use_graphs and batch.max_query_len < max(2, self.prefill_min_tokens) and R == T and self.graph_sizes
-                   and T <= self.graph_sizes[-1])
+        # Decode steps, verify blocks (a few tokens per sequence, logits for every row), and with
+        # mixed graphs prefills shorter than the prefill attention kernel's minimum (alone or beside
+        # decode rows: logits for some rows) run the same token-level kernels: pad to a ladder size
+        # and replay the decode graph of that size (padding tokens are one-token sequences writing nowhere).
+        graphed = (self.use_graphs and batch.max_query_len < max(2, self.prefill_min_tokens)
+                   and (R == T or self.mixed_graphs) and self.graph_sizes and T <= self.graph_sizes[-1])
         if graphed:
             size = next(s for s in self.graph_sizes if s >= T)
             bucket = max(MIN_GRAPH_CONTEXT, 1 << (max_ctx - 1).bit_length())

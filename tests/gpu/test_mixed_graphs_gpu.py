@@ -151,3 +151,38 @@ def test_prefill_512_timing_print(pair):
         res[name] = 1e3 * float(np.median(times))
     print(f"\n{MODEL} prefill 512: mixed_graphs on {res['on']:.2f} ms, off {res['off']:.2f} ms "
           f"({res['off'] / res['on']:.1f}x)")
+
+
+def test_short_prefills_replay_the_decode_graphs(pair):
+    """A prompt shorter than the prefill attention kernel's minimum, alone and beside decode rows,
+    replays a decode-ladder graph (token-level kernels, logits of some rows) with the eager path's
+    logits; before, every such step (most chat turns, a prefix-cache hit's short suffix) ran eagerly."""
+    on, off = pair
+    bs = on.backend.block_size
+    rng = np.random.default_rng(11)
+    short = rng.integers(0, 49152, 21).astype(np.int32)
+    alone = build_batch([Segment(short, 0, np.array([1, 2], np.int32), "last")], bs)
+    ctx = [rng.integers(0, 49152, n).astype(np.int32) for n in (30, 200)]
+    segs = []
+    for i, ids in enumerate(ctx):
+        table = np.arange(3 + 20 * i, 3 + 20 * i + -(-len(ids) // bs) + 1, dtype=np.int32)
+        for be in (on.backend, off.backend):
+            be.forward(build_batch([Segment(ids[:-1], 0, table, "last")], bs))
+        segs.append(Segment(ids[-1:], len(ids) - 1, table, "last"))
+    segs.append(Segment(short[:13], 0, np.array([60, 61], np.int32), "last"))
+    beside = build_batch(segs, bs)
+    for batch in (alone, beside):
+        g, graphed = on.backend._geometry(batch)
+        assert graphed and not g.mixed and g.tokens >= batch.num_tokens, g
+        assert not off.backend._geometry(batch)[1]
+        graphs_before = len(on.backend.graphs)
+        a, b = on.backend.forward(batch), off.backend.forward(batch)
+        assert len(on.backend.graphs) == graphs_before, "a new capture: the ladder graph should have been there"
+        assert a.shape == b.shape == (len(batch.logits_indices), 49152)
+        assert rel_err(a, b) < 5e-3, rel_err(a, b)
+        assert (np.argmax(a, -1) == np.argmax(b, -1)).all()
+    p = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    x = on.generate([short, short[:5]], p, use_tqdm=False)
+    y = off.generate([short, short[:5]], p, use_tqdm=False)
+    assert [len(o.token_ids) for o in x] == [8, 8]
+    assert [o.token_ids[0] for o in x] == [o.token_ids[0] for o in y]     # later ones may part at a near-tie
