@@ -3,7 +3,7 @@
 # their time. The conformance GPU test; bench.sampled_profile (greedy / T / T+top-p tok/s, the
 # sampling pipeline's host and device time, cProfile of a sampled generate) on two shapes; the
 # sampling kernels alone (bench.sampling_bench); one served stream's first token beside the
-# engine's own (bench.ttft_probe) with the engine in its own process.
+# engine's own (bench.ttft_probe) with the engine in its own process, short prefills graphed or not.
 source "$(dirname "$0")/common.sh"
 stamp "gpu conformance"
 timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_conformance_gpu.py 2>&1 | grep -E "passed|failed|^FAILED|^E " | head
@@ -14,11 +14,14 @@ stamp "sampling kernels"
 timeout 100 python3 -m bench.sampling_bench --batch 1 32 --vocab 49152 128256 --no-forward --out $OUT/sampling.json 2>&1 | tail -20
 stamp "served first token"
 PORT=8312
-python3 -m metrale serve device=cuda model=smollm2-135m-shape server.port=$PORT > $OUT/server.txt 2>&1 &
-SPID=$!
-for i in $(seq 1 240); do curl -sf http://127.0.0.1:$PORT/health >/dev/null && break; sleep 1; done
-grep serving $OUT/server.txt
-timeout 60 python3 -m bench.ttft_probe --url http://127.0.0.1:$PORT --model smollm2-135m-shape --requests 20 --max-tokens 16
-timeout 60 python3 -m bench.ttft_probe --url http://127.0.0.1:$PORT --model smollm2-135m-shape --requests 20 --max-tokens 128
-kill -TERM $SPID; wait $SPID
+for mixed in true false; do     # false: short prefills run eagerly (the session-8 path)
+  python3 -m metrale serve device=cuda model=smollm2-135m-shape server.port=$PORT levers.mixed_graphs=$mixed > $OUT/server_$mixed.txt 2>&1 &
+  SPID=$!
+  for i in $(seq 1 240); do curl -sf http://127.0.0.1:$PORT/health >/dev/null && break; sleep 1; done
+  grep serving $OUT/server_$mixed.txt
+  echo "--- levers.mixed_graphs=$mixed"
+  timeout 60 python3 -m bench.ttft_probe --url http://127.0.0.1:$PORT --model smollm2-135m-shape --requests 20 --max-tokens 16
+  timeout 60 python3 -m bench.ttft_probe --url http://127.0.0.1:$PORT --model smollm2-135m-shape --requests 10 --max-tokens 128
+  kill -TERM $SPID; wait $SPID
+done
 stamp done
