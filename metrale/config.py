@@ -156,6 +156,10 @@ class ServerConfig:
     header_timeout_s: float = 10.0       # a connection whose first request's headers take longer is closed
     allow_client_chat_template: bool = False   # let requests send their own Jinja chat template
     engine_process: bool = True          # `serve`: the engine in a process of its own (false: a thread of the server's)
+    replicas: int = 0                    # `serve`: N engine replicas on Ray Serve behind this server (0: one engine, no Ray)
+    replica_cpus: float = 1.0            # Ray CPUs reserved per replica
+    replica_gpus: Optional[float] = None # Ray GPUs per replica; None: 1 with device=cuda, else 0
+    ray_address: Optional[str] = None    # join this Ray cluster; None: start a local one
 
 
 @dataclass
@@ -204,6 +208,7 @@ MINIMUMS: dict[str, int] = {
     "levers.gemv_warps": 0, "levers.gemv_unroll": 0, "levers.prefill_attention_min_tokens": 0,
     "levers.spec_probe_interval": 0, "levers.spec_max_batch": 0, "levers.spec_measured_min_steps": 0,
     "levers.state_snapshots": 0, "levers.cpu_threads": 0,
+    "server.replicas": 0,
 }
 
 

@@ -222,7 +222,7 @@ class Server:
 
     def __init__(self, engine, cfg):
         self.engine, self.cfg, self.scfg = engine, cfg, cfg.server
-        self.remote = isinstance(engine, EngineProcess)
+        self.remote = isinstance(engine, EngineProcess) or getattr(engine, "is_remote", False) is True   # replicas.py
         self.loop = engine.driver()          # the engine's loop thread (shared with library callers), or the pipes to it
         self.loop.hold_for_good()
         self.model_name = self.scfg.served_model_name or str(cfg.model)

@@ -153,6 +153,9 @@ def main(argv: list[str] | None = None, build=None) -> int:
     level = str(cfg.log_level).upper()
     logging.basicConfig(level=getattr(logging, level, logging.WARNING),
                         format="%(levelname)s %(name)s: %(message)s")
+    if s.replicas:                      # engine replicas on Ray Serve (replicas.py)
+        from metrale.server.replicas import serve_replicas
+        return serve_replicas(cfg, build)
     from metrale.models.registry import ModelNotFoundError
     from metrale.server.app import create_app
     from metrale.server.engine_process import EngineProcess, EngineStartError, build_engine

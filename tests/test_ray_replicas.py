@@ -1,0 +1,199 @@
+"""Engine replicas on Ray Serve (metrale/server/replicas.py, issue 25 item 2).
+
+The router is tested on its own; the Ray part runs as ONE test (one local cluster: 2 CPUs, no
+dashboard, loopback, bounded waits), so pytest-xdist cannot split it over workers that would each
+start a cluster: 2 replicas of the fake engine (tests/fake_model.py, 5 ms a step) behind the app
+(create_app around a ReplicaSet, uvicorn on a loopback port): streaming completions and chat give
+the fake model's tokens, prompts sharing a prefix go to one replica, load spreads over both,
+killing a replica's actor mid-stream ends that stream with an error naming it while the other
+replica serves, and once Ray Serve has restarted it requests to it succeed again.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from functools import partial
+from pathlib import Path
+
+import httpx
+import pytest
+
+from fake_model import FakeTokenizer, reference_continuation
+from metrale.server.replicas import PrefixRouter
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------ router
+def test_router_sticks_to_the_replica_holding_the_prefix():
+    r = PrefixRouter(2, block_tokens=4)
+    a, _ = r.choose(list(range(1, 13)), [0, 0], [True, True])
+    b, matched = r.choose(list(range(1, 13)) + [50, 51, 52, 53], [0, 0], [True, True])
+    assert b == a and matched == 3
+    c, matched = r.choose([9, 9, 9, 9, 9], [0, 0], [True, True])     # nothing shared: by load (round robin)
+    assert matched == 0
+
+
+def test_router_falls_back_to_the_least_loaded():
+    r = PrefixRouter(2, block_tokens=4, imbalance=2)
+    a, _ = r.choose(list(range(1, 9)), [0, 0], [True, True])
+    other = 1 - a
+    load = [0, 0]
+    load[a] = 5                                                     # the holder is 5 ahead: too busy
+    assert r.choose(list(range(1, 9)), load, [True, True]) == (other, 0)
+    up = [True, True]
+    up[other] = False                                               # the holder is down: the other one
+    assert r.choose(list(range(1, 9)), [0, 0], up)[0] == a
+    up[a] = False
+    with pytest.raises(LookupError):
+        r.choose([1, 2, 3], [0, 0], [False, False])
+    # short prompts (under a block) and ties spread round robin
+    picks = {r.choose([7], [0, 0], [True, True])[0] for _ in range(4)}
+    assert picks == {0, 1}
+
+
+# --------------------------------------------------------------------------- the cluster
+def _tokens(prompt: str, n: int) -> str:
+    return "".join(f"<{t}>" for t in reference_continuation(FakeTokenizer().encode(prompt), n))
+
+
+def _stream(client: httpx.Client, url: str, body: dict, on_chunk=None, timeout: float = 30.0) -> tuple[str, list]:
+    """(the streamed text, the error events); asserts the stream ends with [DONE]."""
+    text, errors, done = "", [], False
+    with client.stream("POST", url, json={**body, "stream": True}, timeout=timeout) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                done = True
+                break
+            event = json.loads(data)
+            if "error" in event:
+                errors.append(event["error"])
+                continue
+            ch = event["choices"][0]
+            text += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+            if on_chunk is not None:
+                on_chunk(text)
+    assert done, "the stream did not end with [DONE]"
+    return text, errors
+
+
+def _wait(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_two_replicas_on_a_local_ray_cluster():
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'metrale[ray]')")
+    pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'metrale[ray]')")
+    from ray import serve
+    from bench.loadtest import fake_engine_for
+    from metrale.server.app import create_app
+    from metrale.server.replicas import ReplicaSet
+    from metrale.server.serve import ServerThread
+    from metrale.settings import compose
+
+    t0 = time.monotonic()
+    path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
+             log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path, "OPENBLAS_NUM_THREADS": "1"}})
+    rs = None
+    try:
+        cfg = compose(["server.replicas=2", "server.engine_process=false", "server.replica_cpus=1",
+                       "server.served_model_name=fake"])
+        rs = ReplicaSet.start(cfg, partial(fake_engine_for, 1024, 5.0))
+        started = time.monotonic() - t0
+        with ServerThread(create_app(rs, cfg), grace_s=0.0) as srv, httpx.Client(base_url=srv.url) as client:
+            loop = rs.loop
+            # streaming completion and chat: the fake model's tokens
+            text, errors = _stream(client, "/v1/completions", {"prompt": "hello replicas", "max_tokens": 6,
+                                                               "temperature": 0})
+            assert (text, errors) == (_tokens("hello replicas", 6), [])
+            text, errors = _stream(client, "/v1/chat/completions",
+                                   {"messages": [{"role": "user", "content": "a chat"}], "max_tokens": 5,
+                                    "temperature": 0})
+            assert (text, errors) == (_tokens("a chat", 5), [])
+            whole = client.post("/v1/completions", json={"prompt": "not streamed", "max_tokens": 4,
+                                                         "temperature": 0}).json()
+            assert whole["choices"][0]["text"] == _tokens("not streamed", 4)
+
+            # a shared prefix (3 blocks of 4 tokens) goes to the replica that served it
+            for prefix in ("The quick brown fox ", "Lorem ipsum dolor sit "):
+                picks = []
+                for tail in ("jumps", "sleeps", "runs away"):
+                    _stream(client, "/v1/completions", {"prompt": prefix + tail, "max_tokens": 2})
+                    picks.append(loop.recent[-1][1])
+                assert len(set(picks)) == 1, picks
+
+            # load spreads: 8 concurrent distinct prompts use both replicas
+            before = [r.served for r in rs.replicas]
+            results: list = [None] * 8
+
+            def one(k: int) -> None:
+                results[k] = _stream(client, "/v1/completions", {"prompt": f"{k} distinct prompt {k * 7}",
+                                                                 "max_tokens": 20, "temperature": 0})
+            threads = [threading.Thread(target=one, args=(k,)) for k in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert [r for r in results] == [(_tokens(f"{k} distinct prompt {k * 7}", 20), []) for k in range(8)]
+            spread = [r.served - b for r, b in zip(rs.replicas, before)]
+            assert min(spread) >= 2, spread
+            metrics = client.get("/metrics").text
+            assert 'metrale_replica_requests_total{replica="0"}' in metrics
+            assert 'metrale_requests_total{finish_reason="length",replica="1"}' in metrics
+
+            # kill a replica mid-stream: that stream ends with an error naming it, nothing hangs
+            seen = threading.Event()
+            got: dict = {}
+
+            def long_stream() -> None:
+                got["out"] = _stream(client, "/v1/completions", {"prompt": "a long one", "max_tokens": 3000},
+                                     on_chunk=lambda text: seen.set() if len(text) > 20 else None, timeout=60)
+            t = threading.Thread(target=long_stream)
+            t.start()
+            assert seen.wait(30), "the long stream produced nothing"
+            victim = next(r for r in rs.replicas if r.in_flight)
+            killed_at = time.monotonic()
+            ray.kill(ray.get_actor(victim.actor, namespace="serve"))
+            t.join(30)
+            assert not t.is_alive(), "the stream of the killed replica did not end"
+            ended_s = time.monotonic() - killed_at
+            text, errors = got["out"]
+            assert len(errors) == 1 and f"engine replica {victim.index} died" in errors[0]["message"], errors
+            assert errors[0]["type"] == "server_error"
+            # meanwhile the other replica serves
+            for k in range(3):
+                text, errors = _stream(client, "/v1/completions", {"prompt": f"during restart {k}", "max_tokens": 3,
+                                                                   "temperature": 0})
+                assert (text, errors) == (_tokens(f"during restart {k}", 3), [])
+            # Ray Serve restarts it; then requests reach it again
+            _wait(lambda: victim.up and victim.restarts >= 1, 60, f"replica {victim.index} to come back")
+            restarted_s = time.monotonic() - killed_at
+            served = victim.served
+            for k in range(4):
+                text, errors = _stream(client, "/v1/completions", {"prompt": f"after restart {k}", "max_tokens": 3,
+                                                                   "temperature": 0})
+                assert (text, errors) == (_tokens(f"after restart {k}", 3), [])
+            assert victim.served > served
+            assert client.get("/health").status_code == 200
+            print(f"\n[ray replicas] cluster + 2 replicas up in {started:.1f} s; killed stream ended in "
+                  f"{ended_s:.2f} s; replica back in {restarted_s:.1f} s; total {time.monotonic() - t0:.1f} s",
+                  file=sys.stderr)
+    finally:
+        if rs is not None:
+            rs.close()
+        serve.shutdown()
+        ray.shutdown()
