@@ -2,8 +2,10 @@
 
 The router is tested on its own; the Ray part runs as ONE test (one local cluster: 2 CPUs, no
 dashboard, loopback, bounded waits), so pytest-xdist cannot split it over workers that would each
-start a cluster: 2 replicas of the fake engine (tests/fake_model.py, 5 ms a step) behind the app
-(create_app around a ReplicaSet, uvicorn on a loopback port): streaming completions and chat give
+start a cluster. First the Ray Serve app (build_app: the ingress deployment and 2 engine
+deployments behind Serve's HTTP proxy on a loopback port); then 2 replicas of the fake engine
+(tests/fake_model.py, 5 ms a step) behind the app as `serve server.replicas=2` runs it (create_app
+around a ReplicaSet, uvicorn on a loopback port): streaming completions and chat give
 the fake model's tokens, prompts sharing a prefix go to one replica, load spreads over both,
 killing a replica's actor mid-stream ends that stream with an error naming it while the other
 replica serves, and once Ray Serve has restarted it requests to it succeed again.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -100,7 +103,7 @@ def test_two_replicas_on_a_local_ray_cluster():
     from ray import serve
     from bench.loadtest import fake_engine_for
     from metrale.server.app import create_app
-    from metrale.server.replicas import ReplicaSet
+    from metrale.server.replicas import ReplicaSet, build_app
     from metrale.server.serve import ServerThread
     from metrale.settings import compose
 
@@ -109,10 +112,33 @@ def test_two_replicas_on_a_local_ray_cluster():
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
              log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path, "OPENBLAS_NUM_THREADS": "1"}})
     rs = None
+    settings = ["server.replicas=2", "server.engine_process=false", "server.replica_cpus=0.5",
+                "server.served_model_name=fake"]
+    build = partial(fake_engine_for, 1024, 5.0)
     try:
-        cfg = compose(["server.replicas=2", "server.engine_process=false", "server.replica_cpus=1",
-                       "server.served_model_name=fake"])
-        rs = ReplicaSet.start(cfg, partial(fake_engine_for, 1024, 5.0))
+        # the documented Ray Serve app (build_app): Serve's own HTTP proxy on a loopback port
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        sock.close()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(settings, build=build), name="metrale", route_prefix="/")
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:
+            text, errors = _stream(client, "/v1/completions", {"prompt": "through serve run", "max_tokens": 5,
+                                                               "temperature": 0})
+            assert (text, errors) == (_tokens("through serve run", 5), [])
+            for tail in ("one", "two"):
+                _stream(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "shared prefix " + tail}],
+                                                         "max_tokens": 2})
+            metrics = client.get("/metrics").text
+            assert 'metrale_replica_prefix_routed_total{replica="0"} 1' in metrics or \
+                'metrale_replica_prefix_routed_total{replica="1"} 1' in metrics, metrics
+        serve.delete("metrale", _blocking=False)      # its CPUs (0.5 a replica) are not needed below
+        app_s = time.monotonic() - t0
+
+        # python -m metrale serve server.replicas=2: the ReplicaSet behind this process's uvicorn
+        cfg = compose(settings)
+        rs = ReplicaSet.start(cfg, build)
         started = time.monotonic() - t0
         with ServerThread(create_app(rs, cfg), grace_s=0.0) as srv, httpx.Client(base_url=srv.url) as client:
             loop = rs.loop
@@ -189,7 +215,7 @@ def test_two_replicas_on_a_local_ray_cluster():
                 assert (text, errors) == (_tokens(f"after restart {k}", 3), [])
             assert victim.served > served
             assert client.get("/health").status_code == 200
-            print(f"\n[ray replicas] cluster + 2 replicas up in {started:.1f} s; killed stream ended in "
+            print(f"\n[ray replicas] serve-run app checked at {app_s:.1f} s; 2 more replicas up at {started:.1f} s; killed stream ended in "
                   f"{ended_s:.2f} s; replica back in {restarted_s:.1f} s; total {time.monotonic() - t0:.1f} s",
                   file=sys.stderr)
     finally:
