@@ -50,6 +50,55 @@ def measure(model: str, kernels: str, threads: int, steps: int, prefill: int) ->
     return out
 
 
+def ab_fused(model: str, threads: int, rounds: int, steps: int, prefill: int, activations: str) -> dict:
+    """CpuOps.fused_layer on and off in one process, interleaved step by step (decode) or pass by
+    pass (prefill), which goes first alternating, so that a shared machine's load hits both alike:
+    per variant the median step time over `steps` decode steps at batch 1 and 8 (context 64..95
+    cycled) and over `rounds` prefills of `prefill` tokens; ratio = unfused time / fused time."""
+    import numpy as np
+    from metrale.models.assemble import load_model
+    from metrale.runtime.batch import Segment, build_batch
+    from metrale.runtime.cpu_ops import CpuOps
+    from metrale.settings import compose
+    cfg = compose([f"model={model}", "device=cpu", "levers.cpu_kernels=numba", f"levers.cpu_threads={threads}",
+                   f"levers.cpu_activations={activations}", "scheduler.max_num_seqs=8",
+                   f"scheduler.max_num_batched_tokens={prefill}", "cache.num_blocks=192"])
+    _, _, backend = load_model(cfg)
+    backend.max_tokens = prefill
+    bs, vocab = backend.block_size, backend.config.vocab_size
+    ids = np.random.default_rng(0).integers(0, vocab, prefill).astype(np.int32)
+
+    def decode(batch):
+        per = -(-128 // bs)
+        tables = [np.arange(i * per, (i + 1) * per, dtype=np.int32) for i in range(batch)]
+        return lambda s: backend.forward_greedy(build_batch(
+            [Segment(ids[i:i + 1], 64 + s % 32, tables[i]) for i in range(batch)], bs))
+
+    table = np.arange(-(-prefill // bs), dtype=np.int32)
+    cases = {"decode_b1": (decode(1), steps, 1), "decode_b8": (decode(8), max(8, steps // 4), 8),
+             "prefill": (lambda s: backend.forward_greedy(build_batch([Segment(ids, 0, table, "last")], bs)), rounds,
+                         prefill)}
+    out: dict = {"activations": activations, "threads": threads}
+    for name, (step, n, tokens) in cases.items():
+        times = {True: [], False: []}
+        for s in range(-2, n):                    # two untimed steps of each (the first compiles the fused calls)
+            for fused in ((True, False) if s % 2 else (False, True)):
+                CpuOps.fused_layer = fused
+                t0 = time.perf_counter()
+                step(s)
+                if s >= 0:
+                    times[fused].append(time.perf_counter() - t0)
+        on, off = np.array(times[True]), np.array(times[False])
+        out[name] = {"steps": n, "fused_tok_s": tokens / float(np.median(on)),
+                     "unfused_tok_s": tokens / float(np.median(off)),
+                     "ratio": float(np.median(off) / np.median(on)),
+                     "paired_ratio_median": float(np.median(off / on)),
+                     "fused_ms": float(np.median(on) * 1e3), "unfused_ms": float(np.median(off) * 1e3)}
+        print(f"[cpu_decode] ab {name}: " + json.dumps(out[name]), file=sys.stderr, flush=True)
+    CpuOps.fused_layer = True
+    return out
+
+
 def run_child(args: list[str], timeout: float = 1800) -> dict:
     p = subprocess.run([sys.executable, "-m", "bench.cpu_decode", *args], capture_output=True, text=True,
                        timeout=timeout, cwd=ROOT)
@@ -147,8 +196,18 @@ def main() -> None:
     ap.add_argument("--skip", nargs="*", default=[], choices=["numba", "numpy", "llamacpp", "cli"])
     ap.add_argument("--out", default="", help="write bench records (bench/records.py) to this directory")
     ap.add_argument("--raw", default="", help="write the rounds and the summary as JSON here")
+    ap.add_argument("--ab-fused", action="store_true",
+                    help="only the fused layer against its composition (CpuOps.fused_layer), in one process")
+    ap.add_argument("--activations", default="f32", choices=["f32", "q8"], help="with --ab-fused")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.ab_fused:
+        s = ab_fused(a.model, a.threads, a.rounds, a.steps, a.prefill, a.activations)
+        s["load_avg"] = os.getloadavg()
+        print(json.dumps(s, indent=1))
+        if a.raw:
+            Path(a.raw).write_text(json.dumps(s, indent=1))
+        return
     if a.child:
         print(json.dumps(measure(a.model, a.child, a.threads, a.steps, a.prefill)))
         return

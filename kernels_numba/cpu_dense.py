@@ -13,8 +13,8 @@ its type, when Numba types the call (so the other is not compiled): an int8 arra
 matmul_q8_into, a float32 one (F32) matmul_into. Small batches run the row-wise kernels on the
 calling thread, as cpu_layers does.
 
-Numba caches a function under its own file's stamp only, and these call into two other modules:
-importing kernels_numba.jit first keys the disk cache by a hash of every kernel module instead.
+Cached on disk with the other CPU kernels (cpu_cache.py: stamped by all of cpu_*.py, since these
+call into two other modules).
 References: the unfused composition (tests/test_cpu_dense.py compares them).
 """
 from __future__ import annotations
@@ -23,9 +23,9 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from kernels_numba import jit as _keyed_cache  # noqa: F401  (the cache directory: see above)
 from kernels_numba import cpu_layers as L
 from kernels_numba import cpu_quant as Q
+from kernels_numba.cpu_cache import CACHE
 
 Q8, F32 = np.zeros(0, np.int8), np.zeros(0, np.float32)     # the two values of `road`
 
@@ -48,7 +48,7 @@ def _product_road(parts, count, cols, x, norm, eps, normed, residual, y, road):
     return f32
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def attn_in(x, norm, eps, parts, count, cols, bias, cos, sin, interleaved, q_norm, k_norm, slots,
             k_flat, v_flat, q_out, road):
     """q_out [T, Hq, hd] and the batch's K/V from the residual stream x [T, D]."""
@@ -65,7 +65,7 @@ def attn_in(x, norm, eps, parts, count, cols, bias, cos, sin, interleaved, q_nor
         L._rope_serial(qkv, cos, sin, interleaved, q_norm, k_norm, eps, slots, k_flat, v_flat, q_out)
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def attn_out(q, k_cache, v_cache, block_tables, seq_start, positions, window, scale, parallel,
              parts, count, cols, residual, road):
     """residual + attention(q) @ W_o.T, [T, D]."""
@@ -81,7 +81,7 @@ def attn_out(q, k_cache, v_cache, block_tables, seq_start, positions, window, sc
     return y
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def mlp(x, norm, eps, gu_parts, gu_count, gu_cols, ffn, dn_parts, dn_count, dn_cols, road):
     """x + down(silu(gate) * up) of RMSNorm(x), [T, D]; ffn the intermediate size."""
     T = x.shape[0]

@@ -16,6 +16,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from kernels_numba.cpu_cache import CACHE
+
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 QUERY_TILE = 32          # query rows of one attention work item (they share its gathered keys)
 
@@ -66,13 +68,13 @@ def _rms_row(x, weight, eps, out, t):
         out[t, d] = x[t, d] * inv * weight[d]
 
 
-@njit(fastmath=FASTMATH, cache=True)
+@njit(fastmath=FASTMATH, cache=CACHE)
 def _rms_norm_serial(x, weight, eps, out):
     for t in range(x.shape[0]):
         _rms_row(x, weight, eps, out, t)
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=CACHE)
 def _rms_norm_parallel(x, weight, eps, out):
     for t in prange(x.shape[0]):
         _rms_row(x, weight, eps, out, t)
@@ -96,13 +98,13 @@ def _silu_row(gate_up, out, t):
         out[t, j] = g / (np.float32(1.0) + fast_exp(-g)) * gate_up[t, F + j]
 
 
-@njit(fastmath=FASTMATH, cache=True)
+@njit(fastmath=FASTMATH, cache=CACHE)
 def _silu_mul_serial(gate_up, out):
     for t in range(out.shape[0]):
         _silu_row(gate_up, out, t)
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=CACHE)
 def _silu_mul_parallel(gate_up, out):
     for t in prange(out.shape[0]):
         _silu_row(gate_up, out, t)
@@ -168,13 +170,13 @@ def _rope_row(t, qkv, cos, sin, interleaved, q_norm, k_norm, eps, slots, k_flat,
         v_flat[s, h, :] = qkv[t, (Hq + Hk + h) * hd:(Hq + Hk + h + 1) * hd]
 
 
-@njit(fastmath=FASTMATH, cache=True)
+@njit(fastmath=FASTMATH, cache=CACHE)
 def _rope_serial(qkv, cos, sin, interleaved, q_norm, k_norm, eps, slots, k_flat, v_flat, q_out):
     for t in range(q_out.shape[0]):
         _rope_row(t, qkv, cos, sin, interleaved, q_norm, k_norm, eps, slots, k_flat, v_flat, q_out)
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=CACHE)
 def _rope_parallel(qkv, cos, sin, interleaved, q_norm, k_norm, eps, slots, k_flat, v_flat, q_out):
     for t in prange(q_out.shape[0]):
         _rope_row(t, qkv, cos, sin, interleaved, q_norm, k_norm, eps, slots, k_flat, v_flat, q_out)
@@ -188,7 +190,7 @@ def rope_to_cache(qkv, cos, sin, interleaved, q_norm, k_norm, eps, slots, k_flat
     fn(qkv, cos, sin, interleaved, q_norm, k_norm, eps, slots, k_flat, v_flat, q_out)
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def _attention_items(seq_start, num_kv_heads):
     """Work items (sequence, kv head, first query row, end query row): QUERY_TILE rows each."""
     S = seq_start.shape[0] - 1
@@ -312,14 +314,14 @@ def _attend_gathered(items, it, q, k_cache, v_cache, block_tables, positions, wi
                 out[i, h, d] = acc * inv
 
 
-@njit(fastmath=FASTMATH, cache=True)
+@njit(fastmath=FASTMATH, cache=CACHE)
 def _attention_serial(q, k_cache, v_cache, block_tables, seq_start, positions, window, scale, out):
     items = _attention_items(seq_start, k_cache.shape[2])
     for it in range(items.shape[0]):
         _attend_item(items, it, q, k_cache, v_cache, block_tables, positions, window, scale, out)
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=CACHE)
 def _attention_parallel(q, k_cache, v_cache, block_tables, seq_start, positions, window, scale, out):
     items = _attention_items(seq_start, k_cache.shape[2])
     for it in prange(items.shape[0]):

@@ -17,7 +17,7 @@ A token's result does not depend on the rows beside it (the same accumulation or
 How the block type reaches the kernel: `as_blocks(data, kind)` views a part's uint8 rows as a
 read-only array of one-field records whose field is named after the type ("q4_1", ...), so one
 generic kernel specializes per type through Numba's dispatch on the array's dtype, and the decoder
-is chosen when the intrinsic is typed. Kernels are cached on disk (cache=True).
+is chosen when the intrinsic is typed. Kernels are cached on disk (cpu_cache.py).
 
 References: `dequantize_ref` (the gguf package, an independent implementation), `matmul_ref` (its
 dequantization @ x) and `matmul_q8_ref` (the same against x quantized as quantize_q8 does);
@@ -31,6 +31,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from kernels_numba.cpu_cache import CACHE
 
 # name -> (columns a block, bytes a block). The GGUF block types first, then dense rows.
 KINDS = {
@@ -599,7 +601,7 @@ def _rms_rows(x, weight, eps, out, t0, t1):
             out[t, d] = x[t, d] * inv * weight[d]
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=CACHE)
 def matmul_into(parts, count, col0s, x, norm, eps, normed, residual, y):
     """y[:, col0s[p]:col0s[p] + R_p] = (residual +) x' @ W_p.T for the first `count` block arrays W_p
     [R_p, blocks] of the tuple `parts` (one kind, as_blocks; MAX_PARTS long, so one compiled kernel
@@ -687,7 +689,7 @@ def _chunk_q8(w, xq, xs, y, col0, r0, r1, t0, t1, residual):
             t += 1
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=CACHE)
 def matmul_q8_into(parts, count, col0s, x, norm, eps, normed, xq, xs, residual, y):
     """matmul_into with 8-bit activations: x (or RMSNorm(x) into `normed`, given `norm`) quantized
     into xq [T, K] int8 and xs [T, K / 32, 3] (quantize_q8), then integer block dot products
@@ -729,7 +731,7 @@ def pad_parts(blocks: list) -> tuple:
     return tuple(blocks) + (blocks[0],) * (MAX_PARTS - len(blocks))
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=CACHE)
 def decode_rows(w, rows, out):
     """out[i] = W[rows[i]] as float32 (the embedding lookup of a quantized table)."""
     for i in prange(rows.shape[0]):

@@ -318,7 +318,36 @@ def warm_up(backend, stream=sys.stderr) -> float:
                     break
         listener.label = "norms, RoPE and attention"
         L.warm()
+        listener.label = "fused layers"
+        _warm_layers(backend)
     return time.perf_counter() - t0
+
+
+def _warm_layers(backend) -> None:
+    """One token through each distinct layer signature's three fused calls (their types: the kinds
+    of qkv, o, gate_up, down), against a one-block scratch cache instead of the backend's."""
+    from metrale.runtime.batch import Segment, build_batch
+    c, w = backend.config, backend.weights
+    if not CpuOps.fused_layer or "layers.0.qkv" not in w:
+        return
+    scratch = np.zeros((2, 1, backend.block_size, c.num_kv_heads, c.head_dim), np.float32)
+    ops = CpuOps(backend, build_batch([Segment(np.zeros(1, np.int32), 0, np.zeros(1, np.int32))], backend.block_size))
+    ops._kv = lambda layer: (scratch[0], scratch[1])
+    x = np.zeros((1, c.hidden_size), np.float32)
+    seen = set()
+    for i in range(c.num_layers):
+        p = f"layers.{i}."
+        names = (p + "qkv", p + "o", p + "gate_up", p + "down")
+        if any(n not in w for n in names):
+            continue
+        sig = tuple(cpu_matrix(backend, w[n]).kinds for n in names)
+        if sig in seen:
+            continue
+        seen.add(sig)
+        q = ops.norm_qkv_to_cache(x, w[p + "attn_norm"], w[p + "qkv"], w.get(p + "qkv_bias"), 0,
+                                  w.get(p + "q_norm"), w.get(p + "k_norm"))
+        ops.attention_linear_residual(q, 0, w[p + "o"], x)
+        ops.mlp_residual(x, w[p + "mlp_norm"], w[p + "gate_up"], w[p + "down"])
 
 
 def _compile_log(stream):
