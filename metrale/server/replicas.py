@@ -117,6 +117,32 @@ def _wire(d: StreamDelta) -> tuple:
             d.logprobs, d.stop_reason)
 
 
+class _SessionOut:
+    """A session's deltas not yet yielded (filled on the replica's event loop, one wake-up a step)."""
+
+    def __init__(self):
+        self.items: list = []
+        self.ready = asyncio.Event()
+        self.live: set[str] = set()           # its requests not finished yet
+
+
+class _SessionSink:
+    """A request's sink (the engine loop calls put_nowait on the replica's event loop)."""
+    __slots__ = ("out", "rid", "left")
+
+    def __init__(self, out: _SessionOut, rid: str, n: int):
+        self.out, self.rid, self.left = out, rid, n
+
+    def put_nowait(self, d: StreamDelta) -> None:
+        out = self.out
+        out.items.append((self.rid, _wire(d)))
+        out.ready.set()
+        if d.finished:
+            self.left -= 1
+            if not self.left:
+                out.live.discard(self.rid)
+
+
 class EngineReplica:
     """One engine on a Ray Serve replica (the deployment class; `engine_deployment` decorates it).
     build(cfg) makes the engine (default Engine(cfg=cfg)); with server.engine_process it runs in
@@ -139,6 +165,7 @@ class EngineReplica:
         self.loop = self.engine.driver()
         self.loop.hold_for_good()
         self.loop.start()                  # an EngineProcess's events are read on this replica's event loop
+        self.sessions: dict[str, _SessionOut] = {}
 
     def info(self) -> dict:
         """What the ingress needs: the tokenizer and limits (as EngineInfo), and who this is."""
@@ -154,10 +181,51 @@ class EngineReplica:
         return {"pid": os.getpid(), "actor": ray.get_runtime_context().get_actor_name(), "started": self.started,
                 "alive": self.loop.alive}
 
+    # The ingress's road: one session stream per ingress carries every delta of its requests,
+    # one item per engine step (a Ray streaming item per step, not per request and step).
+    def _out(self, sid: str) -> "_SessionOut":
+        out = self.sessions.get(sid)
+        if out is None:
+            out = self.sessions[sid] = _SessionOut()
+        return out
+
+    async def session(self, sid: str):
+        """Yields [(request id, wire tuple), ...] per engine step for the requests added with `sid`;
+        when the caller cancels it (or goes away), those requests are aborted."""
+        out = self._out(sid)
+        try:
+            while True:
+                await out.ready.wait()
+                out.ready.clear()
+                items, out.items = out.items, []
+                if items:
+                    yield items
+        finally:
+            self.sessions.pop(sid, None)
+            for rid in list(out.live):
+                self.loop.abort(rid)
+
+    async def add(self, sid: str, request_id: str, prompt: list[int], params, age: float = 0.0,
+                  chat: bool = False) -> tuple:
+        """("added", prompt tokens) or ("refused", "invalid" | "draining", message); the request's
+        deltas go out through session `sid`."""
+        out = self._out(sid)
+        out.live.add(request_id)
+        try:
+            n = await self.loop.add(request_id, prompt, params, _SessionSink(out, request_id, params.n),
+                                    time.perf_counter() - age, chat)
+        except InvalidRequestError as exc:
+            out.live.discard(request_id)
+            return ("refused", "invalid", str(exc))
+        except ServerDraining as exc:
+            out.live.discard(request_id)
+            return ("refused", "draining", str(exc))
+        return ("added", n)
+
     async def generate(self, request_id: str, prompt: list[int], params, age: float = 0.0, chat: bool = False):
-        """One request: ("added", prompt tokens) or ("refused", kind, message), then
-        ("deltas", [wire tuples]) per engine step (every queued delta in one item) until each of its
-        completions finished. A caller that cancels the stream aborts the request."""
+        """One request on its own stream, for callers of the deployment handle: ("added", prompt
+        tokens) or ("refused", kind, message), then ("deltas", [wire tuples]) per engine step until
+        every completion finished. A caller that cancels the stream aborts the request."""
         sink: asyncio.Queue = asyncio.Queue()
         try:
             n = await self.loop.add(request_id, prompt, params, sink, time.perf_counter() - age, chat)
@@ -226,6 +294,9 @@ class Replica:
     pid: int | None = None
     actor: str | None = None
     down_why: str | None = None
+    sid: str | None = None                   # this ingress's session on it
+    session: Any = None                      # the session's stream (DeploymentResponseGenerator)
+    reader: asyncio.Task | None = None       # the task reading it
 
 
 @dataclass
@@ -234,10 +305,7 @@ class _Call:
     replica: Replica
     sink: Any
     open: set[int]
-    gen: Any = None
-    task: asyncio.Task | None = None
     aborted_at: float | None = None
-    routed_by_prefix: int = 0
 
 
 class ReplicaSet:
@@ -353,8 +421,10 @@ def _died(exc: BaseException) -> bool:
 
 class RayLoop:
     """EngineLoop's interface (add / abort / drain / stop / alive / accepting / metrics_text) over
-    the replicas' handles: each add is one streaming call to the replica the router picks; its
-    deltas go into the request's queue on the ingress's event loop."""
+    the replicas' handles. Per replica one session stream (EngineReplica.session) brings every
+    delta of this ingress's requests there, one Ray item per engine step; an add is one call to
+    the replica the router picks (its deltas then arrive on the session). A session that fails
+    (the replica died) ends each of its requests with an error naming the replica."""
 
     def __init__(self, rs: ReplicaSet):
         self.rs = rs
@@ -363,13 +433,18 @@ class RayLoop:
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._probe: asyncio.Task | None = None
         self._stopped = False
-        self._aborts: set = set()
+        self._pending: set = set()              # fire-and-forget calls (aborts), kept until answered
+        self._ids = itertools.count()
+        self._me = f"{os.getpid()}-{id(self):x}"
         self.recent: deque[tuple[str, int]] = deque(maxlen=4096)   # (request id, replica): tests, debugging
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
+        """Opens the sessions and starts the probes on the running event loop (the app's lifespan)."""
         if self._aloop is None:
             self._aloop = asyncio.get_running_loop()
+            for rep in self.rs.replicas:
+                self._open(rep)
             self._probe = self._aloop.create_task(self._probe_replicas())
 
     @property
@@ -385,7 +460,7 @@ class RayLoop:
 
     async def drain(self, grace_s: float, cut_short: Callable[[], bool] = lambda: False) -> None:
         """Refuses new requests, lets in-flight ones run up to grace_s, aborts the rest and waits
-        (bounded) for their streams to end; the replicas keep running (Ray Serve owns them)."""
+        (bounded) for them to end; the replicas keep running (Ray Serve owns them)."""
         self.accepting = False
         deadline = time.monotonic() + grace_s
         while self._live and time.monotonic() < deadline and not cut_short():
@@ -395,11 +470,13 @@ class RayLoop:
         while self._live and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         for call in list(self._live.values()):
-            if call.task is not None:
-                call.task.cancel()
+            self._finish(call, "abort")
+        self._stopped = True
         if self._probe is not None:
             self._probe.cancel()
-        self._stopped = True
+        for rep in self.rs.replicas:
+            if rep.session is not None:
+                rep.session.cancel()
 
     def stop(self) -> None:
         """Aborts whatever still runs (each ends with finish reason 'abort')."""
@@ -407,93 +484,108 @@ class RayLoop:
         for rid in list(self._live):
             self.abort(rid)
 
+    # ------------------------------------------------------------ sessions
+    def _open(self, rep: Replica) -> None:
+        """(Re)opens the replica's session stream and its reader task."""
+        rep.sid = f"{self._me}-{next(self._ids)}"
+        rep.session = rep.handle.options(stream=True).session.remote(rep.sid)
+        rep.reader = self._aloop.create_task(self._read(rep, rep.session))
+
+    async def _read(self, rep: Replica, gen) -> None:
+        live = self._live
+        try:
+            async for items in gen:
+                for rid, (text, ids, index, finish, lps, stop) in items:
+                    call = live.get(rid)
+                    if call is None:
+                        continue
+                    if finish is not None:
+                        call.open.discard(index)
+                    call.sink.put_nowait(StreamDelta(rid, text, np.frombuffer(ids, np.int32), finish, index, lps, stop))
+                    if not call.open:
+                        self._release(call)
+            why = "its session stream ended"
+        except asyncio.CancelledError:
+            return
+        except Exception as exc:
+            why = _last_line(exc)
+        if self._stopped:
+            return
+        self.rs.mark_down(rep, why)
+        reason = (f"error: engine replica {rep.index} died ({why}); the request was lost with it "
+                  f"and Ray Serve restarts the replica")
+        for call in [c for c in live.values() if c.replica is rep]:
+            self._finish(call, reason)
+
     # ------------------------------------------------------------- requests
     async def add(self, request_id: str, prompt, params, sink: asyncio.Queue,
                   arrival: float | None = None, chat: bool = False) -> int:
         """Sends a request to its replica; returns its prompt length in tokens. Raises the engine's
-        InvalidRequestError (refused), ServerDraining, or EngineUnavailable (no replica up, or
-        its replica died before taking it)."""
+        InvalidRequestError (refused), ServerDraining, or EngineUnavailable (no replica up; one
+        that dies before taking the request makes the next one up try)."""
         if not self.accepting or self._stopped:
             raise ServerDraining("the server is shutting down")
         if self._aloop is None:
             self.start()
         ids = [int(t) for t in prompt] if not isinstance(prompt, str) else prompt
-        rep, matched = self.rs.route(ids if not isinstance(ids, str) else [])
-        call = _Call(request_id, rep, sink, set(range(params.n)), routed_by_prefix=matched)
         age = time.perf_counter() - arrival if arrival is not None else 0.0
-        rep.in_flight += 1
-        rep.served += 1
-        rep.prefix_hits += matched > 0
-        self._live[request_id] = call
-        self.recent.append((request_id, rep.index))
-        try:
-            call.gen = rep.handle.options(stream=True).generate.remote(request_id, ids, params, age, chat)
-            first = await call.gen.__anext__()
-        except BaseException as exc:
-            self._release(call)
-            if call.gen is not None:
-                call.gen.cancel()
-            if isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt)):
+        for attempt in range(len(self.rs.replicas)):
+            rep, matched = self.rs.route(ids if not isinstance(ids, str) else [])
+            if rep.reader is None or rep.reader.done():
+                self._open(rep)
+            call = _Call(request_id, rep, sink, set(range(params.n)))
+            rep.in_flight += 1
+            rep.served += 1
+            rep.prefix_hits += matched > 0
+            self._live[request_id] = call
+            self.recent.append((request_id, rep.index))
+            try:
+                answer = await rep.handle.add.remote(rep.sid, request_id, ids, params, age, chat)
+            except asyncio.CancelledError:
+                self.abort(request_id)
                 raise
-            if _died(exc):
+            except Exception as exc:
+                self._release(call)
+                if not _died(exc):
+                    raise EngineUnavailable(f"engine replica {rep.index} failed: {_last_line(exc)}") from None
                 self.rs.mark_down(rep, _last_line(exc))
-                raise EngineUnavailable(f"engine replica {rep.index} died before taking the request; "
-                                        f"Ray Serve restarts it") from None
-            raise EngineUnavailable(f"engine replica {rep.index} failed: {_last_line(exc)}") from None
-        if first[0] == "refused":
-            self._release(call)
-            _, kind, message = first
-            raise (InvalidRequestError if kind == "invalid" else ServerDraining)(message)
-        call.task = asyncio.get_running_loop().create_task(self._pump(call))
-        return int(first[1])
-
-    async def _pump(self, call: _Call) -> None:
-        """The request's stream into its queue; however it ends, every completion gets its finished
-        delta ('abort' if cut here, an error naming the replica if that died)."""
-        rep, rid, reason = call.replica, call.request_id, None
-        try:
-            async for item in call.gen:
-                for text, ids, index, finish, lps, stop in item[1]:
-                    if finish is not None:
-                        call.open.discard(index)
-                    call.sink.put_nowait(StreamDelta(rid, text, np.frombuffer(ids, np.int32), finish, index,
-                                                     lps, stop))
-            if call.open:
-                reason = f"error: engine replica {rep.index}'s stream ended early"
-        except asyncio.CancelledError:
-            call.gen.cancel()
-            reason = "abort"
-        except Exception as exc:
-            if _died(exc):
-                self.rs.mark_down(rep, _last_line(exc))
-                reason = (f"error: engine replica {rep.index} died ({_last_line(exc)}); "
-                          f"the request was lost with it and Ray Serve restarts the replica")
-            else:
-                reason = f"error: engine replica {rep.index} failed: {_last_line(exc)}"
-        finally:
-            for index in sorted(call.open):
-                call.sink.put_nowait(StreamDelta(rid, "", _EMPTY, reason or "abort", index))
-            call.open.clear()
-            self._release(call)
+                continue                          # another replica, if one is up
+            if answer[0] == "refused":
+                self._release(call)
+                _, kind, message = answer
+                raise (InvalidRequestError if kind == "invalid" else ServerDraining)(message)
+            return int(answer[1])
+        raise EngineUnavailable("the engine replicas died before taking the request; Ray Serve restarts them")
 
     def _release(self, call: _Call) -> None:
         if self._live.get(call.request_id) is call:
             del self._live[call.request_id]
             call.replica.in_flight -= 1
 
+    def _finish(self, call: _Call, reason: str) -> None:
+        """Ends the request here: a finished delta per open completion."""
+        for index in sorted(call.open):
+            call.sink.put_nowait(StreamDelta(call.request_id, "", _EMPTY, reason, index))
+        call.open.clear()
+        self._release(call)
+
     def abort(self, request_id: str, wait: bool = False) -> None:
-        """Asks the request's replica to abort it (its 'abort' delta comes back through the
-        stream); a stream that has not ended ABORT_WAIT_S later is cut here."""
+        """Asks the request's replica to abort it (its 'abort' delta comes back on the session);
+        one that has not ended ABORT_WAIT_S later is ended here."""
         call = self._live.get(request_id)
-        if call is None or call.aborted_at is not None or call.task is None:
+        if call is None or call.aborted_at is not None:
             return
         call.aborted_at = time.monotonic()
         if call.replica.up:
             resp = call.replica.handle.abort.remote(request_id)
-            self._aborts.add(resp)              # kept until it is answered (or fails)
+            self._pending.add(resp)
             fut = asyncio.ensure_future(_quietly(resp))
-            fut.add_done_callback(lambda _f, resp=resp: self._aborts.discard(resp))
-        self._aloop.call_later(ABORT_WAIT_S if call.replica.up else 0, _cut, call)
+            fut.add_done_callback(lambda _f, resp=resp: self._pending.discard(resp))
+        self._aloop.call_later(ABORT_WAIT_S if call.replica.up else 0, self._cut, call)
+
+    def _cut(self, call: _Call) -> None:
+        if self._live.get(call.request_id) is call:
+            self._finish(call, "abort")
 
     # -------------------------------------------------------------- metrics
     async def metrics_text(self) -> str:
@@ -523,8 +615,8 @@ class RayLoop:
 
     # --------------------------------------------------------------- health
     async def _probe_replicas(self) -> None:
-        """Pings every replica each PROBE_S: a down one is up again once a (restarted) replica
-        answers; one that does not answer is down (no new requests go there)."""
+        """Pings every replica each PROBE_S: a down one is up again (with a new session) once a
+        restarted replica answers; one that does not answer is down (no new requests go there)."""
         while not self._stopped:
             await asyncio.sleep(PROBE_S)
             await asyncio.gather(*(self._ping(r) for r in self.rs.replicas), return_exceptions=True)
@@ -546,6 +638,8 @@ class RayLoop:
             rep.pid, rep.actor = info["pid"], info["actor"]
         if not rep.up:
             log.warning("engine replica %d is up again (pid %s)", rep.index, rep.pid)
+        if rep.reader is None or rep.reader.done():
+            self._open(rep)
         rep.up, rep.down_why = True, None
 
 
@@ -558,11 +652,6 @@ async def _quietly(resp) -> None:
         await resp
     except Exception:
         pass
-
-
-def _cut(call: _Call) -> None:
-    if call.task is not None and not call.task.done():
-        call.task.cancel()
 
 
 def _labelled(line: str, label: str) -> str:
