@@ -22,6 +22,7 @@ from functools import partial
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from fake_model import FakeTokenizer, reference_continuation
@@ -133,6 +134,14 @@ def test_two_replicas_on_a_local_ray_cluster():
             metrics = client.get("/metrics").text
             assert 'metrale_replica_prefix_routed_total{replica="0"} 1' in metrics or \
                 'metrale_replica_prefix_routed_total{replica="1"} 1' in metrics, metrics
+        # an engine deployment's own streaming method, for callers composing their own apps
+        from metrale import SamplingParams
+        engine0 = serve.get_deployment_handle("metrale-engine-0", app_name="metrale")
+        items = list(engine0.options(stream=True).generate.remote("direct", [5, 6, 7, 8, 9],
+                                                                  SamplingParams(max_tokens=4, temperature=0)))
+        assert items[0] == ("added", 5) and items[-1][1][-1][3] == "length"
+        assert b"".join(t[1] for _, ts in items[1:] for t in ts) == \
+            np.array(reference_continuation([5, 6, 7, 8, 9], 4), np.int32).tobytes()
         serve.delete("metrale", _blocking=False)      # its CPUs (0.5 a replica) are not needed below
         app_s = time.monotonic() - t0
 

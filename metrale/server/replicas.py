@@ -276,8 +276,15 @@ def engine_deployment(cfg, build: Callable | None, index: int):
     dep = serve.deployment(EngineReplica).options(
         name=f"metrale-engine-{index}", num_replicas=1, max_ongoing_requests=MAX_ONGOING,
         health_check_period_s=1.0, health_check_timeout_s=30.0, graceful_shutdown_timeout_s=5.0,
-        ray_actor_options={"num_cpus": s.replica_cpus, "num_gpus": gpus})
+        ray_actor_options={"num_cpus": s.replica_cpus, "num_gpus": gpus}, logging_config=_serve_logging(cfg))
     return dep.bind(cfg, build, index)
+
+
+def _serve_logging(cfg) -> dict:
+    """Serve's replica logs at metrale's log_level, without its per-call access lines (a ping a second)."""
+    level = str(cfg.log_level).upper()
+    return {"log_level": level if level in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL") else "WARNING",
+            "enable_access_log": level == "DEBUG"}
 
 
 # ------------------------------------------------------------------------ ingress side
@@ -690,7 +697,8 @@ def build_app(args: dict | list | None = None, build: Callable | None = None):
         cfg = args
     n = max(1, int(cfg.server.replicas))
     ingress = serve.deployment(serve.ingress()(MetraleIngress)).options(
-        name="metrale-ingress", max_ongoing_requests=MAX_ONGOING, ray_actor_options={"num_cpus": 0})
+        name="metrale-ingress", max_ongoing_requests=MAX_ONGOING, ray_actor_options={"num_cpus": 0},
+        logging_config=_serve_logging(cfg))
     return ingress.bind(cfg, [engine_deployment(cfg, build, i) for i in range(n)])
 
 
