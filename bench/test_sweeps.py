@@ -40,12 +40,12 @@ def _cases():
         for device in ("cpu", "gpu"):
             for lever, value in points(kind, device):
                 marks = [pytest.mark.gpu] if device == "gpu" else []
-                yield pytest.param(kind, device, lever, value, marks=marks, id=f"{device}-{kind}-{lever}={value}")
+                yield pytest.param(kind, device, lever, value, marks=marks, id=f"{device}-{kind}-{lever.removeprefix('levers.')}={value}")
 
 
 @pytest.mark.parametrize("kind, device, lever, value", list(_cases()))
 def test_sweep(benchmark, kind, device, lever, value):
-    settings = {f"levers.{lever}": value}
+    settings = {lever: value}
     if kind == "spec":
         settings["spec.method"] = "ngram"
     engine = engine_for(device, settings)
@@ -55,7 +55,7 @@ def test_sweep(benchmark, kind, device, lever, value):
     benchmark.pedantic(lambda: out.update(r=harness.record(kind, engine, spec, settings, "pytest bench/")),
                        rounds=1, iterations=1)
     r = out["r"]
-    RECORDS.append({**r, "test": f"{device}-{kind}-{lever}={value}"})
+    RECORDS.append({**r, "test": f"{device}-{kind}-{lever.removeprefix('levers.')}={value}"})
     benchmark.extra_info.update({"value": r["value"], "unit": r["unit"], "limit": r["limit"],
                                  "ratio_to_limit": r["ratio_to_limit"], **{k: r["extra"][k] for k in
                                                                            ("peak_rss_mb", "device_used_gb")}})

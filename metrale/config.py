@@ -66,35 +66,6 @@ class Levers:
     pdl_trigger: str = "auto"            # early | late | exit | auto: a PDL successor launches when the
                                          # kernel's blocks start (early), end their main loop (late) or
                                          # exit; auto: early for >= 1 GiB of weights, else exit
-    spec_min_confidence: float = 0.0     # cut a draft at its first token below this confidence
-    spec_verify_cost: float = -1.0       # cost of one verified draft token, in plain decode steps
-                                         # (-1: 0.1 on CUDA, where decode is memory-bound; the row model on
-                                         # CPU; >= 0 pins this constant for every batch, prior 0.8)
-    spec_step_fixed: float = -1.0        # CPU row model: a forward of M >= 2 rows costs spec_step_fixed +
-    spec_row_cost: float = -1.0          # spec_row_cost * M one-row decode steps (-1: 2.45 and 0.1, measured
-                                         # with NumPy/OpenBLAS; spec_step_fixed 0: the constant model)
-    spec_draft_cost: float = -1.0        # the drafter's cost per draft token in target decode steps
-                                         # (-1: its share of the target's weights; 0 for n-gram)
-    spec_prior_acceptance: float = -1.0  # a new sequence's per-token acceptance (-1: 0.8 n-gram, 0.5 draft
-                                         # model, 0.3 self/mtp/dflash)
-    spec_min_gain: float = 1.1           # expected gain (tokens per step-equivalent) a draft needs under
-                                         # the auto cost model (a margin for its error; 1 with a pinned
-                                         # spec_verify_cost)
-    spec_probe_budget: float = 0.01      # probes (verifies the cost model expects to lose) may lose at most
-                                         # this share of a request's tokens (< 0: unbudgeted)
-    spec_probe_interval: int = 16        # steps a sequence stays unspeculated after a losing streak
-    spec_max_batch: int = 64             # no speculation while more sequences than this decode
-    spec_ema_decay: float = 0.7          # weight of history in the accepted-tokens average
-    spec_measured_gate: str = "auto"     # auto | on | off: pause speculation on measured step times
-                                         # (auto: on CUDA backends; CPU uses the spec_verify_cost model)
-    spec_measured_margin: float = 0.05   # the measured gate speculates on while its rate beats plain by this
-    spec_measured_min_steps: int = 4     # verify steps a batch-size bucket (or a probe) needs before deciding
-    spec_shadow: bool = True             # free drafters (n-gram): where a verify is not expected to gain,
-                                         # compare the draft with what the sequence emits instead of
-                                         # probing (evidence without a verify; spec/gate.py)
-    state_norm_bound: float = 0.0        # hybrid models: clamp recurrent-state norms in long prefills (0: off)
-    state_snapshots: int = 64            # hybrid models: recurrent-state snapshots kept for prefix caching
-                                         # (LRU; 0: no prefix caching for hybrid models)
 
 
 @dataclass
@@ -127,6 +98,46 @@ class SchedulerConfig:
 
 
 @dataclass
+class SpecGateConfig:
+    """When a draft is worth its verify (metrale/spec/gate.py). Before session 9 these were the
+    levers.spec_<name> levers, which are still accepted (settings.RENAMED)."""
+    min_confidence: float = 0.0          # cut a draft at its first token below this confidence
+    verify_cost: float = -1.0            # cost of one verified draft token, in plain decode steps
+                                         # (-1: 0.1 on CUDA, where decode is memory-bound; the row model on
+                                         # CPU; >= 0 pins this constant for every batch, prior 0.8)
+    step_fixed: float = -1.0             # CPU row model: a forward of M >= 2 rows costs step_fixed +
+    row_cost: float = -1.0               # row_cost * M one-row decode steps (-1: 2.45 and 0.1, measured
+                                         # with NumPy/OpenBLAS; step_fixed 0: the constant model)
+    draft_cost: float = -1.0             # the drafter's cost per draft token in target decode steps
+                                         # (-1: its share of the target's weights; 0 for n-gram)
+    prior_acceptance: float = -1.0       # a new sequence's per-token acceptance (-1: 0.8 n-gram, 0.5 draft
+                                         # model, 0.3 self/mtp/dflash)
+    min_gain: float = 1.1                # expected gain (tokens per step-equivalent) a draft needs under
+                                         # the auto cost model (a margin for its error; 1 with a pinned
+                                         # verify_cost)
+    probe_budget: float = 0.01           # probes (verifies the cost model expects to lose) may lose at most
+                                         # this share of a request's tokens (< 0: unbudgeted)
+    probe_interval: int = 16             # steps a sequence stays unspeculated after a losing streak
+    max_batch: int = 64                  # no speculation while more sequences than this decode
+    ema_decay: float = 0.7               # weight of history in the accepted-tokens average
+    measured: str = "auto"               # auto | on | off: pause speculation on measured step times
+                                         # (auto: on CUDA backends; CPU uses the verify_cost model)
+    measured_margin: float = 0.05        # the measured gate speculates on while its rate beats plain by this
+    measured_min_steps: int = 4          # verify steps a batch-size bucket (or a probe) needs before deciding
+    shadow: bool = True                  # free drafters (n-gram): where a verify is not expected to gain,
+                                         # compare the draft with what the sequence emits instead of
+                                         # probing (evidence without a verify)
+
+
+@dataclass
+class StateConfig:
+    """Hybrid models' recurrent states (formerly levers.state_norm_bound / levers.state_snapshots)."""
+    norm_bound: float = 0.0              # clamp recurrent-state norms in long prefills (0: off)
+    snapshots: int = 64                  # recurrent-state snapshots kept for prefix caching
+                                         # (LRU; 0: no prefix caching for hybrid models)
+
+
+@dataclass
 class SpecConfig:
     method: str = "none"                 # none | ngram | self | draft | mtp | dflash
     num_drafts: int = 4                  # most tokens proposed per step (the gate may use fewer)
@@ -137,6 +148,7 @@ class SpecConfig:
     mtp_head: Optional[str] = None       # MTP head .safetensors (method=mtp); None: the model's bundled head
     dflash_head: Optional[str] = None    # DFlash drafter .safetensors (method=dflash; block = num_drafts + 1);
                                          # None: the model's bundled drafter; "random": untrained (tests)
+    gate: SpecGateConfig = field(default_factory=SpecGateConfig)
 
 
 @dataclass
@@ -176,6 +188,7 @@ class MetraleConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    state: StateConfig = field(default_factory=StateConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     seed: int = 0
     log_level: str = "WARNING"
@@ -195,7 +208,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "levers.prefill_attention_kernel": ("mma", "fma"),
     "levers.decode_attention_kernel": ("mma", "fma"),
     "levers.pdl_trigger": ("auto", "early", "late", "exit"),
-    "levers.spec_measured_gate": ("auto", "on", "off"),
+    "spec.gate.measured": ("auto", "on", "off"),
     "spec.method": ("none", "ngram", "self", "draft", "mtp", "dflash"),
 }
 
@@ -206,8 +219,8 @@ MINIMUMS: dict[str, int] = {
     "spec.num_drafts": 1, "spec.ngram_min_n": 1, "spec.ngram_max_n": 1, "spec.self_layers": 1,
     "levers.gemv_max_rows": 0, "levers.cublaslt_min_rows": 0, "levers.cublaslt_autotune": 0,
     "levers.gemv_warps": 0, "levers.gemv_unroll": 0, "levers.prefill_attention_min_tokens": 0,
-    "levers.spec_probe_interval": 0, "levers.spec_max_batch": 0, "levers.spec_measured_min_steps": 0,
-    "levers.state_snapshots": 0, "levers.cpu_threads": 0,
+    "spec.gate.probe_interval": 0, "spec.gate.max_batch": 0, "spec.gate.measured_min_steps": 0,
+    "state.snapshots": 0, "levers.cpu_threads": 0,
     "server.replicas": 0,
 }
 

@@ -26,6 +26,7 @@ from metrale.cache.block_manager import BlockManager
 from metrale.cache.recurrent import RecurrentStates
 from metrale.groups import FanoutGroups
 from metrale.models.config import ModelConfig
+from metrale.options import SchedulerOptions, SpecOptions, StateOptions
 from metrale.outputs import RequestOutput, StreamDelta, error_reason
 from metrale.overlap import AheadLoop
 from metrale.request import RequestState
@@ -66,33 +67,33 @@ class Engine:
         self.config: ModelConfig = self.model_config
         bs = self.backend.block_size
         hybrid = self.model_config.is_hybrid
+        sched, state, spec = SchedulerOptions.of(cfg), StateOptions.of(cfg), SpecOptions.of(cfg)
         self._states = self.backend.states                  # hybrid models: the recurrent-state pool
-        num_snapshots = max(int(cfg.levers.state_snapshots), 0) if self._states is not None else 0
+        num_snapshots = state.snapshots if self._states is not None else 0
         prefix_caching = cfg.levers.prefix_caching and (not hybrid or num_snapshots > 0)
         if hybrid and cfg.levers.prefix_caching and not prefix_caching:
             log.info("prefix caching is off for this hybrid model: no recurrent-state snapshots "
-                     "(levers.state_snapshots=0)")
+                     "(state.snapshots=0)")
         self.blocks = BlockManager(self.backend.num_blocks, bs, prefix_caching)
-        self.max_model_len = min(self.model_config.max_position,
-                                 cfg.scheduler.max_model_len or self.model_config.max_position)
+        self.max_model_len = min(self.model_config.max_position, sched.max_model_len or self.model_config.max_position)
         # the most tokens one sequence can hold: max_tokens=None ends with 'length' here, as vLLM's
         # runs to max_model_len (which vLLM refuses to set above what the KV pool holds)
         self.context_len = min(self.max_model_len, self.blocks.num_blocks * bs)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.scheduler.max_num_seqs,
-                                   max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
-                                   no_mix=cfg.levers.no_mix, preempt_mode=cfg.levers.preempt_mode)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs=sched.max_num_seqs,
+                                   max_num_batched_tokens=sched.max_num_batched_tokens,
+                                   no_mix=sched.no_mix, preempt_mode=sched.preempt_mode)
         self.eos_ids = tuple(self.tokenizer.eos_token_ids or self.model_config.eos_token_ids)
         self.requests: dict[str, RequestState] = {}
         self.min_p_floor = self.model_config.min_p_floor if cfg.levers.min_p_floor else 0.0
         self.sampler = Sampler(self.backend, self.model_config.vocab_size, self.min_p_floor)
         if hybrid:
-            _refuse_hybrid_spec(cfg.spec.method)
-        self.speculator = make_speculator(cfg, self.backend, self.model_config, self._load_draft_backend)
+            _refuse_hybrid_spec(spec.method)
+        self.speculator = make_speculator(spec, self.backend, self.model_config, self._load_draft_backend)
         self.recurrent: RecurrentStates | None = None    # hybrid models: state slots, checkpoints, snapshots
         if self._states is not None:
             self.recurrent = RecurrentStates(
-                self._states, self.blocks, max_num_seqs=cfg.scheduler.max_num_seqs,
-                spec_k=cfg.spec.num_drafts if self.speculator is not None else 0,
+                self._states, self.blocks, max_num_seqs=sched.max_num_seqs,
+                spec_k=spec.num_drafts if self.speculator is not None else 0,
                 num_snapshots=num_snapshots, prefix_caching=prefix_caching)
             self.scheduler.preempt_listeners.append(self.recurrent.free)
         if self.speculator is not None:

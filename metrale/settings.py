@@ -22,6 +22,26 @@ class ConfigError(ValueError):
     """A setting the user gave that does not fit the schema; the message says which and why."""
 
 
+# Settings that moved to their component's group, by their old names: still accepted, rewritten
+# before anything else reads them (docs/levers.md, "Renamed").
+_GATE = ("min_confidence", "verify_cost", "step_fixed", "row_cost", "draft_cost", "prior_acceptance", "min_gain",
+         "probe_budget", "probe_interval", "max_batch", "ema_decay", "measured_margin", "measured_min_steps", "shadow")
+RENAMED: dict[str, str] = {**{f"levers.spec_{n}": f"spec.gate.{n}" for n in _GATE},
+                           "levers.spec_measured_gate": "spec.gate.measured",
+                           "levers.state_norm_bound": "state.norm_bound", "levers.state_snapshots": "state.snapshots"}
+
+
+def renamed(overrides: list[str]) -> list[str]:
+    """The overrides with every old setting name replaced by its new one."""
+    out = []
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        bare = key.lstrip("+~")
+        new = RENAMED.get(bare)
+        out.append(key[:len(key) - len(bare)] + new + eq + value if new else item)
+    return out
+
+
 def _fields(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
@@ -68,7 +88,7 @@ def compose(overrides: list[str] | None = None) -> DictConfig:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    overrides = list(overrides or [])
+    overrides = renamed(list(overrides or []))
     check_overrides(overrides)
     register_configs()
     if not CONF_DIR.is_dir():

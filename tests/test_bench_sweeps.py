@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_sweep_values_come_from_the_levers_schema():
     assert lever_values("overlap") == [False, True]
     assert lever_values("numpy_dtype") == ["float32", "float64"]
+    assert lever_values("spec.gate.shadow") == [False, True]
     with pytest.raises(KeyError, match="not a lever"):
         lever_values("no_such_lever")
     with pytest.raises(ValueError, match="give them"):

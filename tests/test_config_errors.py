@@ -8,6 +8,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from metrale.__main__ import config_from_argv, main
 from metrale.settings import ConfigError, compose
@@ -28,7 +29,7 @@ BAD = [
     ("levers.decode_attention_kernel=xyz", "levers.decode_attention_kernel", "mma, fma"),
     ("levers.prefill_attention_kernel=xyz", "levers.prefill_attention_kernel", "mma, fma"),
     ("levers.pdl_trigger=sometimes", "levers.pdl_trigger", "auto, early, late, exit"),
-    ("levers.spec_measured_gate=maybe", "levers.spec_measured_gate", "auto, on, off"),
+    ("spec.gate.measured=maybe", "spec.gate.measured", "auto, on, off"),
     ("levers.preempt_mode=kill", "levers.preempt_mode", "recompute, abort"),
     ("levers.numpy_dtype=float16", "levers.numpy_dtype", "float32, float64"),
     ("levers.graph_batch_sizes=[1,0]", "levers.graph_batch_sizes", ">= 1"),
@@ -63,8 +64,23 @@ def test_the_library_refuses_them_too():
         Engine(model="smollm2-135m", device="cpu", levers={"gemm_library": "bogus"})
 
 
+def test_renamed_settings_keep_their_old_names():
+    """The gate and state levers moved to spec.gate.* and state.*; their old names still work."""
+    from metrale.settings import RENAMED
+    cfg = compose(["levers.spec_measured_gate=off", "levers.spec_min_gain=1.3", "levers.state_snapshots=5"])
+    assert cfg.spec.gate.measured == "off" and cfg.spec.gate.min_gain == 1.3 and cfg.state.snapshots == 5
+    assert "spec_min_gain" not in cfg.levers
+    with pytest.raises(ConfigError, match="^spec.gate.measured: 'maybe'"):
+        compose(["levers.spec_measured_gate=maybe"])
+    cfg = compose([])
+    for old, new in RENAMED.items():                # every new name is in the schema, and no old one
+        group, name = new.rsplit(".", 1)
+        assert name in OmegaConf.select(cfg, group), new
+        assert old.split(".", 1)[1] not in cfg.levers, old
+
+
 def test_good_values_compose():
-    cfg = compose(["levers.gemm_library=cublaslt", "levers.pdl_trigger=late", "levers.spec_measured_gate=on",
+    cfg = compose(["levers.gemm_library=cublaslt", "levers.pdl_trigger=late", "spec.gate.measured=on",
                    "device=cpu", "log_level=info", "cache.num_blocks=12", "scheduler.max_model_len=64"])
     assert cfg.levers.gemm_library == "cublaslt" and cfg.cache.num_blocks == 12
 

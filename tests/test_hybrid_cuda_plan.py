@@ -46,7 +46,7 @@ def test_pass_arrays_cover_each_piece_once():
 def test_budget_matches_the_engine_reservation():
     c = hybrid_model_config(qwen3_next_cfg())
     cfg = OmegaConf.create({"spec": {"method": "ngram", "num_drafts": 4},
-                            "levers": {"state_snapshots": 8, "prefix_caching": True}})
+                            "state": {"snapshots": 8, "norm_bound": 0.0}, "levers": {"prefix_caching": True}})
     nbytes, r = budget(c, cfg, num_slots=6, max_seqs=8, max_tokens=256, block_size=16)
     assert r == Reservation(num_checkpoints=6, max_trail=16, num_snapshots=8, snapshot_every=64, num_staging=8)
     cfg.spec.method, cfg.levers.prefix_caching = "none", False

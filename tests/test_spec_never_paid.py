@@ -8,6 +8,7 @@ before letting a drafter work. Probes of pessimistic model drafters in 64-token 
 batch 32 happen only within the probe budget; on CUDA the host-side drafters (self, mtp) cost
 more than a decode step per draft token (measured), so they do not draft there at all.
 """
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -36,16 +37,17 @@ class CountingBackend(Backend):
 
 
 def levers(eng):
-    return eng.cfg.levers
+    from metrale.options import GateOptions
+    return GateOptions.of(eng.cfg)
 
 
 def auto_gate(eng, drafter, method, device, **kw):
     """The gate make_speculator builds for `method` on a `device` backend (no clock: measure=False)."""
     lv = levers(eng)
     return AdaptiveGate(4, **gate_costs(lv, SimpleNamespace(name=device), drafter, method),
-                        probe_budget=lv.spec_probe_budget, min_gain=lv.spec_min_gain, caution=GATE_CAUTION,
-                        probe_interval=lv.spec_probe_interval, max_batch=lv.spec_max_batch,
-                        ema_decay=lv.spec_ema_decay, measure=False, **kw)
+                        probe_budget=lv.probe_budget, min_gain=lv.min_gain, caution=GATE_CAUTION,
+                        probe_interval=lv.probe_interval, max_batch=lv.max_batch,
+                        ema_decay=lv.ema_decay, measure=False, **kw)
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -140,8 +142,6 @@ def test_host_side_model_drafters_do_not_draft_on_cuda(method, layers):
     sp_cuda = Speculator(drafter, num_drafts=4, gate=cuda)
     sp_cpu = Speculator(drafter, num_drafts=4, gate=cpu)
     assert not sp_cuda.needs_hidden and sp_cpu.needs_hidden == (method == "mtp")
-    # a pinned spec_draft_cost is the lever that turns them back on
-    lv = levers(eng).copy() if hasattr(levers(eng), "copy") else levers(eng)
-    forced = gate_costs(SimpleNamespace(**{**{k: lv[k] for k in lv}, "spec_draft_cost": 0.3}),
-                        SimpleNamespace(name="cuda"), drafter, method)
+    # a pinned spec.gate.draft_cost is the setting that turns them back on
+    forced = gate_costs(dataclasses.replace(levers(eng), draft_cost=0.3), SimpleNamespace(name="cuda"), drafter, method)
     assert forced["draft_cost"] == pytest.approx(0.3)

@@ -35,7 +35,7 @@ for run in ${RUNS:-256:5:260 64:5:150}; do
   tables+=($OUT/spec_$n.json)
 done
 if [ "${FORCED:-0}" = 1 ]; then
-  bench 64 1 150 forced --lever spec_verify_cost=0 --lever spec_measured_gate=off --lever spec_draft_cost=0
+  bench 64 1 150 forced --lever spec_verify_cost=0 --lever spec_measured_gate=off --lever spec_draft_cost=0  # old names: settings.RENAMED
   grep -E "speedup" $OUT/spec_forced.txt | cut -c1-200 | tail -20
 fi
 stamp table

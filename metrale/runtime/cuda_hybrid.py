@@ -5,7 +5,7 @@ device state pool, runtime/cuda/state_pool.py) and its ops (GdnCudaOps, a CudaOp
 A GDN layer per step: lin_in GEMM (norm fused at one row) -> [record the verify blocks' raw
 inputs into their checkpoints' trails] -> per pass: causal_conv1d, gdn_recurrent (segments
 shorter than the pool's chunk, 64) and gdn_chunked (the others, only when the geometry has such
-segments), state_norm_clamp (levers.state_norm_bound > 0), staging copies -> rms_norm_gated ->
+segments), state_norm_clamp (state.norm_bound > 0), staging copies -> rms_norm_gated ->
 the o GEMM with the residual. Attention layers: qkv_rope_store rotates the first rotary_dim dims
 (the cos/sin tables are [max_pos, rot/2]) and attn_output_gate multiplies by sigmoid(gate).
 CUDA graphs: decode and verify steps replay like dense ones (every launch reads fixed buffers; the

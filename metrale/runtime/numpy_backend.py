@@ -13,6 +13,7 @@ from metrale.models.config import ModelConfig
 from metrale.models.quantized import QuantizedTensor
 from metrale.models.families import KV, LATENT, STATE, Family, compose_ops, family_for, resolve
 from metrale.models.rope import model_rope
+from metrale.options import StateOptions
 from metrale.runtime.backend import Backend
 from metrale.runtime.batch import ForwardBatch
 
@@ -202,7 +203,7 @@ class NumpyBackend(Backend):
         backend = cls(config, stream, num_blocks=int(num_blocks), block_size=block_size, dtype=cfg.levers.numpy_dtype,
                       family=family, ops_class=cpu_ops.CpuOps if fast else None,
                       num_state_slots=int(cfg.scheduler.max_num_seqs), num_state_checkpoints=0,
-                      state_norm_bound=float(cfg.levers.state_norm_bound))
+                      state_norm_bound=StateOptions.of(cfg).norm_bound)
         if fast:
             cpu_ops.start(backend, cfg)
         return backend

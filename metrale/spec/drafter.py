@@ -1,7 +1,7 @@
 """Drafters propose tokens for speculative decoding; the engine verifies them in the ragged forward.
 
 A Draft is a list of proposed tokens with a confidence per token (in [0, 1]); drafts are cut at
-the first token under `levers.spec_min_confidence`. Drafters never own KV: the n-gram drafter
+the first token under `spec.gate.min_confidence`. Drafters never own KV: the n-gram drafter
 reads token lists, the model drafters run forwards whose KV lives in their backend's pool,
 indexed by the target's block tables.
 """

@@ -173,7 +173,7 @@ class AdaptiveGate:
             return False
         if num_decoding > self.max_batch:
             if not self._warned_batch:
-                log.info("speculation off while more than %d sequences decode (levers.spec_max_batch)",
+                log.info("speculation off while more than %d sequences decode (spec.gate.max_batch)",
                          self.max_batch)
                 self._warned_batch = True
             return False

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels_numba import sampling as K
+from metrale.options import GateOptions, SpecOptions
 from metrale.sampling.params import SamplingParams
 from metrale.sampling.sampler import Drawn
 from metrale.sampling.state import SamplingState
@@ -288,8 +289,8 @@ class Speculator:
                 "shadow_tokens_per_draft": self.shadow_accepted / self.shadows if self.shadows else 0.0}
 
 
-def make_speculator(cfg, backend, model_config, load_draft_backend) -> Speculator | None:
-    spec, lv = cfg.spec, cfg.levers
+def make_speculator(spec: SpecOptions, backend, model_config, load_draft_backend) -> Speculator | None:
+    g = spec.gate
     if spec.method not in METHODS:
         raise ValueError(f"spec.method must be one of {', '.join(METHODS)}, not '{spec.method}'")
     if spec.method == "none":
@@ -324,16 +325,16 @@ def make_speculator(cfg, backend, model_config, load_draft_backend) -> Speculato
                              "draft model of the same vocabulary (docs/hybrid.md)")
         drafter = ModelDrafter(draft_backend, name="draft")
         drafter.cost_per_token = min(1.0, drafter.backend.config.num_parameters() / model_config.num_parameters())
-    gate = AdaptiveGate(spec.num_drafts, **gate_costs(lv, backend, drafter, spec.method),
-                        probe_budget=lv.spec_probe_budget if lv.spec_probe_budget >= 0 else None,
-                        min_gain=lv.spec_min_gain if lv.spec_verify_cost < 0 else 1.0,
-                        caution=GATE_CAUTION if lv.spec_verify_cost < 0 else 0.0,
-                        probe_interval=lv.spec_probe_interval, max_batch=lv.spec_max_batch,
-                        ema_decay=lv.spec_ema_decay, measure=_measured_gate(lv.spec_measured_gate, backend),
-                        measure_margin=lv.spec_measured_margin, measure_min_steps=lv.spec_measured_min_steps,
-                        shadow=lv.spec_shadow)
+    gate = AdaptiveGate(spec.num_drafts, **gate_costs(g, backend, drafter, spec.method),
+                        probe_budget=g.probe_budget if g.probe_budget >= 0 else None,
+                        min_gain=g.min_gain if g.verify_cost < 0 else 1.0,
+                        caution=GATE_CAUTION if g.verify_cost < 0 else 0.0,
+                        probe_interval=g.probe_interval, max_batch=g.max_batch,
+                        ema_decay=g.ema_decay, measure=_measured_gate(g.measured, backend),
+                        measure_margin=g.measured_margin, measure_min_steps=g.measured_min_steps,
+                        shadow=g.shadow)
     log.info("speculative decoding: %s, up to %d drafts", drafter.name, spec.num_drafts)
-    return Speculator(drafter, num_drafts=spec.num_drafts, gate=gate, min_confidence=lv.spec_min_confidence,
+    return Speculator(drafter, num_drafts=spec.num_drafts, gate=gate, min_confidence=g.min_confidence,
                       max_rows=backend.max_rows)
 
 
@@ -342,16 +343,16 @@ def make_speculator(cfg, backend, model_config, load_draft_backend) -> Speculato
 CPU_STEP_FIXED, CPU_ROW_COST = 2.45, 0.1
 CUDA_VERIFY_COST = 0.1
 # prior per-token acceptance: n-gram drafts come from a match (optimistic); model drafters are
-# pessimistic until a sequence's own verifies say otherwise; a pinned spec_verify_cost keeps the
+# pessimistic until a sequence's own verifies say otherwise; a pinned spec.gate.verify_cost keeps the
 # optimistic prior of the constant model for every drafter
 PRIOR_ACCEPTANCE = {"ngram": 0.8, "self": 0.3, "mtp": 0.3, "dflash": 0.3, "draft": 0.5}
 # the gate drafts when the gain pays at one standard deviation below a sequence's acceptance
-# estimate (its Beta posterior); a pinned spec_verify_cost (tests) acts on the mean
+# estimate (its Beta posterior); a pinned spec.gate.verify_cost (tests) acts on the mean
 GATE_CAUTION = 1.0
 DFLASH_COST_PER_DRAFT = 0.6     # one DFlash forward over [last, MASK x k] per proposal (CPU)
 # CUDA: a host-side drafter's draft token on top of its weight share (`self` softmaxes [R, V] logits
 # on the host, the MTP head is a NumPy block): more than a decode step, so neither gains on CUDA
-# until its drafting moves to the device (spec_draft_cost overrides); docs/spec.md, "CUDA drafter costs"
+# until its drafting moves to the device (spec.gate.draft_cost overrides); docs/spec.md, "CUDA drafter costs"
 CUDA_HOST_DRAFT_COST = {"self": 2.0, "mtp": 4.0}
 
 
@@ -364,34 +365,34 @@ def forward_share(model_config, layers: int) -> float:
     return min(1.0, (layers * per_layer + head) / (model_config.num_layers * per_layer + head))
 
 
-def gate_costs(lv, backend, drafter, method: str) -> dict:
-    """AdaptiveGate's cost model from the levers (-1: auto): the CPU row model (spec_step_fixed,
-    spec_row_cost) or CUDA's constant verify cost, plus the drafter's own costs (spec_draft_cost
-    overrides its per-token cost) and its prior; or a pinned spec_verify_cost: the whole cost of a
-    draft token at every batch size (no row model, no drafter cost unless spec_draft_cost is set),
+def gate_costs(g: GateOptions, backend, drafter, method: str) -> dict:
+    """AdaptiveGate's cost model from spec.gate (-1: auto): the CPU row model (step_fixed,
+    row_cost) or CUDA's constant verify cost, plus the drafter's own costs (draft_cost
+    overrides its per-token cost) and its prior; or a pinned verify_cost: the whole cost of a
+    draft token at every batch size (no row model, no drafter cost unless draft_cost is set),
     with the optimistic prior 0.8 (tests pin 0 to speculate on every step that can). On CUDA the
     host-side drafters (self, mtp) add CUDA_HOST_DRAFT_COST per draft token."""
-    pinned = lv.spec_verify_cost >= 0
+    pinned = g.verify_cost >= 0
     cpu = backend.name != "cuda"
-    step_fixed = lv.spec_step_fixed if lv.spec_step_fixed >= 0 else (CPU_STEP_FIXED if cpu and not pinned else 0.0)
-    row_cost = lv.spec_row_cost if lv.spec_row_cost >= 0 else CPU_ROW_COST
-    verify_cost = lv.spec_verify_cost if pinned else (CUDA_VERIFY_COST if not cpu else row_cost)
-    prior = lv.spec_prior_acceptance if lv.spec_prior_acceptance >= 0 else (
+    step_fixed = g.step_fixed if g.step_fixed >= 0 else (CPU_STEP_FIXED if cpu and not pinned else 0.0)
+    row_cost = g.row_cost if g.row_cost >= 0 else CPU_ROW_COST
+    verify_cost = g.verify_cost if pinned else (CUDA_VERIFY_COST if not cpu else row_cost)
+    prior = g.prior_acceptance if g.prior_acceptance >= 0 else (
         0.8 if pinned else PRIOR_ACCEPTANCE.get(method, 0.5))
-    # a pinned spec_verify_cost is the whole cost of a draft token (verify and drafting)
+    # a pinned verify_cost is the whole cost of a draft token (verify and drafting)
     auto_draft = 0.0 if pinned else getattr(drafter, "cost_per_token", 0.0)
     if not pinned and not cpu:
         auto_draft += CUDA_HOST_DRAFT_COST.get(method, 0.0)
-    draft_cost = lv.spec_draft_cost if lv.spec_draft_cost >= 0 else auto_draft
+    draft_cost = g.draft_cost if g.draft_cost >= 0 else auto_draft
     draft_fixed = 0.0 if pinned else getattr(drafter, "cost_per_draft", 0.0)
     return dict(verify_cost=verify_cost, step_fixed=step_fixed, row_cost=row_cost, prior_acceptance=prior,
                 draft_cost=draft_cost, draft_fixed=draft_fixed)
 
 
 def _measured_gate(choice: str, backend) -> bool:
-    """levers.spec_measured_gate: auto times steps on CUDA backends only, where a verify step and a
-    graph-replayed decode step cost very differently; on CPU the cost model (spec_verify_cost)
+    """spec.gate.measured: auto times steps on CUDA backends only, where a verify step and a
+    graph-replayed decode step cost very differently; on CPU the cost model (spec.gate.verify_cost)
     decides, which keeps speculation deterministic for a given input."""
     if choice not in ("auto", "on", "off"):
-        raise ValueError(f"levers.spec_measured_gate must be auto, on or off, not '{choice}'")
+        raise ValueError(f"spec.gate.measured must be auto, on or off, not '{choice}'")
     return choice == "on" or (choice == "auto" and backend.name == "cuda")

@@ -34,6 +34,7 @@ import numpy as np
 from kernels_numba.gdn import causal_conv1d, gdn_recurrent, state_norm_clamp
 from metrale.cache.kinds import CacheKind
 from metrale.models.config import ModelConfig
+from metrale.options import StateOptions
 
 from .errors import cu
 from .pool import Arena, align_up
@@ -156,7 +157,7 @@ class DeviceStatePool(CacheKind):
         nbytes, r = cls._budget(backend, n)
         arena = Arena("states", backend.pool["activations"].reserve(nbytes), nbytes, backend.pool._make_array)
         pool = cls(backend.config, backend.weights, arena, backend.stream, num_slots=n, max_seqs=backend.max_seqs,
-                   max_tokens=backend.max_tokens, state_norm_bound=float(backend.cfg.levers.state_norm_bound))
+                   max_tokens=backend.max_tokens, state_norm_bound=StateOptions.of(backend.cfg).norm_bound)
         pool.reserve(num_checkpoints=r.num_checkpoints, max_trail=r.max_trail, num_snapshots=r.num_snapshots,
                      snapshot_every=r.snapshot_every)
         pool.on_realloc = backend.drop_graphs
@@ -235,7 +236,7 @@ class DeviceStatePool(CacheKind):
             raise MemoryError(f"the recurrent-state pool needs {need / 2**20:.1f} MiB for {self.num_slots} slots, "
                               f"{r.num_checkpoints} checkpoints x {r.max_trail} trail tokens, {r.num_snapshots} "
                               f"snapshots and {r.num_staging} staging states; the backend budgeted "
-                              f"{self.arena.capacity / 2**20:.1f} MiB from the config (lower levers.state_snapshots "
+                              f"{self.arena.capacity / 2**20:.1f} MiB from the config (lower state.snapshots "
                               "or scheduler.max_num_seqs)")
         kept = self.tokens[:self.num_slots].copy() if old else np.zeros(self.num_slots, np.int64)
         if old is not None:   # keep the slots' states: copy them out, re-carve, copy them back
@@ -435,7 +436,7 @@ def budget(config: ModelConfig, cfg, num_slots: int, max_seqs: int, max_tokens: 
     drafter is configured, snapshots when prefix caching is on (Engine.__init__ does the same
     arithmetic; a larger request later fails with a message)."""
     spec_k = int(cfg.spec.num_drafts) if str(cfg.spec.method) not in ("none", "", "None") else 0
-    snaps = max(int(cfg.levers.state_snapshots), 0) if cfg.levers.prefix_caching else 0
+    snaps = StateOptions.of(cfg).snapshots if cfg.levers.prefix_caching else 0
     every = block_size * max(1, math.ceil(64 / block_size)) if snaps else 0
     r = Reservation(num_checkpoints=num_slots if spec_k else 0, max_trail=max(16, spec_k + 1),
                     num_snapshots=snaps, snapshot_every=every)
