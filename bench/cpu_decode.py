@@ -35,13 +35,15 @@ def measure(model: str, kernels: str, threads: int, steps: int, prefill: int) ->
     from bench.decode_metrale import decode_tok_s, prefill_tok_s
     from metrale.models.assemble import load_model
     from metrale.settings import compose
+    kernels, _, activations = kernels.partition("_")          # numba_q8: levers.cpu_activations=q8
     cfg = compose([f"model={model}", "device=cpu", f"levers.cpu_kernels={kernels}", f"levers.cpu_threads={threads}",
+                   f"levers.cpu_activations={activations or 'f32'}",
                    "scheduler.max_num_seqs=8", f"scheduler.max_num_batched_tokens={prefill}", "cache.num_blocks=192"])
     t0 = time.perf_counter()
     _, _, backend = load_model(cfg)
     load_s = time.perf_counter() - t0
     backend.max_tokens = prefill
-    out = {"kernels": kernels, "threads": threads, "load_s": load_s,
+    out = {"kernels": kernels, "activations": activations or "f32", "threads": threads, "load_s": load_s,
            "weights_bytes": backend.memory_report()["weights_bytes"]}
     out["decode_b1"] = decode_tok_s(backend, 1, 64, steps=steps)
     out["decode_b8"] = decode_tok_s(backend, 8, 192, steps=max(4, steps // 4))
@@ -149,7 +151,7 @@ def _median(values):
 def summary(rounds: list[dict]) -> dict:
     """Medians over rounds of every tok/s figure, per runner."""
     out: dict = {}
-    for runner in ("numba", "numpy", "llamacpp"):
+    for runner in ("numba", "numba_q8", "numpy", "llamacpp"):
         got = [r[runner] for r in rounds if runner in r and "error" not in r[runner]]
         if not got:
             continue
@@ -171,7 +173,8 @@ def records(s: dict, machine: str, command: str) -> list[dict]:
     peer = s.get("llamacpp", {})
     recs = []
     names = {"decode_b1": "decode batch 1", "decode_b8": "decode batch 8 (aggregate)", "prefill": "prefill 512"}
-    for runner, label in (("numba", "fast path"), ("numpy", "NumPy reference")):
+    for runner, label in (("numba", "fast path"), ("numba_q8", "fast path, 8-bit activations"),
+                          ("numpy", "NumPy reference")):
         fig = s.get(runner)
         if not fig:
             continue
@@ -193,7 +196,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--prefill", type=int, default=512)
-    ap.add_argument("--skip", nargs="*", default=[], choices=["numba", "numpy", "llamacpp", "cli"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["numba", "numba_q8", "numpy", "llamacpp", "cli"])
     ap.add_argument("--out", default="", help="write bench records (bench/records.py) to this directory")
     ap.add_argument("--raw", default="", help="write the rounds and the summary as JSON here")
     ap.add_argument("--ab-fused", action="store_true",
@@ -217,7 +220,7 @@ def main() -> None:
     rounds = []
     for i in range(a.rounds):
         r: dict = {"round": i}
-        for runner in ("numba", "llamacpp", "numpy"):
+        for runner in ("numba", "llamacpp", "numba_q8", "numpy"):
             if runner in a.skip or (runner == "llamacpp" and not a.llamacpp):
                 continue
             t0 = time.perf_counter()

@@ -7,9 +7,11 @@ cpu_layers), so an edit of a callee's file would load stale code; jit.py keys it
 every kernel module, so any CUDA kernel edit (quant_*.py, ...) recompiled every CPU kernel (about
 a minute on 2 cores), and it applied only when something had imported jit.py first. Here a locator
 placed first in Numba's list claims the cpu_*.py files: their cache lives in
-$XDG_CACHE_HOME/metrale/cpu-kernels/ (~/.cache/...) and each index is stamped with a hash of all of
-cpu_*.py, so a change to any of them (and only to them) starts afresh; Numba's index also keys the
-Numba version, Python version, signature and the CPU's name and features.
+$XDG_CACHE_HOME/metrale/cpu-kernels/ (~/.cache/...), whichever checkout they come from, and each
+index is stamped with a hash of all of cpu_*.py, so a change to any of them (and only to them)
+starts afresh (two checkouts of different sources overwrite each other's entries: a recompile,
+never stale code); Numba's index also keys the Numba and Python versions, the signature and the
+CPU's name and features.
 METRALE_KERNEL_CACHE=0 turns the cache off; NUMBA_CACHE_DIR, when set, is left to Numba.
 """
 from __future__ import annotations
@@ -49,7 +51,8 @@ class CpuKernelLocator(caching._CacheLocator):
     def __init__(self, py_func, py_file):
         self._py_file = py_file
         self._lineno = py_func.__code__.co_firstlineno
-        self._cache_path = str(cache_dir() / self.get_suitable_cache_subpath(py_file))
+        self._cache_path = str(cache_dir())     # not keyed by the checkout's path: the stamp is the
+                                                # sources' content, so a fresh clone (CI) finds it
 
     def get_cache_path(self):
         return self._cache_path

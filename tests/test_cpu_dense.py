@@ -91,3 +91,22 @@ def test_fused_layer_falls_back_for_matrices_of_several_kinds(rng):
     assert ops._one_group(qkv) is None
     got = ops.norm_qkv_to_cache(x, norm, qkv, None, 0, None, None)
     np.testing.assert_array_equal(got, NumpyOps.norm_qkv_to_cache(ops, x, norm, qkv, None, 0, None, None))
+
+
+def test_cpu_kernels_cache_under_one_stamp_of_all_cpu_sources():
+    """Every disk-cached CPU kernel is located by cpu_cache's locator (not jit.py's directory, keyed
+    by every kernel module, nor Numba's per-file stamp, blind to cpu_dense's callees elsewhere)."""
+    from numba.core.registry import CPUDispatcher
+
+    from kernels_numba import cpu_cache, cpu_dense, cpu_layers, cpu_quant
+    if not cpu_cache.CACHE:
+        pytest.skip("METRALE_KERNEL_CACHE=0")
+    cached = [f for mod in (cpu_quant, cpu_layers, cpu_dense) for f in vars(mod).values()
+              if isinstance(f, CPUDispatcher) and f._cache.__class__.__name__ == "FunctionCache"]
+    assert len(cached) >= 15
+    for f in cached:
+        loc = f._cache._impl.locator
+        assert isinstance(loc, cpu_cache.CpuKernelLocator), f
+        assert loc.get_source_stamp() == cpu_cache.sources_hash()
+        assert loc.get_cache_path().startswith(str(cpu_cache.cache_dir()))
+    assert {p.name for p in cpu_cache._sources()} >= {"cpu_quant.py", "cpu_layers.py", "cpu_dense.py", "cpu_cache.py"}
