@@ -1,5 +1,6 @@
 """The fast CPU Ops (levers.cpu_kernels=numba): NumpyOps whose products, RMSNorms, silu*mul, RoPE +
-K/V writes and attention run as Numba CPU kernels (kernels_numba/cpu_quant.py, cpu_layers.py),
+K/V writes and attention run as Numba CPU kernels (kernels_numba/cpu_quant.py, cpu_layers.py; a
+dense layer's three fused steps cpu_dense.py),
 reading weights as the loader left them: QuantizedTensor (a GGUF file's blocks, never expanded)
 or float32 arrays. The NumPy backend's own arithmetic (NumpyOps) stays the reference: every
 kernel is tested against it, and levers.cpu_kernels=numpy selects it.
