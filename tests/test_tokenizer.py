@@ -266,10 +266,28 @@ def test_feed_bulk_equals_feeding_one_by_one(tok):
 
 
 def test_unsupported_gguf_model_raises():
-    with pytest.raises(ValueError, match="SentencePiece"):
-        Tokenizer.from_gguf({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["<unk>"]})
+    with pytest.raises(ValueError, match="unigram"):
+        Tokenizer.from_gguf({"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["<unk>"]})
     with pytest.raises(ValueError, match="no tokenizer"):
         Tokenizer.from_gguf({})
+
+
+def test_tiny_sentencepiece_gguf():
+    """SentencePiece BPE ("llama"): U+2581 for spaces (and a leading one with add_space_prefix), the
+    highest-scoring merge first, <0xXX> bytes for characters outside the vocabulary, BOS added."""
+    toks = ["<unk>", "<s>", "</s>", "\u2581", "a", "b", "ab", "\u2581a", "\u2581ab", "<0x41>", "<0x42>"]
+    scores = [0, 0, 0, -1, -2, -3, -5, -4, -6, 0, 0]
+    types = [2, 3, 3, 1, 1, 1, 1, 1, 1, 6, 6]
+    fields = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": toks, "tokenizer.ggml.scores": scores,
+              "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+              "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.add_bos_token": True}
+    tk = Tokenizer.from_gguf(fields)
+    # "▁a" (score -4) merges before "ab" (-5): "▁" + "a" + "b" -> "▁a" "b" -> "▁ab"
+    assert tk.encode("ab ab", add_special_tokens=True) == [1, 8, 8]
+    assert tk.encode("aA") == [7, 9] and tk.decode([7, 9]) == "aA"
+    assert tk.decode([1, 8, 8]) == "ab ab"
+    no_prefix = Tokenizer.from_gguf({**fields, "tokenizer.ggml.add_space_prefix": False})
+    assert no_prefix.encode("ab b") == [6, 3, 5] and no_prefix.decode([6, 3, 5]) == "ab b"
 
 
 def test_tiny_gguf_dict_user_defined_and_bos():

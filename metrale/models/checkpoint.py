@@ -24,9 +24,9 @@ WeightStream = Iterator[tuple[str, np.ndarray]]
 # ----------------------------------------------------------------------------------------- GGUF
 
 def _gguf_reader(path: Path):
-    import gguf
+    from metrale.models.gguf_file import GGUFFile     # gguf.GGUFReader's interface, ~80x faster to open
     try:
-        return gguf.GGUFReader(str(path))
+        return GGUFFile(path)
     except Exception as exc:  # a truncated or foreign file
         raise ValueError(f"cannot read GGUF file {path}: {exc}") from exc
 

@@ -2,6 +2,7 @@
 HF directory (config.json + *.safetensors + tokenizer.json)."""
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,14 @@ def _package_file(package: str, filename: str) -> Path:
     raise ModelNotFoundError(f"'{filename}' not found inside the installed package '{package}'")
 
 
+def _assembled_file(package: str) -> Path:
+    """The GGUF a chunked model package assembles (its `assemble()`: written once, then checked)."""
+    if importlib.util.find_spec(package) is None:
+        raise ModelNotFoundError(f"the package '{package}' that holds this model is not installed; "
+                                 f"install it with: pip install {package.replace('_', '-')}")
+    return Path(importlib.import_module(package).assemble())
+
+
 def resolve_model(name_or_path: str) -> ModelSource:
     if not name_or_path or not str(name_or_path).strip():
         raise ModelNotFoundError("model is empty: give a preset name or a path")
@@ -50,6 +59,8 @@ def resolve_model(name_or_path: str) -> ModelSource:
         source = preset.get("source")
         if source == "package":
             return ModelSource("gguf", _package_file(preset["package"], preset["file"]), preset, name_or_path)
+        if source == "assembled":      # a package that assembles its GGUF from chunk packages
+            return ModelSource("gguf", _assembled_file(preset["package"]), preset, name_or_path)
         if source == "random":
             return ModelSource("random", None, preset, name_or_path)
         if source in ("gguf", "hf"):

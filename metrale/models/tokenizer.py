@@ -2,8 +2,8 @@
 
 One `Tokenizer` class wraps a Hugging Face `tokenizers.Tokenizer` (Rust, fast); it is built either
 from a GGUF file's metadata (`from_gguf`, `from_gguf_path`) or from a Hugging Face model directory
-(`from_pretrained_dir`). Only byte-level BPE vocabularies (GGUF `tokenizer.ggml.model == "gpt2"`) are
-built from GGUF so far; SentencePiece ("llama"), unigram ("t5") and others raise `ValueError`.
+(`from_pretrained_dir`). Byte-level BPE (GGUF `tokenizer.ggml.model == "gpt2"`) and SentencePiece BPE
+("llama": Gemma, Llama-2 style) vocabularies are built from GGUF; unigram ("t5") and others raise `ValueError`.
 
 The pre-tokenizer for a GGUF follows llama.cpp's `tokenizer.ggml.pre` table (llama-vocab.cpp), which
 is what the model's own `tokenizer.json` does. For "smollm" (and starcoder, refact, command-r,
@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _HFTokenizer
 
 __all__ = ["Tokenizer", "IncrementalDecoder", "read_gguf_fields", "bytes_to_unicode"]
@@ -404,9 +404,8 @@ class Tokenizer:
         model = fields.get("tokenizer.ggml.model")
         if model is None:
             raise ValueError("GGUF metadata has no tokenizer (tokenizer.ggml.model is missing)")
-        if model != "gpt2":
+        if model not in ("gpt2", "llama"):
             kinds = {
-                "llama": "SentencePiece BPE ('llama')",
                 "t5": "unigram ('t5')",
                 "bert": "WordPiece ('bert')",
                 "rwkv": "RWKV",
@@ -415,8 +414,8 @@ class Tokenizer:
             kind = kinds.get(model, repr(model))
             raise ValueError(
                 f"GGUF tokenizer.ggml.model={model!r}: {kind} vocabularies are not supported yet; "
-                "only byte-level BPE ('gpt2') GGUF tokenizers can be built. Load the model from a "
-                "Hugging Face directory (tokenizer.json) instead."
+                "only byte-level BPE ('gpt2') and SentencePiece BPE ('llama') GGUF tokenizers can be built. "
+                "Load the model from a Hugging Face directory (tokenizer.json) instead."
             )
 
         tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
@@ -455,25 +454,28 @@ class Tokenizer:
                 if not set(tok) <= alphabet:
                     tok = "".join(b2u[b] for b in tok.encode("utf-8"))
                 vocab[tok] = i
-        merges = []
-        for m in merges_raw:
-            a, sep, b = m.partition(" ")
-            if not sep:
-                raise ValueError(f"malformed GGUF merge {m!r}")
-            merges.append((a, b))
+        if model == "llama":
+            tk, special, user_defined = _spm_tokenizer(fields, tokens, token_types, special_ids)
+        else:
+            merges = []
+            for m in merges_raw:
+                a, sep, b = m.partition(" ")
+                if not sep:
+                    raise ValueError(f"malformed GGUF merge {m!r}")
+                merges.append((a, b))
 
-        key = (pre or "default").lower()
-        bpe = models.BPE(
-            vocab=vocab,
-            merges=merges,
-            fuse_unk=False,
-            byte_fallback=False,
-            ignore_merges=key in _IGNORE_MERGES_PRE,
-        )
-        tk = _HFTokenizer(bpe)
-        tk.normalizer = None
-        tk.pre_tokenizer = _byte_level_pre_tokenizer(pre)
-        tk.decoder = decoders.ByteLevel()
+            key = (pre or "default").lower()
+            bpe = models.BPE(
+                vocab=vocab,
+                merges=merges,
+                fuse_unk=False,
+                byte_fallback=False,
+                ignore_merges=key in _IGNORE_MERGES_PRE,
+            )
+            tk = _HFTokenizer(bpe)
+            tk.normalizer = None
+            tk.pre_tokenizer = _byte_level_pre_tokenizer(pre)
+            tk.decoder = decoders.ByteLevel()
         if special:
             tk.add_special_tokens(special)
         if user_defined:
@@ -492,16 +494,22 @@ class Tokenizer:
             if add_eos and eos_id != bos_id:
                 sp.append((tokens[eos_id], eos_id))
             tk.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=sp)
-        else:
+        elif model == "gpt2":
             tk.post_processor = processors.ByteLevel(trim_offsets=False)
 
+        template = fields.get("tokenizer.chat_template")
+        if template is None and model == "llama" and "<start_of_turn>" in vocab:
+            # Gemma GGUFs often ship without their template: an instruction-tuned one gets Gemma's turns;
+            # a pretrained one (no general.finetune) never saw them and answers a plain transcript
+            tuned = any(k in str(fields.get("general.finetune", "")).lower() for k in ("it", "instruct", "chat"))
+            template = GEMMA_CHAT_TEMPLATE if tuned else TRANSCRIPT_CHAT_TEMPLATE
         return cls(
             tk,
             bos_token=tokens[bos_id] if bos_id is not None else None,
             eos_token=tokens[eos_id] if eos_id is not None else None,
             pad_token=tokens[pad_id] if pad_id is not None else None,
             extra_eos_token_ids=[i for i in (eot_id, eom_id) if i is not None],
-            chat_template=fields.get("tokenizer.chat_template"),
+            chat_template=template,
             add_bos_token=add_bos,
             add_eos_token=add_eos,
         )
@@ -509,9 +517,9 @@ class Tokenizer:
     @classmethod
     def from_gguf_path(cls, path: str | os.PathLike) -> Tokenizer:
         """Open a GGUF file and build its tokenizer (reads only metadata; tensors stay memory-mapped)."""
-        import gguf
+        from metrale.models.gguf_file import GGUFFile
 
-        return cls.from_gguf(read_gguf_fields(gguf.GGUFReader(os.fspath(path), "r"), skip_header=True))
+        return cls.from_gguf(read_gguf_fields(GGUFFile(os.fspath(path)), skip_header=True))
 
     @classmethod
     def from_pretrained_dir(cls, path: str | os.PathLike) -> Tokenizer:
@@ -601,6 +609,70 @@ class Tokenizer:
 # vLLM: INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET; a few tokens of context before the read offset
 # make decoders that strip a leading space (Metaspace) or merge bytes across tokens behave.
 _PREFIX_WINDOW = 5
+
+
+# Gemma's turn format (its HF chat template, text only); BOS comes from the tokenizer's post-processor
+GEMMA_CHAT_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
+
+
+# A pretrained model's "chat": the conversation as a plain transcript, ending where the assistant speaks
+TRANSCRIPT_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}{{ message['content'] | trim }}{{ '\\n\\n' }}"
+    "{%- else -%}{{ ('User: ' if message['role'] == 'user' else 'Assistant: ') + (message['content'] | trim) + '\\n' }}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ 'Assistant:' }}{%- endif -%}"
+)
+
+
+def _spm_tokenizer(fields: Mapping[str, Any], tokens: list[str], token_types: Sequence[int], special_ids: set[int]):
+    """(HF tokenizer, special, user-defined added tokens) of a SentencePiece BPE GGUF vocabulary
+    (tokenizer.ggml.model == "llama"), as llama.cpp's SPM tokenizer reads it: spaces become U+2581
+    (plus one in front with add_space_prefix, default true), no pre-splitting, the adjacent pair
+    whose merged piece scores highest merges first (merges ranked by that score), characters
+    outside the vocabulary fall back to the <0xXX> byte tokens."""
+    scores = fields.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    vocab: dict[str, int] = {}
+    special: list[AddedToken] = []
+    user_defined: list[AddedToken] = []
+    normal: dict[str, float] = {}
+    for i, (tok, tt) in enumerate(zip(tokens, token_types)):
+        if tok in vocab:                       # a duplicate piece text: the first id keeps it
+            continue
+        vocab[tok] = i
+        if tt == TOKEN_TYPE_CONTROL or (i in special_ids and tt != TOKEN_TYPE_USER_DEFINED):
+            special.append(AddedToken(tok, special=True, normalized=False))
+        elif tt == TOKEN_TYPE_USER_DEFINED:
+            user_defined.append(AddedToken(tok, special=False, normalized=False))
+        elif tt == TOKEN_TYPE_NORMAL:
+            normal[tok] = float(scores[i])
+    ranked = []
+    for tok, score in normal.items():
+        for k in range(1, len(tok)):
+            a, b = tok[:k], tok[k:]
+            if a in normal and b in normal:
+                ranked.append((-score, vocab[a], vocab[b], a, b))
+    ranked.sort()
+    bpe = models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in ranked], fuse_unk=False, byte_fallback=True,
+                     unk_token=None)
+    tk = _HFTokenizer(bpe)
+    prefix = bool(fields.get("tokenizer.ggml.add_space_prefix", True))
+    steps = ([normalizers.Prepend("\u2581")] if prefix else []) + [normalizers.Replace(" ", "\u2581")]
+    tk.normalizer = normalizers.Sequence(steps)
+    tk.pre_tokenizer = None
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tk.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return tk, special, user_defined
 
 
 class IncrementalDecoder:
