@@ -3,7 +3,10 @@ forward replaced by a zero-cost stub (the next token is a function of the last),
 the scheduler, batch building, sampling bookkeeping, detokenization and (with --spec) the
 speculator. CPU, no GPU needed.
 
-    python -m bench.host_loop --batch 32 --tokens 64 [--spec ngram] [--profile]
+    python -m bench.host_loop --batch 32 --tokens 64 [--spec ngram] [--ahead] [--profile]
+
+--ahead runs the loop a step ahead (levers.overlap, metrale/overlap.py) as the CUDA backend does:
+decode steps are built by AheadLoop._launch and read a step late (the stub computes at once).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=100, help="prompt tokens a request")
     ap.add_argument("--spec", default=None, help="ngram: every draft accepted (a cycle of 7 tokens)")
+    ap.add_argument("--ahead", action="store_true", help="the loop a step ahead, as on CUDA")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     from metrale import Engine, SamplingParams
@@ -35,6 +39,15 @@ def main() -> None:
         t = np.asarray(batch.token_ids)[batch.logits_indices]
         return ((t - 5 + 1) % 7 + 5).astype(np.int32)
     eng.backend.forward_greedy = next_tokens
+    if args.ahead:
+        from metrale.overlap import AheadLoop
+        from metrale.runtime.backend import ReadyTokens, feed_tokens
+
+        def launch_greedy(batch, prev=None, token_src=None):
+            feed_tokens(batch, prev, token_src)
+            return ReadyTokens(next_tokens(batch))
+        eng.backend.launch_greedy = launch_greedy
+        eng.ahead = AheadLoop(eng)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(5, V - 5, args.prompt) for _ in range(args.batch)]
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
@@ -44,7 +57,8 @@ def main() -> None:
     eng.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t
     steps = eng.stats["steps"] - steps
-    print(f"{args.batch} x {args.tokens} tokens{' spec ' + args.spec if args.spec else ''}: {dt * 1e3:.1f} ms "
+    print(f"{args.batch} x {args.tokens} tokens{' spec ' + args.spec if args.spec else ''}"
+          f"{' ahead (' + str(eng.ahead.steps_ahead) + ' steps queued ahead)' if args.ahead else ''}: {dt * 1e3:.1f} ms "
           f"host time, {steps} steps, {dt / steps * 1e3:.2f} ms a step")
     if args.profile:
         prof = cProfile.Profile()

@@ -322,8 +322,11 @@ class Engine:
         deltas = []
         for a in self.scheduler.postprocess(out, self.requests):
             self.stats["generated_tokens"] += a.appended
-            rid = a.state.seq.request_id
-            deltas.append(self._finish_delta(rid, a.reason) if a.reason is not None else self._delta(a.state))
+            st = a.state
+            if a.reason is not None:
+                deltas.append(self._finish_delta(st.seq.request_id, a.reason))
+            elif not (st.output_only and st.group is None and st.on_first_delta is None):
+                deltas.append(self._delta(st))     # (generate()'s own requests: read whole at their end)
         return deltas
 
     def _delta(self, state: RequestState) -> StreamDelta:

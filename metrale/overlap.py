@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from metrale.runner import StepOutput
-from metrale.runtime.batch import Segment, build_batch
+from metrale.runtime.batch import build_decode_batch
 from metrale.sampling.sampler import Drawn
 from metrale.scheduler.scheduler import ScheduledSeq
 from metrale.scheduler.sequence import Sequence
@@ -113,9 +113,8 @@ class AheadLoop:
         """The step after `cur`: each row's input is its sequence's pending token (at position
         num_tokens, not yet known to the host), fed from cur's row."""
         e = self.engine
-        segments = [Segment(np.zeros(1, np.int32), s.num_tokens, np.asarray(s.block_table, dtype=np.int32))
-                    for _, s in rows]
-        batch = build_batch(segments, e.blocks.block_size)
+        positions = np.fromiter((s.num_tokens for _, s in rows), dtype=np.int32, count=len(rows))
+        batch = build_decode_batch(positions, [s.block_table for _, s in rows], e.blocks.block_size)
         if e.step_log is not None:
             e.step_log.append((len(rows), int(batch.context_lens.sum())))
         src = np.fromiter((i for i, _ in rows), dtype=np.int32, count=len(rows))

@@ -30,10 +30,16 @@ class RequestState:
         self.eos_ids = set(eos_ids)
         self.stops = self.params.stop_strings
         self.text_at_end = text_at_end and not self.stops
+        self.output_only = text_at_end      # its reader takes output() at the end, no step's delta
         self._undecoded: list[int] = []     # tokens appended but not yet fed to the decoder (text_at_end)
         self.holdback = max((len(s) for s in self.stops), default=1) - 1
         self.max_model_len = max_model_len
         self.sampling = SamplingState(self.params, seq.prompt_token_ids, tokenizer, eos_ids)  # seed, penalties, grammar, logprobs
+        # the same answer at every step when nothing that changes with the tokens drawn (min_tokens,
+        # a grammar, a forced tool call) enters it: the step loop then asks no per-row questions
+        fixed = self.params.min_tokens == 0 and self.sampling.grammar is None and not self.params.require_tool_call
+        self.always_plain_greedy = fixed and self.sampling.plain_greedy(False)
+        self.always_device_drawn = fixed and (self.always_plain_greedy or self.sampling.device_only(False))
         self.text = ""          # all text decoded so far (stop string excluded once found)
         self.stop_reason: int | str | None = None   # as vLLM: the stop string or stop token id that ended it (EOS: None)
         self.emitted = 0        # characters of self.text already streamed

@@ -41,3 +41,18 @@ def test_build_batch_matches_the_definition(seed):
                                             b.slot_mapping, b.context_lens, b.seq_query_start))
     with pytest.raises(ValueError, match="block table"):
         build_batch([Segment(np.zeros(5, np.int32), 0, np.zeros(1, np.int32))], bs)
+
+
+def test_decode_batch_equals_build_batch_of_one_token_segments():
+    from metrale.runtime.batch import Segment, build_batch, build_decode_batch
+    rng = np.random.default_rng(5)
+    bs = 4
+    tables = [list(rng.permutation(40)[:n]) for n in (1, 3, 7, 2)]
+    positions = np.array([2, 9, 27, 4], np.int32)
+    got = build_decode_batch(positions, tables, bs)
+    want = build_batch([Segment(np.zeros(1, np.int32), int(p), np.asarray(t, np.int32)) for p, t in zip(positions, tables)], bs)
+    for name in ("token_ids", "positions", "slot_mapping", "token_seq", "seq_query_start", "context_lens",
+                 "block_tables", "logits_indices", "state_slots", "state_checkpoints"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    with pytest.raises(ValueError, match="segment 1 covers 13 positions but its block table has 3 blocks"):
+        build_decode_batch(np.array([2, 12], np.int32), tables[:2], bs)

@@ -68,7 +68,7 @@ class Sampler:
 
     # ------------------------------------------------------------------ the step
     def plain_greedy(self, states) -> bool:
-        return all(st.sampling.plain_greedy(st.eos_masked) for st in states)
+        return all(st.always_plain_greedy or st.sampling.plain_greedy(st.eos_masked) for st in states)
 
     def start_masks(self, states) -> None:
         rows = [(r, st.sampling.grammar) for r, st in enumerate(states)
@@ -184,7 +184,8 @@ class Sampler:
 
     def can_run_ahead(self, states) -> bool:
         """Every row's next tokens come from the device alone (metrale/overlap.py)."""
-        return all(st.sampling.plain_greedy(st.eos_masked) or st.sampling.device_only(st.eos_masked) for st in states)
+        return all(st.always_device_drawn or st.sampling.plain_greedy(st.eos_masked)
+                   or st.sampling.device_only(st.eos_masked) for st in states)
 
     def launch_ahead(self, logits, states, step_ahead: int, feed=None):
         """The pipeline over device-only rows, queued without waiting; `ahead_drawn(handle)` gives

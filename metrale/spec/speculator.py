@@ -55,6 +55,8 @@ class RowView:
     sampling: SamplingState
     stop_ids: set[int]
     eos_masked: bool
+    always_plain_greedy: bool = False    # the sampler then asks sampling.plain_greedy(eos_masked)
+    always_device_drawn: bool = False
 
 
 def lookahead(state, draft: list[int]) -> list:
