@@ -182,3 +182,56 @@ def test_moe_families_on_cuda_are_refused_naming_what_is_missing(name, family):
     assert f.name == family
     with pytest.raises(ValueError, match="NumPy backend only so far .*MoE layers.*use device=cpu"):
         f.cuda_part()
+
+
+# ----------------------------------------------------------------------------- GGUF conversions
+
+GGUF = MANIFEST.get("gguf", {})          # stem -> {case, type, file, quantization_rel_err}
+
+
+def gguf_backend(stem: str, tmp_path) -> "object":
+    import gzip
+    from metrale.models.checkpoint import load_gguf
+    from metrale.runtime.numpy_backend import NumpyBackend
+    path = FIXTURES / "gguf" / GGUF[stem]["file"]
+    if path.suffix == ".gz":                 # F32 files are stored gzipped
+        path = tmp_path / path.stem
+        path.write_bytes(gzip.decompress((FIXTURES / "gguf" / GGUF[stem]["file"]).read_bytes()))
+    config, _, stream = load_gguf(path)
+    return NumpyBackend(config, stream(), num_blocks=-(-len(IDS) // BLOCK), block_size=BLOCK, dtype="float64")
+
+
+def source_logits(case: str) -> np.ndarray:
+    src = FIXTURES / case / "logits.npy"
+    return np.load(src if src.exists() else FIXTURES / "gguf" / f"{case}.logits.npy").astype(np.float64)
+
+
+def test_gguf_fixtures_cover_the_types_and_architectures():
+    assert {e["type"] for e in GGUF.values()} == {"F32", "Q8_0", "Q4_0", "Q4_K"}
+    archs = set()
+    for stem in GGUF:
+        import gguf
+        path = FIXTURES / "gguf" / GGUF[stem]["file"]
+        if path.suffix != ".gz":
+            archs.add(str(gguf.GGUFReader(str(path)).fields["general.architecture"].contents()))
+    assert archs == {"llama", "qwen3", "gemma3"}
+
+
+@pytest.mark.parametrize("stem", sorted(GGUF))
+def test_gguf_conversion_matches_transformers(stem, tmp_path):
+    """llama.cpp's conversion read by metrale's GGUF loader: the logits of transformers on the file's
+    dequantized tensors to float precision, and the source checkpoint's within what quantization
+    alone moves them (transformers' own distance, plus float noise)."""
+    entry = GGUF[stem]
+    got = run(gguf_backend(stem, tmp_path), [(0, 5), (5, 12)] + [(p, p + 1) for p in range(12, len(IDS))])
+    deq = np.load(FIXTURES / "gguf" / f"{stem}.logits.npy").astype(np.float64)
+    assert rel_err(got, deq) < 1e-5
+    assert rel_err(got, source_logits(entry["case"])) <= 1.05 * entry["quantization_rel_err"] + 1e-5
+
+
+def test_gemma3_gguf_config_as_llama_cpp_reads_it(tmp_path):
+    be = gguf_backend("gemma3_swa6.Q8_0", tmp_path)
+    c = be.config
+    assert c.architecture == "gemma3" and c.sliding_layers == (True,) * 5 + (False,) and c.sliding_window == 8
+    assert (c.rope_theta, c.local_rope_theta, c.query_pre_attn_scalar, c.rope_interleaved) == (1e6, 1e4, 16.0, False)
+    assert be.family.name == "gemma3"

@@ -87,10 +87,11 @@ VARIANTS: dict[str, tuple[str, dict, str]] = {
                                                linear_key_head_dim=16, linear_value_head_dim=16,
                                                linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
                                                moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                                               norm_topk_prob=True, mlp_only_layers=[], tie_word_embeddings=False,
+                                               norm_topk_prob=True, mlp_only_layers=[0], tie_word_embeddings=False,
                                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                                 "partial_rotary_factor": 0.25}),
-                       "hybrid with MoE layers: top-2 of 8 experts plus a sigmoid-gated shared expert"),
+                       "hybrid with a MoE layer (layer 0 dense: mlp_only_layers): top-2 of 8 experts plus a "
+                       "sigmoid-gated shared expert"),
     "gemma3": ("Gemma3TextConfig", dict(GEMMA, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                                         query_pre_attn_scalar=24, final_logit_softcapping=30.0, rope_parameters={
                                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -99,11 +100,31 @@ VARIANTS: dict[str, tuple[str, dict, str]] = {
                "Gemma 3: sandwich norms (1 + w), q/k norm, window 8 on sliding layers, RoPE per layer type "
                "(local default, global linear), query_pre_attn_scalar != head_dim, scaled embeddings, "
                "GELU-tanh MLP, final logit softcapping"),
-    "gemma3_legacy": ("Gemma3TextConfig", dict(GEMMA, sliding_window_pattern=2, rope_theta=1e6,
-                                               rope_local_base_freq=1000.0, query_pre_attn_scalar=32),
+    "gemma3_legacy": ("Gemma3TextConfig", dict(GEMMA, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                               num_key_value_heads=1, head_dim=16, sliding_window_pattern=2,
+                                               rope_theta=1e6, rope_local_base_freq=1000.0, query_pre_attn_scalar=16),
                       "Gemma 3 config of transformers 4 (rewritten after saving): rope_theta, rope_local_base_freq, "
                       "sliding_window_pattern instead of rope_parameters / layer_types"),
+    "gemma3_swa6": ("Gemma3TextConfig", dict(GEMMA, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                                             num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                             query_pre_attn_scalar=16, rope_parameters={
+                                                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                 "full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
+                    "Gemma 3 as llama.cpp's gemma3 GGUFs can say it (5 sliding layers then a global one, "
+                    "query_pre_attn_scalar = head_dim): the source of the gemma3 GGUF fixtures"),
+    "llama_q4k": ("LlamaConfig", dict(BASE, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                      rope_parameters=LLAMA3),
+                  "every matrix 256 wide (K-quant blocks): the source of the Q4_K GGUF fixture; its checkpoint "
+                  "(2 MB) is not stored, only the GGUF and both references"),
 }
+
+# HF checkpoints that only feed GGUF fixtures (not stored; their logits are)
+GGUF_ONLY = ("llama_q4k",)
+# case -> llama.cpp types of its GGUF fixtures (F32 by convert_hf_to_gguf.py, the rest by llama-quantize --pure
+# from that F32 file); F32 files are stored gzipped
+GGUF_TYPES = {"llama_tied_llama3": ("F32", "Q8_0", "Q4_0"), "qwen3_qknorm": ("Q8_0",),
+              "gemma3_swa6": ("F32", "Q8_0", "Q4_0"), "llama_q4k": ("Q4_K",)}
 
 # keys transformers 5 writes that a config of an older version would not have: dropped so the
 # stored config.json also checks that metrale's defaults for absent keys match transformers'
@@ -194,35 +215,147 @@ def reload_logits(path: Path, ids: list[int]):
     return logits_of(model, ids)
 
 
+# ------------------------------------------------------------------------------- GGUF fixtures
+
+# Runs llama.cpp's convert_hf_to_gguf.py with its own gguf-py; the conformance checkpoints have no
+# tokenizer, so its vocabulary readers are replaced by a dummy one of vocab_size tokens (the tensors,
+# names, permutations and metadata are the converter's own)
+CONVERT = r"""
+import sys
+from pathlib import Path
+lcpp, src, dst = sys.argv[1:4]
+sys.path.insert(0, lcpp)
+sys.path.insert(1, str(Path(lcpp) / "gguf-py"))
+import conversion.base as base
+def dummy_vocab(self, *args, **kwargs):
+    n = int(self.hparams["vocab_size"])
+    self.gguf_writer.add_tokenizer_model("gpt2")
+    self.gguf_writer.add_tokenizer_pre("default")
+    self.gguf_writer.add_token_list([f"<t{i}>" for i in range(n)])
+    self.gguf_writer.add_token_types([1] * n)
+    self.gguf_writer.add_token_merges([])
+for name in ("set_vocab", "_set_vocab_sentencepiece", "_set_vocab_llama_hf", "_set_vocab_gpt2"):
+    setattr(base.TextModel, name, dummy_vocab)
+import conversion
+for cls in list(vars(conversion).values()):
+    if isinstance(cls, type) and issubclass(cls, base.TextModel) and "set_vocab" in vars(cls):
+        cls.set_vocab = dummy_vocab
+sys.argv = ["convert_hf_to_gguf.py", src, "--outfile", dst, "--outtype", "f32"]
+import convert_hf_to_gguf
+convert_hf_to_gguf.main()
+"""
+
+
+def gguf_files(lcpp: Path, hf_dir: Path, name: str, out: Path) -> dict[str, Path]:
+    """type -> the GGUF llama.cpp makes of hf_dir (F32 by its converter, the others quantized from it)."""
+    import subprocess
+    import sys
+    import tempfile
+    tmp = Path(tempfile.mkdtemp())
+    src = tmp / name
+    shutil.copytree(hf_dir, src)
+    vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+    # Gemma's converter trims token_embd to the tokenizer.json's vocabulary: one of vocab_size entries
+    (src / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {f"<t{i}>": i for i in range(vocab)}},
+                                                    "added_tokens": []}))
+    f32 = tmp / f"{name}.F32.gguf"
+    subprocess.run([sys.executable, "-c", CONVERT, str(lcpp), str(src), str(f32)], check=True)
+    files = {"F32": f32}
+    quantize = lcpp / "build" / "bin" / "llama-quantize"
+    for kind in GGUF_TYPES[name]:
+        if kind != "F32":
+            files[kind] = tmp / f"{name}.{kind}.gguf"
+            subprocess.run([str(quantize), "--pure", str(f32), str(files[kind]), kind], check=True,
+                           stdout=subprocess.DEVNULL)
+    return {k: v for k, v in files.items() if k in GGUF_TYPES[name]}
+
+
+def dequantized_logits(hf_dir: Path, gguf_path: Path, ids: list[int]):
+    """transformers on the GGUF's dequantized tensors, mapped back to HF names by transformers' own GGUF
+    reader (un-permuted Q/K, Gemma norms less 1), in the model of hf_dir's config.json (the GGUF's
+    RoPE metadata is not what transformers reads: the source config is)."""
+    import torch
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
+                                                              attn_implementation="eager")
+    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict({k: torch.as_tensor(v, dtype=torch.float32)
+                                                 for k, v in tensors.items()}, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise SystemExit(f"{gguf_path.name}: GGUF tensors do not fit the model: missing {missing}, "
+                         f"unexpected {unexpected}")
+    model.tie_weights()
+    model.eval()
+    return logits_of(model, ids)
+
+
+def make_gguf_fixtures(lcpp: Path, out: Path, names: list[str], ids: list[int], manifest: dict, sources: dict) -> None:
+    import gzip
+    import numpy as np
+    gdir = out / "gguf"
+    gdir.mkdir(exist_ok=True)
+    entries = manifest.setdefault("gguf", {})
+    for name in names:
+        hf_dir = sources[name]
+        ref = np.load(hf_dir / "logits.npy")
+        for kind, path in gguf_files(lcpp, hf_dir, name, out).items():
+            deq = dequantized_logits(hf_dir, path, ids)
+            stem = f"{name}.{kind}"
+            if kind == "F32":
+                (gdir / f"{stem}.gguf.gz").write_bytes(gzip.compress(path.read_bytes(), 9, mtime=0))
+            else:
+                shutil.copy(path, gdir / f"{stem}.gguf")
+            np.save(gdir / f"{stem}.logits.npy", deq.astype(np.float32))
+            err = float(np.abs(deq - ref).max() / np.abs(ref).max())
+            entries[stem] = {"case": name, "type": kind, "file": f"{stem}.gguf" + (".gz" if kind == "F32" else ""),
+                             "quantization_rel_err": err}
+            print(f"{stem}: transformers on the dequantized GGUF vs the source checkpoint: rel err {err:.2e}")
+        if name in GGUF_ONLY:
+            shutil.copy(hf_dir / "logits.npy", gdir / f"{name}.logits.npy")
+
+
 def main() -> None:
     import numpy as np
     import transformers
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "tests/fixtures/conformance"))
     ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--llama-cpp", default=None, help="a llama.cpp source tree (convert_hf_to_gguf.py, gguf-py, "
+                    "conversion/) with build/bin/llama-quantize: also writes the GGUF fixtures")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ids = [int(i) for i in np.random.default_rng(SEED).integers(3, VOCAB, NUM_TOKENS)]
     manifest_path = out / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {"cases": {}}
+    sources = {}
     for k, name in enumerate(VARIANTS):
         if args.only and name not in args.only:
             continue
         model = build(name, SEED + k)
         ref = logits_of(model, ids)
-        save(model, name, out / name)
-        again = reload_logits(out / name, ids)
+        path = out / name if name not in GGUF_ONLY else Path(__import__("tempfile").mkdtemp()) / name
+        save(model, name, path)
+        again = reload_logits(path, ids)
         diff = float(np.abs(again - ref).max())
         if diff > 1e-5 * float(np.abs(ref).max()):
             raise SystemExit(f"{name}: the saved checkpoint gives other logits (max diff {diff})")
-        np.save(out / name / "logits.npy", ref.astype(np.float32))
-        manifest["cases"][name] = {"class": VARIANTS[name][0], "exercises": VARIANTS[name][2],
-                                   "logits_abs_max": float(np.abs(ref).max())}
+        np.save(path / "logits.npy", ref.astype(np.float32))
+        sources[name] = path
+        if name not in GGUF_ONLY:
+            manifest["cases"][name] = {"class": VARIANTS[name][0], "exercises": VARIANTS[name][2],
+                                       "logits_abs_max": float(np.abs(ref).max())}
         print(f"{name}: logits |max| {np.abs(ref).max():.3f}, reload diff {diff:.2e}")
+    if args.llama_cpp:
+        make_gguf_fixtures(Path(args.llama_cpp), out, [n for n in GGUF_TYPES if n in sources], ids, manifest, sources)
     manifest.update({"transformers": transformers.__version__, "token_ids": ids,
                      "note": "transformers float32 eager logits [tokens, vocab] of token_ids, per case logits.npy"})
     manifest["cases"] = {k: manifest["cases"][k] for k in VARIANTS if k in manifest["cases"]}
+    if "gguf" in manifest:
+        manifest["gguf_note"] = ("gguf/<case>.<type>.gguf: llama.cpp's convert_hf_to_gguf.py (F32, stored gzipped) "
+                                 "and llama-quantize --pure; <case>.<type>.logits.npy: transformers on the file's "
+                                 "dequantized tensors in the source config's model")
     manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
 
 

@@ -64,3 +64,17 @@ def test_deepseek_v3_default_routing_on_cuda(v3_defaults):
     ids = list(range(20, 57))
     a, b = last_logits(be, ids), last_logits(twin, ids)
     assert np.isfinite(a).all() and rel_err(a, b) < 2e-2
+
+
+# ---- families the CUDA backend does not run yet (issue 20 item 3): refused at load, naming what is missing
+
+CONFORMANCE = __import__("pathlib").Path(__file__).parents[1] / "fixtures" / "conformance"
+
+
+@pytest.mark.parametrize("case, missing", [("gemma3", "sandwich norms"), ("qwen3_moe", "MoE layers"),
+                                           ("qwen3_next_moe", "MoE layers of hybrid models")])
+def test_numpy_only_families_are_refused_on_cuda(case, missing):
+    from metrale.models.assemble import _load_hf, make_backend
+    config, _, stream = _load_hf(CONFORMANCE / case)
+    with pytest.raises(ValueError, match=f"NumPy backend only so far .*{missing}.*use device=cpu"):
+        make_backend("cuda", dense_cfg(64), config, stream)
