@@ -71,23 +71,24 @@ class AheadLoop:
         e = self.engine
         if e.scheduler.waiting:
             return None
-        rows = []
+        rows, requests, sampler, context_len = [], e.requests, e.sampler, e.context_len
         for i, seq in enumerate(cur.seqs):
-            state = e.requests.get(seq.request_id)
-            if seq.is_finished or state is None or self._ends_with_pending(seq):
-                continue                      # it ends at cur: no row after it
-            if not e.sampler.can_run_ahead([state]):
+            state = requests.get(seq.request_id)
+            if seq.is_finished or state is None:
+                continue                      # it ended at cur: no row after it
+            n = seq.num_tokens
+            max_tokens = seq.params.max_tokens
+            if (max_tokens is not None and len(seq.output_token_ids) + 1 >= max_tokens) or n + 1 >= context_len:
+                continue                      # the token cur computes ends it by length
+            if not (state.always_device_drawn or sampler.can_run_ahead([state])):
                 return None
             rows.append((i, seq))
-        if not rows or not all(e.blocks.grow(s, s.num_tokens + 1) for _, s in rows):
+        if not rows:
+            return None
+        grow, bs = e.blocks.grow, e.blocks.block_size
+        if not all(len(s.block_table) * bs > s.num_tokens or grow(s, s.num_tokens + 1) for _, s in rows):
             return None
         return rows
-
-    def _ends_with_pending(self, seq: Sequence) -> bool:
-        """Whether the token cur computes for seq ends it by length (max_tokens, the context)."""
-        n_out = len(seq.output_token_ids) + 1
-        max_tokens = seq.params.max_tokens
-        return (max_tokens is not None and n_out >= max_tokens) or seq.num_tokens + 1 >= self.engine.context_len
 
     # ------------------------------------------------------------------ the loop
     def start(self, step) -> StepOutput:
