@@ -722,7 +722,10 @@ class CudaBackend(Backend):
             size = next(s for s in self.graph_sizes if s >= T)
             bucket = max(MIN_GRAPH_CONTEXT, 1 << (max_ctx - 1).bit_length())
             return Geometry(size, size, size, min(bucket, self.max_model_len), 1, num_layers), True
-        if self.mixed_graphs and batch.max_query_len >= self.prefill_min_tokens:
+        # prefill / mixed steps (any segment of several tokens the decode graphs did not take: short
+        # ones too, beyond the decode ladder): a bucket whose query length is at least the prefill
+        # attention kernel's minimum, so its forward runs that kernel for every segment
+        if self.mixed_graphs and batch.max_query_len >= 2:
             b = mixed_bucket(T, S, R, batch.max_query_len, ladder=self.mixed_ladder, max_seqs=self.max_seqs,
                              max_rows=self.max_rows, prefill_min_tokens=self.prefill_min_tokens)
             if b is not None:   # the prefill attention path reads no context length: max_context 0

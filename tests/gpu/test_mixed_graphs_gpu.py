@@ -186,3 +186,22 @@ def test_short_prefills_replay_the_decode_graphs(pair):
     y = off.generate([short, short[:5]], p, use_tqdm=False)
     assert [len(o.token_ids) for o in x] == [8, 8]
     assert [o.token_ids[0] for o in x] == [o.token_ids[0] for o in y]     # later ones may part at a near-tie
+
+
+def test_many_short_prompts_take_a_mixed_bucket(pair):
+    """Short prompts beyond the decode ladder (20 prompts of 20 tokens: 400 tokens > 256) take a
+    mixed bucket (its query length the prefill kernel's minimum) instead of an eager step."""
+    on, off = pair
+    bs = on.backend.block_size
+    rng = np.random.default_rng(12)
+    segs = [Segment(rng.integers(0, 49152, 20).astype(np.int32), 0, np.array([2 * i + 1, 2 * i + 2], np.int32), "last")
+            for i in range(20)]
+    batch = build_batch(segs, bs)
+    g, graphed = on.backend._geometry(batch)
+    assert graphed and g.mixed and g.max_query_len >= on.backend.prefill_min_tokens, g
+    a = [on.backend.forward(batch) for _ in range(3)]      # eager, capture, replay
+    b = off.backend.forward(batch)
+    assert g in on.backend.graphs
+    for x in a:
+        assert rel_err(x, b) < 5e-3, rel_err(x, b)
+        assert (np.argmax(x, -1) == np.argmax(b, -1)).all()
