@@ -26,6 +26,7 @@ from metrale.runtime.cuda.graph import CudaGraph
 log = logging.getLogger("metrale.sampling")
 
 TOP = K.MAX_TOP_LOGPROBS
+MAX_ADJ_LAYOUTS = 64    # layouts with adjustments kept (their list length changes nearly every step)
 
 
 def _ptr(array) -> int:
@@ -86,6 +87,7 @@ class DevicePipeline:
         self.stream = backend.stream
         self.graphs = graphs
         self._layouts: dict[tuple, _Layout] = {}
+        self._adj_layouts = 0           # how many of them have adjustments (N > 0: never captured)
         self.words = -(-vocab_size // 32)
         self.max_rows = int(backend.max_rows)
         self.capacity = 0
@@ -108,6 +110,7 @@ class DevicePipeline:
         self.in_dev = cuda.device_array(n, np.int32)
         self.raw_saved = cuda.device_array(max(capacity, 1), np.float32)
         self._layouts = {}                  # their views were of the old buffers
+        self._adj_layouts = 0
 
     def forward(self, backend, batch):
         return device_logits(backend, batch)
@@ -126,10 +129,16 @@ class DevicePipeline:
         turn = self._turn
         self._turn ^= 1
         W = mask.shape[1]
-        key = (R, N, W, _ptr(logits))
+        key = (R, N, W, _ptr(logits), logits.shape[0])
         lay = self._layouts.get(key)
         if lay is None:
+            if N and self._adj_layouts >= MAX_ADJ_LAYOUTS:
+                # penalty / bias lists change length nearly every step: without a bound the cache
+                # would keep a layout per (rows, length) seen, for the process's life
+                self._layouts = {k: v for k, v in self._layouts.items() if k[1] == 0}
+                self._adj_layouts = 0
             lay = self._layouts[key] = _Layout(self, logits, R, N, W)
+            self._adj_layouts += N > 0
         h, sp = self.in_hosts[turn], lay.spans
         h[slice(*sp["i"])] = rows.iparams.ravel()
         h[slice(*sp["f"])] = rows.fparams.ravel().view(np.int32)
