@@ -175,6 +175,12 @@ class ServerConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Several ranks for one model (docs/parallel.md)."""
+    tensor: int = 1                      # tensor-parallel ranks (dense family; CPU so far: python -m metrale.parallel.tp)
+
+
+@dataclass
 class MetraleConfig:
     model: str = "smollm2-135m"          # a preset of conf/models/ or a path (.gguf file or HF directory)
     device: str = "auto"                 # auto | cpu | cuda
@@ -190,6 +196,7 @@ class MetraleConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     state: StateConfig = field(default_factory=StateConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     seed: int = 0
     log_level: str = "WARNING"
     extra: dict[str, Any] = field(default_factory=dict)
@@ -222,6 +229,7 @@ MINIMUMS: dict[str, int] = {
     "spec.gate.probe_interval": 0, "spec.gate.max_batch": 0, "spec.gate.measured_min_steps": 0,
     "state.snapshots": 0, "levers.cpu_threads": 0,
     "server.replicas": 0,
+    "parallel.tensor": 1,
 }
 
 

@@ -1,5 +1,5 @@
 """The Communicator protocol (one collective: all_to_all_v of rows), collectives built on it
-(broadcast, gather), and two fakes for CPU runs: FakeCommunicator (ranks as threads of one
+(broadcast, gather, all_gather, all_reduce), and two fakes for CPU runs: FakeCommunicator (ranks as threads of one
 process) and QueueCommunicator (ranks as processes, e.g. those of metrale.parallel.launch).
 
 all_to_all_v(send, send_counts, recv_counts=None) -> (recv, recv_counts): send holds rows
@@ -52,6 +52,29 @@ def gather(comm: Communicator, rows: np.ndarray, root: int = 0) -> list[np.ndarr
         return None
     off = _offsets(got)
     return [recv[off[r]:off[r + 1]] for r in range(comm.world_size)]
+
+
+def all_gather(comm: Communicator, rows: np.ndarray) -> list[np.ndarray]:
+    """Every rank's rows on every rank (a list by rank; counts may differ, row shapes may not)."""
+    world = comm.world_size
+    rows = np.ascontiguousarray(rows)
+    recv, got = comm.all_to_all_v(np.concatenate([rows] * world) if world > 1 else rows,
+                                  np.full(world, rows.shape[0], np.int64))
+    off = _offsets(got)
+    return [recv[off[r]:off[r + 1]] for r in range(world)]
+
+
+def all_reduce(comm: Communicator, x: np.ndarray) -> np.ndarray:
+    """The elementwise sum of every rank's x (same shape and dtype on all), summed in rank order,
+    so every rank gets the same bits (tensor parallelism's partial sums; metrale/parallel/tp.py).
+    Built on all_to_all_v (each rank receives all N arrays): right for the CPU fakes; NCCL has its
+    own ncclAllReduce (docs/parallel.md)."""
+    x = np.asarray(x)
+    pieces = all_gather(comm, x.reshape(1, -1))
+    out = pieces[0].copy()
+    for p in pieces[1:]:
+        out += p
+    return out.reshape(x.shape)
 
 
 class FakeWorld:

@@ -1,0 +1,477 @@
+"""Tensor parallelism for the dense family (parallel.tensor=N), Megatron layout, on the NumPy
+backend through the Communicator interface (comm.py); docs/parallel.md has the flow and what the
+CUDA side needs.
+
+Rank r of N holds (TensorParallel.ranges):
+  qkv      column-parallel: its query heads H/N, its KV heads K/N (K >= N) or the one KV head its
+           query heads read (K < N, N % K == 0: each KV head replicated on N/K ranks); rows
+           [q_r | k_r | v_r] (and the same slice of qkv_bias); q_norm / k_norm replicated
+  o        row-parallel: the columns of its query heads; partial sums all-reduced
+  gate_up  column-parallel: rows [gate_r | up_r] of its F/N slice of the intermediate size
+  down     row-parallel: the columns of that slice; partial sums all-reduced
+  embed    vocab-parallel: rows [r*ceil(V/N), ...) (a token outside the slice embeds as 0), then
+           an all-reduce; lm_head (or the tied embed slice): that slice of the logits
+  norms    replicated
+The residual stream is replicated: every rank adds the same all-reduced sum to the same residual.
+A rank's backend is a NumpyBackend of the local config (H/N heads, its KV heads, F/N): the common
+NumpyOps run unchanged; TpNumpyOps overrides only embed and linear_residual (the two places where
+the partial sums meet). The logits stay sliced on their rank until TPRank gathers them to rank 0
+(sampling) or reduces them to one (max, index) pair a row and rank (greedy).
+
+Weights are read shard by shard: hf_shard_stream reads only the rank's slices of each tensor out
+of the safetensors files (safe_open(...).get_slice), so no rank ever holds a whole matrix;
+shard_stream slices a canonical stream tensor by tensor (GGUF, random presets: one whole tensor
+at a time passes through the host before it is cut).
+
+Steps: rank 0 runs the Engine (scheduler, sampling) over TpLeader, a Backend whose forward
+broadcasts the step (one int32 array: the mode word, then a StepPlan whose work[0] is the batch
+every rank runs) and runs rank 0's share; ranks > 0 run TPRank.follow until STOP. launch_tp runs
+that as one process per rank (metrale.parallel.launch), joined by QueueCommunicator on the CPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from metrale.models.checkpoint import WeightStream
+from metrale.models.config import ModelConfig
+from metrale.models.families import family_named
+from metrale.parallel.comm import Communicator, all_reduce, broadcast, gather
+from metrale.parallel.plan import Command, StepPlan, decode_plan, encode_plan
+from metrale.runtime.backend import Backend
+from metrale.runtime.batch import ForwardBatch, Segment, build_batch
+from metrale.runtime.numpy_backend import NumpyBackend, NumpyOps
+
+log = logging.getLogger("metrale")
+
+# the first word of a TP step message: what rank 0 wants back from the LM-head slices
+LOGITS, GREEDY, GREEDY_HIDDEN = 0, 1, 2
+
+
+def check_tensor_parallel(config: ModelConfig, world: int) -> None:
+    """Refuse a tensor-parallel size the model does not split into (one line naming the numbers)."""
+    if world < 1:
+        raise ValueError(f"parallel.tensor must be >= 1, got {world}")
+    if config.is_mla or config.is_hybrid or config.is_moe:
+        raise ValueError(f"parallel.tensor={world}: tensor parallelism runs the dense family only so far "
+                         f"({config.name or config.architecture} is not dense)")
+    h, k, f = config.num_heads, config.num_kv_heads, config.intermediate_size
+    if h % world:
+        raise ValueError(f"parallel.tensor={world} does not divide the {h} attention heads")
+    if k % world and world % k:
+        raise ValueError(f"parallel.tensor={world} neither divides the {k} KV heads nor is a multiple of them")
+    if f % world:
+        raise ValueError(f"parallel.tensor={world} does not divide the intermediate size {f}")
+
+
+@dataclass(frozen=True)
+class Ranges:
+    """Rank r's slices: [lo, hi) of query heads, KV heads, intermediate units and vocabulary ids."""
+    q_heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    ffn: tuple[int, int]
+    vocab: tuple[int, int]
+
+
+class TensorParallel:
+    """One rank's view of tensor parallelism: its slices, its local model config and its collectives
+    (through comm; comm None: sharding only, e.g. to load or count a rank's weights)."""
+
+    def __init__(self, config: ModelConfig, world: int, rank: int, comm: Communicator | None = None):
+        check_tensor_parallel(config, world)
+        if comm is not None and (comm.world_size, comm.rank) != (world, rank):
+            raise ValueError(f"rank {rank} of {world}, but the communicator is rank {comm.rank} of {comm.world_size}")
+        self.config, self.world, self.rank, self.comm = config, world, rank, comm
+        h, k, f, v = config.num_heads, config.num_kv_heads, config.intermediate_size, config.vocab_size
+        hq = h // world
+        if k % world == 0:
+            hk = k // world
+            kv0 = rank * hk
+        else:                       # fewer KV heads than ranks: N/K ranks share (replicate) one
+            hk, kv0 = 1, rank * k // world
+        vs = -(-v // world)
+        self.ranges = Ranges((rank * hq, rank * hq + hq), (kv0, kv0 + hk), (rank * f // world, (rank + 1) * f // world),
+                             (min(rank * vs, v), min(rank * vs + vs, v)))
+        self.local_config = dataclasses.replace(config, num_heads=hq, num_kv_heads=hk, intermediate_size=f // world)
+        self.reduces = 0            # all-reduces run (tests count them: 2 a layer + 1 for the embedding)
+
+    @classmethod
+    def of(cls, config: ModelConfig, comm: Communicator) -> "TensorParallel":
+        return cls(config, comm.world_size, comm.rank, comm)
+
+    @property
+    def vocab_range(self) -> tuple[int, int]:
+        return self.ranges.vocab
+
+    def all_reduce(self, x: np.ndarray) -> np.ndarray:
+        self.reduces += 1
+        return x if self.world == 1 else all_reduce(self.comm, x)
+
+    # ---------------------------------------------------------------- weight slices
+    def row_pieces(self, name: str) -> list[tuple[int, int]] | None:
+        """Canonical tensor `name`'s rows this rank keeps (pieces of a row-stacked tensor), or None
+        when it is sliced by columns or replicated (col_range)."""
+        c, r = self.config, self.ranges
+        kind = name.rsplit(".", 1)[-1]
+        hd = c.head_dim
+        if kind in ("qkv", "qkv_bias"):
+            (q0, q1), (k0, k1) = r.q_heads, r.kv_heads
+            return [(q0 * hd, q1 * hd), (c.q_size + k0 * hd, c.q_size + k1 * hd),
+                    (c.q_size + c.kv_size + k0 * hd, c.q_size + c.kv_size + k1 * hd)]
+        if kind == "gate_up":
+            (f0, f1), f = r.ffn, c.intermediate_size
+            return [(f0, f1), (f + f0, f + f1)]
+        if name in ("embed", "lm_head"):
+            return [r.vocab]
+        return None
+
+    def col_range(self, name: str) -> tuple[int, int] | None:
+        """The columns of a row-parallel matrix this rank keeps (None: not one)."""
+        kind = name.rsplit(".", 1)[-1]
+        if kind == "o":
+            q0, q1 = self.ranges.q_heads
+            return q0 * self.config.head_dim, q1 * self.config.head_dim
+        if kind == "down":
+            return self.ranges.ffn
+        return None
+
+    def shard(self, name: str, full: np.ndarray) -> np.ndarray:
+        """This rank's part of canonical tensor `name` given whole (shard_stream's path)."""
+        rows = self.row_pieces(name)
+        if rows is not None:
+            return np.concatenate([full[a:b] for a, b in rows])
+        cols = self.col_range(name)
+        return np.ascontiguousarray(full[:, cols[0]:cols[1]]) if cols is not None else full
+
+
+def shard_stream(stream: WeightStream, tp: TensorParallel) -> WeightStream:
+    """A canonical stream cut to this rank's slices, one tensor at a time (each tensor passes
+    whole through the host before it is cut: for GGUF files and random presets)."""
+    for name, a in stream:
+        if not isinstance(a, np.ndarray):      # a GGUF block tensor: expanded, then cut
+            a = np.asarray(a.dequantize(), np.float32)
+        yield name, tp.shard(name, a)
+        del a
+
+
+class SliceReader:
+    """Reads slices of tensors out of a directory's safetensors files without the rest (their
+    bytes are memory-mapped; only the sliced ranges are copied), counting what it returned."""
+
+    def __init__(self, path: Path):
+        from metrale.models.checkpoint import _safetensors_index
+        self.path = Path(path)
+        self.where, _ = _safetensors_index(self.path)
+        self.bytes_read = 0
+        self.largest_share = 0.0    # the largest part of one matrix returned by a read (1.0: a whole one)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.where
+
+    def read(self, key: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> np.ndarray:
+        from safetensors import safe_open
+        if key not in self.where:
+            raise ValueError(f"{self.path}: tensor '{key}' missing")
+        with safe_open(str(self.where[key]), framework="numpy") as st:
+            s = st.get_slice(key)
+            shape = s.get_shape()
+            if rows is not None:
+                a = s[rows[0]:rows[1]]
+            elif cols is not None:
+                a = s[:, cols[0]:cols[1]]
+            else:
+                a = s[:]
+        a = np.ascontiguousarray(np.asarray(a, dtype=np.float32))
+        self.bytes_read += a.nbytes
+        if len(shape) == 2:
+            self.largest_share = max(self.largest_share, a.size / (shape[0] * shape[1]))
+        return a
+
+
+def hf_shard_stream(reader: SliceReader, config: ModelConfig, tp: TensorParallel) -> WeightStream:
+    """The canonical stream of a dense HF directory (checkpoint.load_hf_dir's names and layout),
+    each tensor read as this rank's slices only."""
+    c, r = config, tp.ranges
+    hd = c.head_dim
+    q_rows = (r.q_heads[0] * hd, r.q_heads[1] * hd)
+    kv_rows = (r.kv_heads[0] * hd, r.kv_heads[1] * hd)
+    yield "embed", reader.read("model.embed_tokens.weight", rows=r.vocab)
+    for i in range(c.num_layers):
+        p, q = f"model.layers.{i}.", f"layers.{i}."
+        a = p + "self_attn."
+        yield q + "attn_norm", reader.read(p + "input_layernorm.weight")
+        yield q + "qkv", np.concatenate([reader.read(a + "q_proj.weight", rows=q_rows),
+                                         reader.read(a + "k_proj.weight", rows=kv_rows),
+                                         reader.read(a + "v_proj.weight", rows=kv_rows)])
+        if a + "q_proj.bias" in reader:
+            yield q + "qkv_bias", np.concatenate([reader.read(a + "q_proj.bias", rows=q_rows),
+                                                  reader.read(a + "k_proj.bias", rows=kv_rows),
+                                                  reader.read(a + "v_proj.bias", rows=kv_rows)])
+        if c.qk_norm:
+            yield q + "q_norm", reader.read(a + "q_norm.weight")
+            yield q + "k_norm", reader.read(a + "k_norm.weight")
+        yield q + "o", reader.read(a + "o_proj.weight", cols=q_rows)
+        yield q + "mlp_norm", reader.read(p + "post_attention_layernorm.weight")
+        yield q + "gate_up", np.concatenate([reader.read(p + "mlp.gate_proj.weight", rows=r.ffn),
+                                             reader.read(p + "mlp.up_proj.weight", rows=r.ffn)])
+        yield q + "down", reader.read(p + "mlp.down_proj.weight", cols=r.ffn)
+    yield "final_norm", reader.read("model.norm.weight")
+    if not c.tie_word_embeddings:
+        yield "lm_head", reader.read("lm_head.weight", rows=r.vocab)
+
+
+# ----------------------------------------------------------------------- a rank's forward
+
+class TpNumpyOps(NumpyOps):
+    """NumpyOps of one tensor-parallel rank: the vocab-parallel embedding and the row-parallel
+    products (o, down) end in an all-reduce; every other op runs on the local shapes unchanged."""
+
+    def embed(self, weight):
+        lo, hi = self.b.tp.vocab_range
+        ids = self.batch.token_ids
+        mine = (ids >= lo) & (ids < hi)
+        out = np.zeros((ids.shape[0], weight.shape[1]), weight.dtype)
+        out[mine] = weight[ids[mine] - lo]
+        return self.b.tp.all_reduce(out)
+
+    def linear_residual(self, x, weight, residual):
+        return residual + self.b.tp.all_reduce(x @ weight.T)
+
+
+class TpNumpyBackend(NumpyBackend):
+    """One rank's NumpyBackend: the local config (its heads and FFN slice), its weight shards, its
+    KV heads' cache. forward returns this rank's vocab slice of the logits (TPRank joins them)."""
+
+    def __init__(self, tp: TensorParallel, weights: WeightStream | dict, **kw):
+        self.tp, self.full_config = tp, tp.config
+        super().__init__(tp.local_config, weights, family=family_named("dense"), ops_class=TpNumpyOps, **kw)
+
+
+def greedy_pairs(logits: np.ndarray, lo: int) -> np.ndarray:
+    """[R, 2] float64 (max value, global index of its first occurrence) of a vocab slice's rows."""
+    out = np.empty((logits.shape[0], 2), np.float64)
+    if logits.shape[1] == 0:
+        out[:, 0], out[:, 1] = -np.inf, lo
+        return out
+    idx = np.argmax(logits, axis=-1)
+    out[:, 0] = logits[np.arange(logits.shape[0]), idx]
+    out[:, 1] = idx + lo
+    return out
+
+
+def pick_greedy(pairs: list[np.ndarray]) -> np.ndarray:
+    """The global argmax of each row from every rank's (value, index) pairs (ranks in vocab
+    order; ties go to the lowest rank, which holds the lowest index: np.argmax's choice)."""
+    vals = np.stack([p[:, 0] for p in pairs])
+    idx = np.stack([p[:, 1] for p in pairs])
+    best = np.argmax(vals, axis=0)
+    return idx[best, np.arange(vals.shape[1])].astype(np.int32)
+
+
+def batch_segments(batch: ForwardBatch) -> list[Segment]:
+    """The segments of a batch (the inverse of build_batch for dense models), to put in a plan."""
+    bs, want = batch.block_size, np.zeros(batch.num_tokens, bool)
+    want[batch.logits_indices] = True
+    segments = []
+    for s in range(batch.num_seqs):
+        a, b = int(batch.seq_query_start[s]), int(batch.seq_query_start[s + 1])
+        rows = want[a:b]
+        if not rows.any():
+            mode = "none"
+        elif rows.all():
+            mode = "all" if b - a > 1 else "last"
+        elif rows[-1] and rows.sum() == 1:
+            mode = "last"
+        else:
+            raise ValueError(f"segment {s}: logits rows {np.flatnonzero(rows).tolist()} are not none, last or all")
+        blocks = -(-int(batch.context_lens[s]) // bs)
+        segments.append(Segment(batch.token_ids[a:b].copy(), int(batch.positions[a]),
+                                batch.block_tables[s, :blocks].copy(), mode))
+    return segments
+
+
+class TPRank:
+    """One rank's step loop. Per step every rank enters the same collectives in the same order:
+    broadcast(message), 2 all-reduces a layer + 1 (embedding), then gather(logits slices or greedy
+    pairs) to rank 0."""
+
+    def __init__(self, comm: Communicator, backend: TpNumpyBackend):
+        self.comm, self.backend = comm, backend
+        self.steps = 0
+
+    def execute(self, mode: int, batch: ForwardBatch, num_layers: int | None):
+        """This rank's share of a step; rank 0 gets (full logits | token ids, hidden rows)."""
+        self.steps += 1
+        local, hidden = self.backend.forward(batch, num_layers, return_hidden=True)
+        lo = self.backend.tp.vocab_range[0]
+        if mode == LOGITS:       # rows of different widths: gathered as columns
+            parts = gather(self.comm, np.ascontiguousarray(local.T))
+            return (None if parts is None else np.ascontiguousarray(np.concatenate(parts).T)), hidden
+        parts = gather(self.comm, greedy_pairs(local, lo))
+        return (None if parts is None else pick_greedy(parts)), hidden
+
+    def lead(self, mode: int, batch: ForwardBatch, num_layers: int | None = None):
+        """Rank 0: broadcast the step, run it, return (logits | ids, hidden rows)."""
+        plan = StepPlan(self.steps, Command.FORWARD, [batch_segments(batch)], num_layers or 0)
+        broadcast(self.comm, np.concatenate([np.array([mode], np.int32), encode_plan(plan)]))
+        return self.execute(mode, batch, num_layers)
+
+    def stop(self) -> None:
+        plan = StepPlan(self.steps, Command.STOP, [[]])
+        broadcast(self.comm, np.concatenate([np.array([LOGITS], np.int32), encode_plan(plan)]))
+
+    def follow(self) -> int:
+        """Ranks > 0: run the broadcast steps until STOP; returns the number of steps run."""
+        while True:
+            words = broadcast(self.comm, None)
+            mode, plan = int(words[0]), decode_plan(words[1:])
+            if plan.command == Command.STOP:
+                return self.steps
+            self.execute(mode, build_batch(plan.work[0], self.backend.block_size), plan.num_layers or None)
+
+
+class TpLeader(Backend):
+    """Rank 0's Backend for the Engine: each forward is a tensor-parallel step over all ranks
+    (the scheduler, sampling and detokenizing stay on rank 0). close() stops the followers."""
+
+    name = "cpu"
+
+    def __init__(self, rank: TPRank):
+        if rank.comm.rank != 0:
+            raise ValueError(f"the leader is rank 0, not rank {rank.comm.rank}")
+        b = rank.backend
+        self.rank, self.shard = rank, b
+        self.config, self.family = b.full_config, b.family
+        self.block_size, self.num_blocks, self.weights, self.dtype = b.block_size, b.num_blocks, b.weights, b.dtype
+        self.stopped = False
+
+    def forward(self, batch, num_layers=None, return_hidden=False):
+        logits, hidden = self.rank.lead(LOGITS, batch, num_layers)
+        return (logits, hidden) if return_hidden else logits
+
+    def forward_greedy(self, batch, num_layers=None):
+        return self.rank.lead(GREEDY, batch, num_layers)[0]
+
+    def forward_greedy_hidden(self, batch):
+        ids, hidden = self.rank.lead(GREEDY_HIDDEN, batch, None)
+        return ids, np.asarray(hidden)
+
+    def hidden_rows(self, rows):
+        return self.shard.hidden_rows(rows)
+
+    def kv_tokens_that_fit(self, utilization=0.9):
+        return self.num_blocks * self.block_size
+
+    def memory_report(self):
+        return {**self.shard.memory_report(), "tensor_parallel": self.rank.comm.world_size}
+
+    def close(self):
+        if not self.stopped:
+            self.stopped = True
+            self.rank.stop()
+
+
+# ----------------------------------------------------------------------- building a rank
+
+def load_rank(cfg, comm: Communicator):
+    """(full config, tokenizer, TPRank) of one rank for a composed config (cfg.model: an HF
+    directory is read shard by shard; a GGUF file or a random preset is cut tensor by tensor)."""
+    from metrale.models.assemble import _default_tokenizer, refuse_tokenizer_beyond_vocab
+    from metrale.models.checkpoint import load_gguf, load_hf_dir, random_model_config, random_weights
+    from metrale.models.registry import resolve_model
+    from metrale.models.tokenizer import Tokenizer
+    from metrale.runtime.select import resolve_device
+    if resolve_device(cfg.device) != "cpu":
+        raise ValueError("parallel.tensor > 1 runs on device=cpu only so far (the CUDA side: docs/parallel.md)")
+    world = int(cfg.parallel.tensor)
+    if world != comm.world_size:
+        raise ValueError(f"parallel.tensor={world} but {comm.world_size} ranks were started")
+    source = resolve_model(cfg.model)
+    reader = None
+    if source.kind == "hf":
+        config, _, _ = load_hf_dir(source.path)
+        tokenizer = Tokenizer.from_pretrained_dir(source.path)
+        reader = SliceReader(source.path)
+    elif source.kind == "gguf":
+        config, fields, weights = load_gguf(source.path)
+        tokenizer = Tokenizer.from_gguf(fields)
+    else:
+        config, tokenizer, weights = random_model_config(source.preset, source.name), _default_tokenizer(), None
+    if source.kind in ("gguf", "hf"):
+        refuse_tokenizer_beyond_vocab(tokenizer.vocab_size, config)
+    tp = TensorParallel.of(config, comm)
+    if reader is not None:
+        stream = hf_shard_stream(reader, config, tp)
+    else:
+        stream = shard_stream(weights() if weights is not None else random_weights(config, int(cfg.seed)), tp)
+    bs = int(cfg.cache.block_size)
+    backend = TpNumpyBackend(tp, stream, num_blocks=int(cfg.cache.num_blocks or max(1, cfg.cache.cpu_kv_tokens // bs)),
+                             block_size=bs, dtype=cfg.levers.numpy_dtype)
+    backend.bytes_read = reader.bytes_read if reader is not None else None
+    return config, tokenizer, TPRank(comm, backend)
+
+
+def tp_engine(cfg, comm: Communicator):
+    """Rank 0: an Engine over TpLeader (call engine.backend.close() at the end to stop the
+    followers). Ranks > 0: run until rank 0 stops them; returns the steps run."""
+    from metrale.engine import Engine
+    config, tokenizer, rank = load_rank(cfg, comm)
+    if comm.rank != 0:
+        return rank.follow()
+    return Engine(cfg=cfg, parts=(config, tokenizer, TpLeader(rank)))
+
+
+def _rank_main(rank, world, uid, report, overrides, boxes, prompts, params):
+    """launch target: one rank of a CPU tensor-parallel run (QueueCommunicator over `boxes`)."""
+    from metrale.parallel.comm import QueueCommunicator
+    from metrale.settings import compose
+    cfg = compose(list(overrides))
+    comm = QueueCommunicator(rank, boxes)
+    got = tp_engine(cfg, comm)
+    if rank != 0:
+        report("followed", steps=got)
+        return
+    report("ready", memory=got.memory_report())
+    try:
+        outs = got.generate(prompts, params, use_tqdm=False)
+        report("outputs", token_ids=[o.token_ids.tolist() for o in outs], text=[o.text for o in outs])
+    finally:
+        got.backend.close()
+
+
+def launch_tp(overrides: list[str], prompts: list, params=None, timeout: float = 600.0):
+    """Run `prompts` through a tensor-parallel Engine of parallel.tensor processes (one per rank,
+    metrale.parallel.launch; CPU ranks joined by queues). Returns (rank 0's outputs message, Report)."""
+    import multiprocessing as mp
+    from metrale.parallel.launch import launch
+    from metrale.settings import compose
+    cfg = compose(list(overrides))
+    world = int(cfg.parallel.tensor)
+    ctx = mp.get_context("spawn")
+    boxes = [ctx.Queue() for _ in range(world)]
+    report = launch(world, _rank_main, (list(overrides), boxes, prompts, params), pin_devices=False, timeout=timeout)
+    return report.of("outputs").get(0), report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m metrale.parallel.tp <settings> parallel.tensor=N: generate cfg.prompt on N CPU ranks."""
+    import sys
+    from metrale.engine import Engine
+    from metrale.settings import compose
+    overrides = list(sys.argv[1:] if argv is None else argv)
+    cfg = compose(overrides)
+    out, report = launch_tp(overrides, [cfg.prompt], Engine.params_from_config(cfg))
+    if not report.ok:
+        print("\n".join(report.problems), file=sys.stderr)
+        return 1
+    print(out["text"][0])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
