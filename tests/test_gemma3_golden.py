@@ -70,7 +70,8 @@ def test_greedy_continuations(gemma3, golden):
 
 def test_chat_answers(gemma3):
     """The packaged model is the pretrained one and its GGUF has no chat template: chat=true renders
-    a plain transcript (Tokenizer's fallback), which it answers."""
-    out = gemma3.generate(["What is the capital of France?"], SamplingParams(max_tokens=8, temperature=0.0),
-                          chat=True, use_tqdm=False)[0]
-    assert "Paris" in out.text
+    a plain Q: / A: transcript (Tokenizer's fallback), which it answers."""
+    assert gemma3.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}]) == "Q: Hi\nA:"
+    outs = gemma3.generate(["What is the capital of France?", "Who wrote Romeo and Juliet?"],
+                           SamplingParams(max_tokens=12, temperature=0.0), chat=True, use_tqdm=False)
+    assert "Paris" in outs[0].text and "Shakespeare" in outs[1].text

@@ -625,13 +625,14 @@ GEMMA_CHAT_TEMPLATE = (
 )
 
 
-# A pretrained model's "chat": the conversation as a plain transcript, ending where the assistant speaks
+# A pretrained model's "chat": the conversation as a plain Q: / A: transcript, ending where the answer
+# starts (Gemma 3 270M answered 4 of 4 probe questions this way, 2 of 4 as User: / Assistant:)
 TRANSCRIPT_CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'system' -%}{{ message['content'] | trim }}{{ '\\n\\n' }}"
-    "{%- else -%}{{ ('User: ' if message['role'] == 'user' else 'Assistant: ') + (message['content'] | trim) + '\\n' }}"
+    "{%- else -%}{{ ('Q: ' if message['role'] == 'user' else 'A: ') + (message['content'] | trim) + '\\n' }}"
     "{%- endif -%}{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ 'Assistant:' }}{%- endif -%}"
+    "{%- if add_generation_prompt -%}{{ 'A:' }}{%- endif -%}"
 )
 
 
