@@ -43,6 +43,7 @@ class RequestState:
         self.text = ""          # all text decoded so far (stop string excluded once found)
         self.stop_reason: int | str | None = None   # as vLLM: the stop string or stop token id that ended it (EOS: None)
         self.emitted = 0        # characters of self.text already streamed
+        self._scanned = 0       # characters of self.text already searched for stop strings
         self.tokens_emitted = 0
         self.t_arrival = time.perf_counter()
         self.t_first_token: float | None = None
@@ -71,12 +72,17 @@ class RequestState:
         else:
             self.text += self.decoder.feed(token)
         if self.stops:
-            window = self.text[max(0, self.emitted - self.holdback):]
+            # the text up to _scanned holds no stop string, so one can only start in its last
+            # holdback characters (not emitted: generate()'s requests take no delta, so emitted
+            # stays 0 and each step would rescan the whole text)
+            start = max(0, self._scanned - self.holdback)
+            window = self.text[start:]
             hits = [(window.find(s), s) for s in self.stops if s in window]
             if hits:
                 first, self.stop_reason = min(hits)
-                self.text = self.text[:first + max(0, self.emitted - self.holdback)]
+                self.text = self.text[:first + start]
                 return "stop"
+            self._scanned = len(self.text)
         if self.params.max_tokens is not None and n_out >= self.params.max_tokens:
             return "length"
         if seq.num_tokens >= self.max_model_len:
