@@ -333,3 +333,17 @@ def test_the_tiny_gguf_runs_on_the_numpy_backend(tiny):
     out = eng.generate([np.arange(5, 20, dtype=np.int32)], SamplingParams(max_tokens=4, temperature=0.0,
                                                                           ignore_eos=True), use_tqdm=False)
     assert len(out[0].token_ids) == 4 and eng.backend.config.vocab_size == 512
+
+
+def test_bf16_weights_plan_the_activation_bytes_as_before():
+    """levers.weights=bf16 (no scratch) adds nothing to the activation bytes: the KV pool is sized
+    exactly as before the native road existed; a scratch adds its bytes and one alignment."""
+    import math
+    b, _ = _q4k_8b_backend(native=False)
+    b.max_tokens, b.max_seqs, b.max_rows, b.max_blocks, b.max_model_len, b.use_blas = 512, 64, 64, 256, 4096, False
+    b.quant_scratch_elems = 0
+    old = sum(math.prod(shape) * np.dtype(dt).itemsize + 256 for shape, dt in b.part.activation_plan().values())
+    old += 4 * (8 * 512 + 4 * 64 + 64 + 64 * 256) + 4096
+    assert b._activation_bytes() == old
+    b.quant_scratch_elems = 1000
+    assert b._activation_bytes() == old + 2000 + 256

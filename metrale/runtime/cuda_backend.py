@@ -649,7 +649,8 @@ class CudaBackend(Backend):
     def _activation_bytes(self) -> int:
         n = sum(math.prod(shape) * np.dtype(dt).itemsize + 256 for shape, dt in self.part.activation_plan().values())
         meta = 4 * (8 * self.max_tokens + 4 * self.max_seqs + self.max_rows + self.max_seqs * self.max_blocks) + 4096
-        return n + meta + 2 * self.quant_scratch_elems + 256
+        scratch = 2 * self.quant_scratch_elems + 256 if self.quant_scratch_elems else 0   # bf16 weights: none
+        return n + meta + scratch
 
     def _alloc_activations(self) -> None:
         self.act = {name: self.pool.alloc("activations", shape, dt)
