@@ -214,7 +214,7 @@ def test_gguf_fixtures_cover_the_types_and_architectures():
         path = FIXTURES / "gguf" / GGUF[stem]["file"]
         if path.suffix != ".gz":
             archs.add(str(gguf.GGUFReader(str(path)).fields["general.architecture"].contents()))
-    assert archs == {"llama", "qwen2", "qwen3", "gemma3"}
+    assert archs == {"llama", "qwen2", "qwen3", "qwen3moe", "gemma3"}
 
 
 @pytest.mark.parametrize("stem", sorted(GGUF))

@@ -117,6 +117,11 @@ VARIANTS: dict[str, tuple[str, dict, str]] = {
                                       rope_parameters=LLAMA3),
                   "every matrix 256 wide (K-quant blocks): the source of the Q4_K GGUF fixture; its checkpoint "
                   "(2 MB) is not stored, only the GGUF and both references"),
+    "qwen3_moe_gguf": ("Qwen3MoeConfig", dict(BASE, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                              num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                              moe_intermediate_size=32, norm_topk_prob=True, tie_word_embeddings=True),
+                       "Qwen3-MoE as llama.cpp's qwen3moe GGUF states it (every layer MoE, renormalized top-k): "
+                       "the source of the qwen3moe GGUF fixture"),
 }
 
 # HF checkpoints that only feed GGUF fixtures (not stored; their logits are)
@@ -124,7 +129,7 @@ GGUF_ONLY = ("llama_q4k",)
 # case -> llama.cpp types of its GGUF fixtures (F32 by convert_hf_to_gguf.py, the rest by llama-quantize --pure
 # from that F32 file); F32 files are stored gzipped
 GGUF_TYPES = {"llama_tied_llama3": ("F32", "Q8_0", "Q4_0"), "qwen3_qknorm": ("Q8_0",),
-              "qwen2_bias_yarn": ("Q8_0",), "gemma3_swa6": ("F32", "Q8_0", "Q4_0"), "llama_q4k": ("Q4_K",)}
+              "qwen2_bias_yarn": ("Q8_0",), "qwen3_moe_gguf": ("Q8_0",), "gemma3_swa6": ("F32", "Q8_0", "Q4_0"), "llama_q4k": ("Q4_K",)}
 
 # keys transformers 5 writes that a config of an older version would not have: dropped so the
 # stored config.json also checks that metrale's defaults for absent keys match transformers'

@@ -33,8 +33,8 @@ def _gguf_reader(path: Path):
 
 def gguf_model_config(fields: dict, name: str = "") -> ModelConfig:
     arch = fields.get("general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3", "gemma3"):
-        raise ValueError(f"unsupported GGUF architecture '{arch}' (supported: llama, qwen2, qwen3, gemma3)")
+    if arch not in ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3"):
+        raise ValueError(f"unsupported GGUF architecture '{arch}' (supported: llama, qwen2, qwen3, qwen3moe, gemma3)")
     g = lambda key, default=None: fields.get(f"{arch}.{key}", default)  # noqa: E731
     hidden = int(g("embedding_length"))
     heads = int(g("attention.head_count"))
@@ -53,7 +53,7 @@ def gguf_model_config(fields: dict, name: str = "") -> ModelConfig:
         rope_interleaved=(arch == "llama"),
         max_position=int(g("context_length", 8192)),
         tie_word_embeddings=True,  # corrected by load_gguf when output.weight exists
-        qk_norm=(arch == "qwen3"), attention_bias=(arch == "qwen2"),
+        qk_norm=arch in ("qwen3", "qwen3moe"), attention_bias=(arch == "qwen2"),
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
         name=name or str(fields.get("general.name", "")),
@@ -63,6 +63,14 @@ def gguf_model_config(fields: dict, name: str = "") -> ModelConfig:
     if arch == "gemma3":
         from metrale.models.gemma import gemma3_gguf_config
         return gemma3_gguf_config(fields, config)
+    if arch == "qwen3moe":        # as llama.cpp runs it: every layer MoE, softmax top-k renormalized
+        e, k = int(g("expert_count", 0) or 0), int(g("expert_used_count", 0) or 0)
+        if not (e and k):
+            raise ValueError(f"{config.name}: a qwen3moe GGUF needs expert_count and expert_used_count")
+        config = _replace(config, n_routed_experts=e, num_experts_per_tok=k,
+                          moe_intermediate_size=int(g("expert_feed_forward_length", 0) or config.intermediate_size // k),
+                          moe_layers=(True,) * config.num_layers, scoring_func="softmax", topk_method="greedy",
+                          norm_topk_prob=True)
     return config
 
 
@@ -142,6 +150,12 @@ def load_gguf(path: Path, keep_quantized: bool = False) -> tuple[ModelConfig, di
             if p + "attn_q.bias" in tensors:
                 yield f"layers.{i}.qkv_bias", np.concatenate(
                     [_dequantize(tensors[p + f"attn_{x}.bias"]) for x in "qkv"])
+            if p + "ffn_gate_inp.weight" in tensors:     # a MoE layer (qwen3moe): router and stacked experts
+                yield f"layers.{i}.router", _dequantize(tensors[p + "ffn_gate_inp.weight"])
+                yield f"layers.{i}.experts_gate_up", np.concatenate(
+                    [_dequantize(tensors[p + f"ffn_{x}_exps.weight"]) for x in ("gate", "up")], axis=1)
+                yield f"layers.{i}.experts_down", _dequantize(tensors[p + "ffn_down_exps.weight"])
+                continue
             yield f"layers.{i}.gate_up", matrix(p + "ffn_gate.weight", p + "ffn_up.weight")
         yield "final_norm", _dequantize(tensors["output_norm.weight"])
         if not config.tie_word_embeddings:
