@@ -20,17 +20,19 @@ layers.{i}.post_mlp_norm.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
 from metrale.models.config import ModelConfig
 from metrale.models.families import KV, Family
+from metrale.models.llama import Ops
 from metrale.models.rope import build_rope, check_rope_scaling, hf_rope_settings
 
 GEMMA3_TYPES = ("gemma3_text", "gemma3")
 SLIDING, FULL = "sliding_attention", "full_attention"
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
+Tensor = Any
 
 
 # ----------------------------------------------------------------------------------- config
@@ -192,7 +194,15 @@ def local_rope(config: ModelConfig):
                       check_rope_scaling((config.extra or {}).get("local_rope_scaling")), config.max_position)
 
 
-def gemma3_forward(ops, w: dict, config: ModelConfig, num_layers: int | None = None, return_hidden: bool = False):
+class GemmaOps(Ops, Protocol):
+    """The ops gemma3_forward adds to models/llama.py's (NumPy: GemmaNumpyOps)."""
+    def embed_scaled(self, weight: Tensor, scale: float) -> Tensor: ...
+    def norm_residual(self, x: Tensor, norm_weight: Tensor, residual: Tensor) -> Tensor: ...   # res + norm(x)
+    def gelu_tanh_mul(self, gate_up: Tensor) -> Tensor: ...
+    def softcap(self, x: Tensor, cap: float) -> Tensor: ...
+
+
+def gemma3_forward(ops: GemmaOps, w: dict, config: ModelConfig, num_layers: int | None = None, return_hidden: bool = False):
     """Gemma 3's decoder over the batch bound to `ops` (the Ops of models/llama.py plus
     GemmaNumpyOps'); returns logits [R, vocab] (and with return_hidden the rows before the final norm)."""
     residual = ops.embed_scaled(w["embed"], config.embed_scale)
