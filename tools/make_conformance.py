@@ -129,7 +129,8 @@ GGUF_ONLY = ("llama_q4k",)
 # case -> llama.cpp types of its GGUF fixtures (F32 by convert_hf_to_gguf.py, the rest by llama-quantize --pure
 # from that F32 file); F32 files are stored gzipped
 GGUF_TYPES = {"llama_tied_llama3": ("F32", "Q8_0", "Q4_0"), "qwen3_qknorm": ("Q8_0",),
-              "qwen2_bias_yarn": ("Q8_0",), "qwen3_moe_gguf": ("Q8_0",), "gemma3_swa6": ("F32", "Q8_0", "Q4_0"), "llama_q4k": ("Q4_K",)}
+              "qwen2_bias_yarn": ("Q8_0",), "qwen3_moe_gguf": ("Q8_0",), "gemma3_swa6": ("F32", "Q8_0", "Q4_0"),
+              "llama_q4k": ("Q4_K",)}
 
 # keys transformers 5 writes that a config of an older version would not have: dropped so the
 # stored config.json also checks that metrale's defaults for absent keys match transformers'

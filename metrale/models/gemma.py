@@ -42,8 +42,9 @@ def gemma3_text_config(cfg: dict) -> dict:
     if cfg.get("model_type") == "gemma3":
         if not isinstance(cfg.get("text_config"), dict):
             raise ValueError("a gemma3 config.json without text_config is not supported")
-        return {**cfg["text_config"], "model_type": "gemma3_text",
-                "tie_word_embeddings": cfg.get("tie_word_embeddings", cfg["text_config"].get("tie_word_embeddings", True))}
+        text = cfg["text_config"]
+        return {**text, "model_type": "gemma3_text",
+                "tie_word_embeddings": cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", True))}
     return cfg
 
 
@@ -202,7 +203,8 @@ class GemmaOps(Ops, Protocol):
     def softcap(self, x: Tensor, cap: float) -> Tensor: ...
 
 
-def gemma3_forward(ops: GemmaOps, w: dict, config: ModelConfig, num_layers: int | None = None, return_hidden: bool = False):
+def gemma3_forward(ops: GemmaOps, w: dict, config: ModelConfig, num_layers: int | None = None,
+                   return_hidden: bool = False):
     """Gemma 3's decoder over the batch bound to `ops` (the Ops of models/llama.py plus
     GemmaNumpyOps'); returns logits [R, vocab] (and with return_hidden the rows before the final norm)."""
     residual = ops.embed_scaled(w["embed"], config.embed_scale)
