@@ -237,3 +237,14 @@ def test_launch_runs_one_process_per_rank(ckpts):
     assert report.ok, report.problems
     assert out["token_ids"] == want
     assert report.of("followed")[1]["steps"] > 0
+
+
+def test_tp_bench_dry_run(tmp_path):
+    """bench/tp_bench.py's flow on CPU (TP=1 alone, then 2 spawned TP ranks): records written,
+    both rates measured, the greedy ids equal."""
+    from bench import tp_bench
+    out = tmp_path / "tp.json"
+    assert tp_bench.main(["--dry-run", "--batches", "1,2", "--ctx", "32", "--steps", "2", "--out", str(out)]) == 0
+    records = json.loads(out.read_text())
+    assert [r["figure"] for r in records] == ["dense decode tok/s, TP=2, batch 1", "dense decode tok/s, TP=2, batch 2"]
+    assert all(r["value"] > 0 and r["peer"] > 0 and r["extra"]["greedy_ids_equal"] for r in records)
