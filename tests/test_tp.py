@@ -223,6 +223,8 @@ def test_refusals_name_the_numbers(ckpts):
         check_tensor_parallel(replace(config, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8), 2)
     with pytest.raises(Exception, match="parallel.tensor: must be >= 1, got 0"):
         compose(["parallel.tensor=0"])
+    with pytest.raises(ValueError, match="parallel.tensor=2: run it with python -m metrale.parallel.tp"):
+        Engine(cfg=compose(_settings(ckpts["llama"], 2)))          # not silently one rank
     with pytest.raises(ValueError, match="parallel.tensor=2 but 4 ranks"):
         run_ranks(4, lambda comm: tp_engine(compose(_settings(ckpts["llama"], 2)), comm))
 

@@ -367,6 +367,10 @@ class TpLeader(Backend):
     def kv_tokens_that_fit(self, utilization=0.9):
         return self.num_blocks * self.block_size
 
+    def export_weights(self):
+        raise NotImplementedError("a tensor-parallel leader holds only rank 0's shards (drafters that copy "
+                                  "the target's weights do not run with parallel.tensor > 1 yet)")
+
     def memory_report(self):
         return {**self.shard.memory_report(), "tensor_parallel": self.rank.comm.world_size}
 

@@ -192,6 +192,11 @@ class NumpyBackend(Backend):
         """The CPU backend of a composed config: cache.num_blocks (or cache.cpu_kv_tokens worth of
         blocks), a state slot per sequence that can run; `weights` a zero-argument stream factory, or
         None for the family's random weights."""
+        from omegaconf import OmegaConf
+        tensor = OmegaConf.select(cfg, "parallel.tensor", default=1)
+        if tensor > 1:     # one rank per process: metrale/parallel/tp.py builds the ranks (docs/parallel.md)
+            raise ValueError(f"parallel.tensor={tensor}: run it with python -m metrale.parallel.tp or "
+                             "metrale.parallel.tp.launch_tp; this entry point builds one unsplit backend")
         block_size = int(cfg.cache.block_size)
         num_blocks = cfg.cache.num_blocks or max(1, cfg.cache.cpu_kv_tokens // block_size)
         if weights is None and family.random_weights is None:
