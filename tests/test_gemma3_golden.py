@@ -72,6 +72,7 @@ def test_chat_answers(gemma3):
     """The packaged model is the pretrained one and its GGUF has no chat template: chat=true renders
     a plain Q: / A: transcript (Tokenizer's fallback), which it answers."""
     assert gemma3.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}]) == "Q: Hi\nA:"
+    assert gemma3.tokenizer.chat_stop_strings == ("\nQ:",)
     outs = gemma3.generate(["What is the capital of France?", "Who wrote Romeo and Juliet?"],
                            SamplingParams(max_tokens=12, temperature=0.0), chat=True, use_tqdm=False)
     assert "Paris" in outs[0].text and "Shakespeare" in outs[1].text

@@ -263,7 +263,8 @@ class Tokenizer:
 
     Attributes: `vocab_size`, `bos_token`/`bos_token_id` (may be None), `eos_token`/`eos_token_id`,
     `eos_token_ids` (every id that ends generation: EOS first, then EOT/EOM and the end-of-turn tokens
-    llama.cpp recognises, e.g. `<|im_end|>`, `<|endoftext|>`), `pad_token_id`, `chat_template`.
+    llama.cpp recognises, e.g. `<|im_end|>`, `<|endoftext|>`), `pad_token_id`, `chat_template`,
+    `chat_stop_strings` (text that ends a chat reply: the transcript template of a pretrained model).
     """
 
     def __init__(
@@ -277,8 +278,11 @@ class Tokenizer:
         chat_template: Any = None,
         add_bos_token: bool = False,
         add_eos_token: bool = False,
+        chat_stop_strings: Sequence[str] = (),
     ):
         self._tk = hf_tokenizer
+        # text that ends a chat reply when no token does (a pretrained model's transcript template)
+        self.chat_stop_strings: tuple[str, ...] = tuple(chat_stop_strings)
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.pad_token = pad_token
@@ -503,6 +507,7 @@ class Tokenizer:
             # a pretrained one (no general.finetune) never saw them and answers a plain transcript
             tuned = any(k in str(fields.get("general.finetune", "")).lower() for k in ("it", "instruct", "chat"))
             template = GEMMA_CHAT_TEMPLATE if tuned else TRANSCRIPT_CHAT_TEMPLATE
+        chat_stops = TRANSCRIPT_STOPS if template is TRANSCRIPT_CHAT_TEMPLATE else ()
         return cls(
             tk,
             bos_token=tokens[bos_id] if bos_id is not None else None,
@@ -510,6 +515,7 @@ class Tokenizer:
             pad_token=tokens[pad_id] if pad_id is not None else None,
             extra_eos_token_ids=[i for i in (eot_id, eom_id) if i is not None],
             chat_template=template,
+            chat_stop_strings=chat_stops,
             add_bos_token=add_bos,
             add_eos_token=add_eos,
         )
@@ -634,6 +640,7 @@ TRANSCRIPT_CHAT_TEMPLATE = (
     "{%- endif -%}{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ 'A:' }}{%- endif -%}"
 )
+TRANSCRIPT_STOPS = ("\nQ:",)     # the model's next question: where its answer ends
 
 
 def _spm_tokenizer(fields: Mapping[str, Any], tokens: list[str], token_types: Sequence[int], special_ids: set[int]):
