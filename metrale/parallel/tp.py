@@ -31,10 +31,8 @@ that as one process per rank (metrale.parallel.launch), joined by QueueCommunica
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -46,8 +44,6 @@ from metrale.parallel.plan import Command, StepPlan, decode_plan, encode_plan
 from metrale.runtime.backend import Backend
 from metrale.runtime.batch import ForwardBatch, Segment, build_batch
 from metrale.runtime.numpy_backend import NumpyBackend, NumpyOps
-
-log = logging.getLogger("metrale")
 
 # the first word of a TP step message: what rank 0 wants back from the LM-head slices
 LOGITS, GREEDY, GREEDY_HIDDEN = 0, 1, 2
