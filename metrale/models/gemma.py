@@ -117,8 +117,9 @@ def gemma3_model_config(cfg: dict, name: str = "") -> ModelConfig:
 def gemma3_gguf_config(fields: dict, base: ModelConfig) -> ModelConfig:
     """A gemma3 GGUF's config from llama.cpp's keys, on top of the common ones (`base`). As llama.cpp:
     every 6th layer global (or `attention.sliding_window_pattern` when the file has it), the
-    sliding layers' RoPE base 10000 (or `rope.freq_base_swa`), the score scale 1 / sqrt(head_dim)
-    except for the 27B (62 layers: hidden / heads), and no Q/K permutation (NEOX RoPE)."""
+    sliding layers' RoPE base 10000 (or `rope.freq_base_swa`), no sliding layer without
+    `attention.sliding_window`, the score scale 1 / sqrt(head_dim) except for the 27B (62 layers:
+    hidden / heads), and no Q/K permutation (NEOX RoPE)."""
     from dataclasses import replace
     g = lambda key, default=None: fields.get(f"gemma3.{key}", default)  # noqa: E731
     n = base.num_layers
@@ -128,10 +129,13 @@ def gemma3_gguf_config(fields: dict, base: ModelConfig) -> ModelConfig:
         sliding = tuple(bool((i + 1) % p) for i in range(n))
     else:                                   # a per-layer bool array
         sliding = tuple(bool(x) for x in pattern)
+    window = int(g("attention.sliding_window", 0) or 0)
+    if not window:                          # llama.cpp: no window, no sliding layers (all global RoPE)
+        sliding = ()
     scalar = base.hidden_size / base.num_heads if n == 62 else base.head_dim
     cap = g("final_logit_softcapping")
     return replace(base, rope_interleaved=False, qk_norm=True, attention_bias=False,
-                   sliding_window=int(g("attention.sliding_window", 0) or 0), sliding_layers=sliding,
+                   sliding_window=window, sliding_layers=sliding,
                    local_rope_theta=float(g("rope.freq_base_swa", 10_000.0)), query_pre_attn_scalar=float(scalar),
                    final_logit_softcapping=float(cap or 0.0), embed_scale=math.sqrt(base.hidden_size),
                    hidden_act="gelu_tanh", extra={**base.extra, "local_rope_scaling": None})
