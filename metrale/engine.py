@@ -13,6 +13,7 @@ stream deltas carry their completion's `index` (docs/sampling.md, "n > 1 and bes
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import threading
 import logging
@@ -179,6 +180,9 @@ class Engine:
             raise InvalidRequestError(f"n/best_of: {k} sequences exceed scheduler.max_num_seqs "
                                       f"({self.scheduler.max_num_seqs})")
         ids = self.encode_prompt(prompt, chat=chat, system=self.cfg.system if chat else None)
+        if chat and self.tokenizer.chat_stop_strings:     # a transcript template's next turn ends the reply
+            params = dataclasses.replace(params, stop=params.stop_strings + [
+                s for s in self.tokenizer.chat_stop_strings if s not in params.stop_strings])
         capacity = self.blocks.num_blocks * self.blocks.block_size
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(f"prompt: {len(ids)} tokens do not fit the context of "

@@ -69,6 +69,7 @@ class FakeBackend(Backend):
 class FakeTokenizer:
     eos_token_ids = (EOS,)
     vocab_size = VOCAB
+    chat_stop_strings: tuple[str, ...] = ()
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [ord(c) % (VOCAB - 1) + 1 for c in text]

@@ -121,3 +121,21 @@ def test_cli_answers_paris_on_cpu():
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
     assert "tok/s" in out.stderr and "loaded in" in out.stderr
+
+
+def test_a_chat_transcript_template_ends_the_reply_at_the_next_turn():
+    """A tokenizer whose chat template is a plain transcript (a pretrained model's) names the text of
+    the next turn; chat requests stop there, and the caller's params are left as they were."""
+    from fake_model import FakeTokenizer, fake_engine, reference_continuation
+    e = fake_engine(num_blocks=64)
+    prompt = [5, 6, 7]
+    cont = reference_continuation(prompt, 12)
+    stop_text = "".join(f"<{t}>" for t in cont[3:5])              # FakeTokenizer's text of tokens 3 and 4
+    e.tokenizer = type("T", (FakeTokenizer,), {"chat_stop_strings": (stop_text,)})()
+    e.encode_prompt = lambda p, chat=False, system=None: list(p)
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    out = e.generate([prompt], sp, chat=True, use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_text
+    assert sp.stop is None
+    plain = e.generate([prompt], sp, use_tqdm=False)[0]
+    assert plain.finish_reason == "length" and len(plain.token_ids) == 12

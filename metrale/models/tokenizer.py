@@ -765,6 +765,7 @@ class ByteTokenizer:
     bos_token_id = 1
     vocab_size = 259
     chat_template = None
+    chat_stop_strings: tuple[str, ...] = ()
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [b + 3 for b in text.encode("utf-8")]
