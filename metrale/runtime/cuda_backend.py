@@ -464,6 +464,10 @@ class CudaBackend(Backend):
 
     def _check_config(self) -> None:
         """What the kernels cannot run, refused before the device is touched."""
+        tensor = int(self.cfg.parallel.tensor) if "parallel" in self.cfg else 1
+        if tensor > 1:
+            raise ValueError(f"parallel.tensor={tensor}: tensor parallelism runs on the NumPy backend so far "
+                             "(python -m metrale.parallel.tp, docs/parallel.md); the CUDA side is not built")
         refuse_window_beyond(self.config, self.max_model_len)   # no windowed kernels: full attention is exact inside it
         self.part.check()
         for name, dim in self.part.gemm_dims():
