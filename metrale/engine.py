@@ -102,7 +102,7 @@ class Engine:
             self.scheduler.on_verified = self.speculator.committed
             if self.speculator.needs_hidden:   # MTP: forwards keep hidden rows
                 self.backend = self.speculator.drafter.tap(self.backend)
-        self.runner = ModelRunner(self.backend, self.sampler, self.speculator, self.recurrent, bs)
+        self.runner = ModelRunner(self.backend, self.sampler, self.speculator, self.recurrent, self.blocks)
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0}
         self._collect: dict[str, RequestOutput | None] = {}   # outputs generate() waits for
         self._text_at_end = False     # new requests detokenize at their end (inside generate())

@@ -115,7 +115,7 @@ class AheadLoop:
         num_tokens, not yet known to the host), fed from cur's row."""
         e = self.engine
         positions = np.fromiter((s.num_tokens for _, s in rows), dtype=np.int32, count=len(rows))
-        batch = build_decode_batch(positions, [s.block_table for _, s in rows], e.blocks.block_size)
+        batch = build_decode_batch(positions, e.blocks.tables_of([s for _, s in rows]), e.blocks.block_size)
         if e.step_log is not None:
             e.step_log.append((len(rows), int(batch.context_lens.sum())))
         src = np.fromiter((i for i, _ in rows), dtype=np.int32, count=len(rows))

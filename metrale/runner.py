@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from metrale.cache.block_manager import BlockManager
 from metrale.cache.recurrent import RecurrentStates
 from metrale.outputs import error_reason
 from metrale.runtime.batch import ForwardBatch, Segment, build_batch, build_decode_batch
@@ -54,9 +55,9 @@ class StepFailed(Exception):
 
 
 class ModelRunner:
-    def __init__(self, backend, sampler: Sampler, speculator, recurrent: RecurrentStates | None, block_size: int):
+    def __init__(self, backend, sampler: Sampler, speculator, recurrent: RecurrentStates | None, blocks: BlockManager):
         self.backend, self.sampler, self.speculator = backend, sampler, speculator
-        self.recurrent, self.block_size = recurrent, block_size
+        self.recurrent, self.blocks, self.block_size = recurrent, blocks, blocks.block_size
         self.step_log: list | None = None     # set to [] to log (tokens, KV tokens read) per forward
 
     def prepare(self, scheduled: list[ScheduledSeq], requests) -> PreparedStep:
@@ -91,7 +92,7 @@ class ModelRunner:
 
     def _decode_batch(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
         positions = np.fromiter((s.seq.num_computed_tokens for s in scheduled), dtype=np.int32, count=len(scheduled))
-        batch = build_decode_batch(positions, [s.seq.block_table for s in scheduled], self.block_size)
+        batch = build_decode_batch(positions, self.blocks.tables_of([s.seq for s in scheduled]), self.block_size)
         batch.token_ids[:] = [s.seq.token_slice(p, p + 1)[0] for s, p in zip(scheduled, positions.tolist())]
         return batch
 

@@ -6,10 +6,15 @@ the same blocks. Reference counts track sharing; a block whose count falls to ze
 cached on an LRU free list until it is reused for something else.
 Invariant: a shared (cached) block is never written: prefix reuse stops before the block
 holding a sequence's last prompt token.
+Every block table also lives as a row of `table` (an int32 array, padded with 0), changed here
+with the list at each allocation and release: a step's [seqs, blocks] tables are one gather
+(`tables_of`), not a Python walk over every block of every sequence.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+
+import numpy as np
 
 from metrale.scheduler.sequence import Sequence
 
@@ -27,6 +32,28 @@ class BlockManager:
         # hybrid models: hashes of the matched leading blocks -> how many of them a sequence can
         # resume after (the last with a recurrent-state snapshot: cache/snapshots.py); None: all
         self.resume_filter = None
+        self.table = np.zeros((16, 16), np.int32)      # row seq.table_row = seq.block_table, 0-padded
+        self._free_rows: list[int] = list(range(15, -1, -1))
+
+    # ------------------------------------------------------------------ the table rows
+    def _append(self, seq: Sequence, block: int) -> None:
+        if seq.table_row < 0:
+            if not self._free_rows:
+                n = self.table.shape[0]
+                self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+                self._free_rows = list(range(2 * n - 1, n - 1, -1))
+            seq.table_row = self._free_rows.pop()
+        i = len(seq.block_table)
+        if i >= self.table.shape[1]:
+            self.table = np.concatenate([self.table, np.zeros_like(self.table)], axis=1)
+        self.table[seq.table_row, i] = block
+        seq.block_table.append(block)
+
+    def tables_of(self, seqs: list[Sequence]) -> np.ndarray:
+        """[len(seqs), most blocks among them] int32: their block tables, 0-padded."""
+        rows = np.fromiter((s.table_row for s in seqs), dtype=np.int64, count=len(seqs))
+        width = max(max(len(s.block_table) for s in seqs), 1)
+        return self.table[rows, :width]
 
     @property
     def num_free(self) -> int:
@@ -70,7 +97,7 @@ class BlockManager:
             if self.ref_count[block] == 0:
                 del self.free[block]
             self.ref_count[block] += 1
-            seq.block_table.append(block)
+            self._append(seq, block)
             seq.block_hashes.append(h)
         reused = len(seq.block_table) * bs
         seq.num_computed_tokens = reused
@@ -85,7 +112,7 @@ class BlockManager:
         if not self.can_grow(seq, num_tokens):
             return False
         while len(seq.block_table) < self.blocks_needed(num_tokens):
-            seq.block_table.append(self._take_free())
+            self._append(seq, self._take_free())
         return True
 
     def trim(self, seq: Sequence) -> None:
@@ -93,6 +120,7 @@ class BlockManager:
         keep = self.blocks_needed(seq.num_tokens)
         while len(seq.block_table) > keep:
             block = seq.block_table.pop()
+            self.table[seq.table_row, len(seq.block_table)] = 0
             self.ref_count[block] -= 1
             if self.ref_count[block] == 0:
                 self.free[block] = None
@@ -124,6 +152,10 @@ class BlockManager:
                 self.free[block] = None
                 if self.hash_of[block] is None:     # nothing worth keeping: reuse it first
                     self.free.move_to_end(block, last=False)
+        if seq.table_row >= 0:
+            self.table[seq.table_row, :len(seq.block_table)] = 0
+            self._free_rows.append(seq.table_row)
+            seq.table_row = -1
         seq.block_table.clear()
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0
@@ -135,4 +167,10 @@ class BlockManager:
             for b in seq.block_table:
                 expected[b] += 1
         assert expected == self.ref_count, "block reference counts do not match live sequences"
+        holding = [seq for seq in live if seq.block_table]
+        for seq in holding:                       # each live table's row holds it, 0-padded
+            row = self.table[seq.table_row]
+            assert seq.table_row >= 0 and row[:len(seq.block_table)].tolist() == seq.block_table, seq.request_id
+            assert not row[len(seq.block_table):].any(), seq.request_id
+        assert len(self._free_rows) == self.table.shape[0] - len(holding) and not self.table[self._free_rows].any()
         assert all((self.ref_count[b] == 0) == (b in self.free) for b in range(self.num_blocks))

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from itertools import chain
-
 import numpy as np
 
 
@@ -97,26 +95,21 @@ def build_batch(segments: list[Segment], block_size: int) -> ForwardBatch:
                         state_slots, state_checkpoints)
 
 
-def build_decode_batch(positions: np.ndarray, block_tables: list, block_size: int) -> ForwardBatch:
+def build_decode_batch(positions: np.ndarray, tables: np.ndarray, block_size: int) -> ForwardBatch:
     """build_batch of one-token segments at `positions` (their token ids left 0: fed on the device,
-    or written by the caller), each sequence's block table a list of block ids: the loop ahead's
-    decode step, vectorized (no Segment objects, no per-row arrays)."""
-    S = len(block_tables)
+    or written by the caller) over `tables` [S, blocks] int32 (0-padded: BlockManager.tables_of):
+    the decode step, vectorized (no Segment objects, no per-row arrays)."""
+    S = len(positions)
     if S == 0:
         raise ValueError("a forward batch needs at least one segment")
     positions = np.asarray(positions, dtype=np.int32)
-    lens = np.fromiter((len(t) for t in block_tables), dtype=np.int64, count=S)
-    need = positions // block_size + 1
-    if (lens < need).any():
-        i = int(np.flatnonzero(lens < need)[0])
+    need = positions // block_size
+    if (need >= tables.shape[1]).any():
+        i = int(np.flatnonzero(need >= tables.shape[1])[0])
         raise ValueError(f"segment {i} covers {int(positions[i]) + 1} positions "
-                         f"but its block table has {int(lens[i])} blocks of {block_size}")
-    flat = np.fromiter(chain.from_iterable(block_tables), dtype=np.int32, count=int(lens.sum()))
-    tables = np.zeros((S, max(int(lens.max()), 1)), dtype=np.int32)
-    row = np.repeat(np.arange(S), lens)
-    tables[row, np.arange(flat.size) - np.repeat(np.cumsum(lens) - lens, lens)] = flat
+                         f"but its block table has {tables.shape[1]} blocks of {block_size}")
     rows = np.arange(S, dtype=np.int32)
-    slot_mapping = (tables[rows, positions // block_size] * block_size + positions % block_size).astype(np.int32)
+    slot_mapping = (tables[rows, need] * block_size + positions % block_size).astype(np.int32)
     none = np.full(S, -1, dtype=np.int32)
     return ForwardBatch(np.zeros(S, np.int32), positions, slot_mapping, rows, np.arange(S + 1, dtype=np.int32),
                         positions + 1, tables, rows.copy(), block_size, none, none.copy())

@@ -30,6 +30,7 @@ class Sequence:
     status: Status = Status.WAITING
     num_computed_tokens: int = 0       # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
+    table_row: int = -1                # its row of BlockManager.table while it holds blocks
     block_hashes: list[int] = field(default_factory=list)  # hashes of the full blocks committed so far
     finish_reason: str | None = None
     num_preemptions: int = 0
