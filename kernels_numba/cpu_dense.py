@@ -1,8 +1,7 @@
 """A dense decoder layer's three fused steps on the CPU, each one Numba call (the Ops that
 metrale/models/llama.py calls per layer): the products of kernels_numba/cpu_quant.py and the layer
 kernels of cpu_layers.py composed inside Numba, so a layer costs three dispatches from Python
-instead of seven and none of their glue (SmolLM2 batch-1 decode: 0.55 ms less of ~16 ms a token,
-3.5% f32 / 4.7% q8; prefill unchanged: docs/cpu.md).
+instead of seven and none of their glue (its measured gain: docs/cpu.md).
 
   attn_in    RMSNorm -> qkv product (+ bias) -> per-head norms, RoPE, K/V into the paged cache -> q
   attn_out   paged attention -> o product + residual

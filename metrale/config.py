@@ -99,8 +99,8 @@ class SchedulerConfig:
 
 @dataclass
 class SpecGateConfig:
-    """When a draft is worth its verify (metrale/spec/gate.py). Before session 9 these were the
-    levers.spec_<name> levers, which are still accepted (settings.RENAMED)."""
+    """When a draft is worth its verify (metrale/spec/gate.py). These were the levers.spec_<name>
+    levers, whose names are still accepted (settings.RENAMED; docs/levers.md, "Renamed")."""
     min_confidence: float = 0.0          # cut a draft at its first token below this confidence
     verify_cost: float = -1.0            # cost of one verified draft token, in plain decode steps
                                          # (-1: 0.1 on CUDA, where decode is memory-bound; the row model on

@@ -16,19 +16,9 @@ def write_tiny_gguf(path, rng, layers=2, hidden=64, ffn=128, heads=4, kv_heads=2
     import gguf
     from test_cpu_quant import random_rows
     T = gguf.GGMLQuantizationType
+    from test_gguf_export import llama_header
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_uint32("llama.embedding_length", hidden)
-    w.add_uint32("llama.feed_forward_length", ffn)
-    w.add_uint32("llama.block_count", layers)
-    w.add_uint32("llama.attention.head_count", heads)
-    w.add_uint32("llama.attention.head_count_kv", kv_heads)
-    w.add_uint32("llama.context_length", 256)
-    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-    w.add_uint32("llama.vocab_size", vocab)
-    from test_gguf_export import byte_tokenizer
-    for key, (value, vtype, sub) in byte_tokenizer(258).items():
-        if not (isinstance(value, list) and not value):
-            w.add_key_value(key, value, vtype, sub)
+    llama_header(w, hidden=hidden, ffn=ffn, layers=layers, heads=heads, kv_heads=kv_heads, vocab=vocab, context=256)
     hd = hidden // heads
 
     def add(name, kind, rows, cols):

@@ -29,6 +29,18 @@ TINY = ModelConfig("llama", vocab_size=300, hidden_size=32, intermediate_size=64
 IDS = [3, 17, 42, 5, 9, 11, 60, 2, 33, 7]
 
 
+def llama_header(w, *, hidden: int, ffn: int, layers: int, heads: int, kv_heads: int, vocab: int, context: int) -> None:
+    """A tiny llama GGUF's hyperparameters and byte tokenizer, written to GGUFWriter w."""
+    for key, value in (("embedding_length", hidden), ("feed_forward_length", ffn), ("block_count", layers),
+                       ("attention.head_count", heads), ("attention.head_count_kv", kv_heads),
+                       ("context_length", context), ("vocab_size", vocab)):
+        w.add_uint32(f"llama.{key}", value)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    for key, (value, vtype, sub) in byte_tokenizer(258).items():
+        if not (isinstance(value, list) and not value):
+            w.add_key_value(key, value, vtype, sub)
+
+
 def byte_tokenizer(n: int = 258) -> dict:
     """A minimal GPT-2 style tokenizer: byte tokens, one merge (when n >= 258) and an end-of-text
     control token, n tokens in all."""

@@ -28,18 +28,12 @@ def write_quant_gguf(path, seed=0, hidden=256, ffn=512, heads=4, kv_heads=2, voc
     """A tiny llama GGUF of the given block types (random blocks of weight-like scale; legacy types
     quantized from Gaussian weights by gguf itself) with a byte tokenizer; returns path."""
     import gguf
-    from test_gguf_export import byte_tokenizer
+    from test_gguf_export import llama_header
     rng = np.random.default_rng(seed)
     T = gguf.GGMLQuantizationType
     w = gguf.GGUFWriter(str(path), "llama")
-    for key, value in (("embedding_length", hidden), ("feed_forward_length", ffn), ("block_count", len(layer_types)),
-                       ("attention.head_count", heads), ("attention.head_count_kv", kv_heads),
-                       ("context_length", 1024), ("vocab_size", vocab)):
-        w.add_uint32(f"llama.{key}", value)
-    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-    for key, (value, vtype, sub) in byte_tokenizer(258).items():
-        if not (isinstance(value, list) and not value):
-            w.add_key_value(key, value, vtype, sub)
+    llama_header(w, hidden=hidden, ffn=ffn, layers=len(layer_types), heads=heads, kv_heads=kv_heads, vocab=vocab,
+                 context=1024)
     hd = hidden // heads
 
     def add(name, kind, rows, cols, std=None):

@@ -148,19 +148,10 @@ class DevicePipeline:
         h[slice(*sp["mask"])] = np.ascontiguousarray(mask, np.uint32).ravel().view(np.int32)
         s = self.stream
         cu("cuMemcpyHtoDAsync", _ptr(self.in_dev), h.ctypes.data, lay.words * 4, s.handle)
-        if self.graphs and N == 0:
-            if lay.graph is None:
-                try:
-                    lay.graph = CudaGraph.capture(s, lambda: self._kernels(lay), warmup=1)
-                except Exception as exc:     # never lose a step to a capture: eager from now on
-                    log.warning("sampling kernels not captured as a CUDA graph (%s: %s); launching them eagerly",
-                                type(exc).__name__, exc)
-                    self.graphs = False
-                    self._kernels(lay)
-                else:
-                    lay.graph.replay()
-            else:
-                lay.graph.replay()
+        if self.graphs and N == 0 and lay.graph is None:
+            lay.graph = self._capture(lay)
+        if lay.graph is not None:
+            lay.graph.replay()
         else:
             self._kernels(lay)
         o = self.out_dev
@@ -171,6 +162,17 @@ class DevicePipeline:
         cu("cuMemcpyDtoHAsync", host.ctypes.data, _ptr(o), n_out * 4, s.handle)
         self.events[turn].record(s)
         return PendingDraw(host, self.events[turn], R)
+
+    def _capture(self, lay: _Layout) -> CudaGraph | None:
+        """The layout's two kernels as a graph; None (and eager from now on) if the capture fails,
+        so no step is lost to it."""
+        try:
+            return CudaGraph.capture(self.stream, lambda: self._kernels(lay), warmup=1)
+        except Exception as exc:
+            log.warning("sampling kernels not captured as a CUDA graph (%s: %s); launching them eagerly",
+                        type(exc).__name__, exc)
+            self.graphs = False
+            return None
 
     def _kernels(self, lay: _Layout) -> None:
         st = self.stream.numba

@@ -174,7 +174,7 @@ def quant_linear(x, dq: DeviceQuantized, out, rows: int, stream=0, residual=None
     if rows <= limit:
         for p in dq.parts:
             step = quant_gemv.max_rows(p.qtype, k)
-            if rows <= step:                # one launch, no slices (a Numba slice costs ~20 us of Python)
+            if rows <= step:                # one launch, no slices (each Numba slice costs Python time)
                 quant_gemv.gemv(x, p.planes, out, rows, qtype=p.qtype, n_off=p.row0, bias=bias,
                                 residual=residual, stream=stream)
                 continue
