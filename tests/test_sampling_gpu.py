@@ -155,6 +155,7 @@ def test_engine_device_pipeline_equals_numpy_pipeline():
     blocks = [np.array([j], np.int32) for j in range(4)]
     batch = build_batch([Segment(np.array([5, 6, 7], np.int32), 0, blocks[j]) for j in range(4)], eng.blocks.block_size)
     logits = eng.sampler.forward(eng.backend, batch, states)
+    eng.backend.stream.synchronize()        # the forward is queued on the backend's own stream
     host = logits.copy_to_host()
     rows = eng.sampler.pack(states, None)
     got = eng.sampler.device.run(logits, np.zeros((4, 1), np.uint32), rows)
@@ -219,8 +220,12 @@ def test_captured_sampling_equals_eager_launches():
     for step in range(6):
         rows.iparams[:, K.I_STEP] = step
         a, b = graphed.run(logits, mask, rows), eager.run(logits, mask, rows)
-        for x, y in zip(a, b):
-            np.testing.assert_array_equal(x, y)
+        np.testing.assert_array_equal(a[0], b[0])           # tokens
+        np.testing.assert_array_equal(a[1], b[1])           # their logprobs
+        for r, n in enumerate(rows.iparams[:, K.I_NUM_LOGPROBS]):
+            # top candidates: only the first n of a row are written
+            np.testing.assert_array_equal(a[2][r, :max(n, 0)], b[2][r, :max(n, 0)])
+            np.testing.assert_array_equal(a[3][r, :max(n, 0)], b[3][r, :max(n, 0)])
     assert graphed.graphs and any(lay.graph is not None for lay in graphed._layouts.values())
     rows.adj_token, rows.adj_rep = np.array([7], np.int32), np.array([0], np.int32)
     rows.adj_add = np.array([5.0], np.float32)
