@@ -21,7 +21,7 @@ TYPES = [{"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "
           "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"}] * 2
 TYPES = [TYPES[0], {**TYPES[1], "attn_output": "F16"}]
 # few graph sizes and no mixed-step warm-up: every quant GEMV variant compiles once (5-10 s each)
-ENGINE = dict(device="cuda", cache={"num_blocks": 256}, scheduler={"max_model_len": 1024, "max_num_seqs": 16})
+ENGINE = dict(device="cuda", cache={"num_blocks": 256}, scheduler={"max_model_len": 1024, "max_num_seqs": 128})
 LEVERS = {"graph_batch_sizes": [1, 2, 16], "warm_mixed": False}
 
 

@@ -1,0 +1,71 @@
+"""Where levers.weights=native parts from the exact weights: the tiny Q4_K_M-typed GGUF of
+tests/gpu/test_quant_backend_gpu.py through Engine.generate under each of (weights, cuda_graphs,
+overlap), each greedy token checked against a NumPy twin's teacher-forced logits (the blocks' exact
+dequantization); prints the first step that leaves the twin's maximum by more than 5% of the row's rms.
+
+    python -m bench.quant_diag          (GPU)
+"""
+from __future__ import annotations
+
+import itertools
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+for _d in ("tests", "tests/gpu"):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / _d))
+
+from metrale import Engine, SamplingParams                        # noqa: E402
+from metrale.runtime.batch import Segment, build_batch            # noqa: E402
+from metrale.runtime.numpy_backend import NumpyBackend            # noqa: E402
+
+
+def _logits(backend, ids):
+    blocks = np.arange(-(-len(ids) // backend.block_size), dtype=np.int32) + 1
+    return backend.forward(build_batch([Segment(np.asarray(ids, np.int32), 0, blocks, "all")], backend.block_size))
+
+
+def _engine(path, **levers):
+    return Engine(model=str(path), device="cuda", cache={"num_blocks": 256},
+                  scheduler={"max_model_len": 1024, "max_num_seqs": 128},
+                  levers={"graph_batch_sizes": [1, 2, 16], "warm_mixed": False, **levers})
+
+
+def first_departure(tokens, prompt, twin, tol=0.05):
+    ids = np.concatenate([prompt, tokens]).astype(np.int32)
+    rows = _logits(twin, ids)[len(prompt) - 1:len(ids) - 1]
+    for j, (t, row) in enumerate(zip(tokens, rows)):
+        slack = tol * float(np.sqrt((row.astype(np.float64) ** 2).mean()))
+        if row[t] < row.max() - slack:
+            return j, float(row.max() - row[t]) / slack
+    return None, 0.0
+
+
+def main() -> int:
+    from test_quant_backend_gpu import TYPES
+    from test_quant_wiring import write_quant_gguf
+    path = write_quant_gguf(Path(tempfile.mkdtemp()) / "tiny-q4km.gguf", seed=1, layer_types=TYPES)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 258, int(n)).astype(np.int32) for n in (30, 12)]
+    p = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    twin = None
+    for weights, graphs, overlap in itertools.product(["native", "bf16"], [False, True], [False, True]):
+        eng = _engine(path, weights=weights, cuda_graphs=graphs, overlap=overlap)
+        if twin is None:
+            be = eng.backend
+            twin = NumpyBackend(be.config, be.export_weights(), num_blocks=512, block_size=be.block_size)
+        full = np.concatenate([prompts[0], rng.integers(0, 258, 24).astype(np.int32)])
+        err = float(np.linalg.norm(_logits(eng.backend, full) - _logits(twin, full)) / np.linalg.norm(_logits(twin, full)))
+        for batch in (1, 2):
+            outs = eng.generate(prompts[:batch], p, use_tqdm=False)
+            dep = [first_departure(np.asarray(o.token_ids), pr, twin) for o, pr in zip(outs, prompts)]
+            print(f"quant_diag weights={weights} cuda_graphs={graphs} overlap={overlap} B={batch}: prefill rel err "
+                  f"{err:.4f}; first departure (step, gap/slack) {dep}", flush=True)
+        eng.backend.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
