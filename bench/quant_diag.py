@@ -67,5 +67,39 @@ def main() -> int:
     return 0
 
 
+def rows_report(path) -> None:
+    """One engine: the same prefill three times (deterministic?), each row's error against the twin by
+    position and prompt length, then a teacher-forced eager decode one token a step."""
+    eng = _engine(path, weights="native")
+    be = eng.backend
+    twin = NumpyBackend(be.config, be.export_weights(), num_blocks=512, block_size=be.block_size)
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, 258, 100).astype(np.int32)
+    for n in (20, 54, 64, 100):
+        ref = _logits(twin, ids[:n])
+        outs = [_logits(be, ids[:n]) for _ in range(3)]
+        same = [float(np.abs(o - outs[0]).max()) for o in outs[1:]]
+        per_row = np.linalg.norm(outs[0] - ref, axis=1) / np.linalg.norm(ref, axis=1)
+        print(f"quant_diag rows n={n}: repeat max diff {same}; row rel err by position "
+              f"{np.array2string(per_row, precision=3, max_line_width=400)}", flush=True)
+    bs = be.block_size
+    table = np.arange(1, 1 + -(-100 // bs), dtype=np.int32)
+    ref = _logits(twin, ids[:60])
+    errs = []
+    be.forward(build_batch([Segment(ids[:10], 0, table, "last")], bs))
+    for pos in range(10, 60):
+        row = be.forward(build_batch([Segment(ids[pos:pos + 1], pos, table, "last")], bs))[0]
+        errs.append(float(np.linalg.norm(row - ref[pos]) / np.linalg.norm(ref[pos])))
+    print(f"quant_diag decode rel err by position 10..59: {np.array2string(np.array(errs), precision=3, max_line_width=400)}")
+    be.close()
+
+
+if __name__ == "__main__" and "--rows" in sys.argv:
+    from test_quant_backend_gpu import TYPES as _T
+    from test_quant_wiring import write_quant_gguf as _w
+    rows_report(_w(Path(tempfile.mkdtemp()) / "tiny-q4km.gguf", seed=1, layer_types=_T))
+    raise SystemExit(0)
+
+
 if __name__ == "__main__":
     raise SystemExit(main())
