@@ -20,7 +20,14 @@ LAYER_TYPES = [
 ]
 
 
-KQUANT_STD = {L.Q4_K: 0.032, L.Q5_K: 0.066, L.Q6_K: 0.172}    # std of random_blocks' values at scale 1
+def _kquant_std(qtype: int) -> float:
+    """The std of random_blocks' dequantized values at scale 1 (gguf's own dequantization)."""
+    import gguf
+    blocks = L.random_blocks(qtype, 64, 1024, np.random.default_rng(0))
+    return float(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(qtype)).std())
+
+
+KQUANT_STD = {q: _kquant_std(q) for q in (L.Q4_K, L.Q5_K, L.Q6_K)}
 
 
 def write_quant_gguf(path, seed=0, hidden=256, ffn=512, heads=4, kv_heads=2, vocab=512, embed="Q8_0",
