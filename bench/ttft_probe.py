@@ -39,7 +39,7 @@ async def _requests(args, n: int) -> list[tuple[float, float]]:
         async for payload in conn.post_stream("/v1/completions", body):
             if first is None and payload != b"[DONE]":
                 chunk = json.loads(payload)
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                if chunk.get("choices"):        # a token's chunk (its text may be empty: a special token)
                     first = time.perf_counter()
         rows.append((first - t0 if first else float("nan"), time.perf_counter() - t0))
     conn.close()
