@@ -279,3 +279,44 @@ def test_start_up_errors_are_the_in_process_one_liners():
             dies.result()
     assert str(there.value) == str(here.value) and "no such path" in str(there.value)
     assert str(died.value) == "the engine process exited during start-up (exit code 3)"
+
+
+def test_engine_child_reader_applies_every_queued_command_and_survives_a_bad_frame():
+    """The engine process's command reader takes all the frames one read brings (64 adds written at
+    once reach the engine loop in order), a frame that does not unpickle is logged and skipped, and
+    the pipe closing stops the loop."""
+    import os
+    import pickle
+    import threading
+
+    from metrale.server.engine_child import _Outbox, _read_commands
+    from metrale.server.engine_process import _HEADER
+
+    class Loop:
+        def __init__(self):
+            self.added, self.stopped = [], False
+
+        def add_nowait(self, request_id, *args, **kwargs):
+            self.added.append(request_id)
+
+        def stop(self):
+            self.stopped = True
+
+    def frame(data: bytes) -> bytes:
+        return _HEADER.pack(len(data)) + data
+
+    r, w = os.pipe()
+    ev_r, ev_w = os.pipe()
+    loop = Loop()
+    reader = threading.Thread(target=_read_commands, args=(r, {"loop": loop}, _Outbox(ev_w)), daemon=True)
+    reader.start()
+    adds = [("add", k, f"req-{k}", [1, 2], None, 0.0, False) for k in range(64)]
+    blob = b"".join(frame(pickle.dumps(c)) for c in adds[:32]) + frame(b"not a pickle") + \
+        b"".join(frame(pickle.dumps(c)) for c in adds[32:])
+    os.write(w, blob)
+    os.close(w)
+    reader.join(10)
+    assert not reader.is_alive() and loop.stopped
+    assert loop.added == [f"req-{k}" for k in range(64)]
+    for fd in (r, ev_r, ev_w):
+        os.close(fd)

@@ -19,9 +19,10 @@ import numpy as np
 from metrale.driver import ServerDraining
 from metrale.outputs import StreamDelta
 from metrale.sampling.params import InvalidRequestError
-from metrale.server.engine_process import PIPE_BYTES, EngineInfo, _FdHandle, _recv, _write_frame, supports_structured_output
+from metrale.server.engine_process import PIPE_BYTES, EngineInfo, _FdHandle, _frames, _write_frame, supports_structured_output
 
 log = logging.getLogger("metrale.server")
+READ_BYTES = 1 << 20          # one read takes every command the pipe holds
 
 
 class _Outbox:
@@ -116,26 +117,41 @@ def _one_line(exc: Exception) -> str:
 
 
 def _read_commands(fd: int, holder: dict, out: _Outbox) -> None:
-    """The engine process's reader: commands from the pipe into the engine loop's queue."""
+    """The engine process's reader: commands from the pipe into the engine loop's queue. It reads
+    whatever the pipe holds and applies every whole command in it at once: each read gives up the
+    GIL, and getting it back from a busy engine loop takes up to a switch interval (5 ms), so one
+    read per command made 64 arriving requests wait for each other."""
+    buf = bytearray()
     while True:
         try:
-            cmd = _recv(fd)
-        except (EOFError, OSError):    # the server process is gone: stop (or, still loading, exit now)
+            chunk = os.read(fd, READ_BYTES)
+        except OSError:
+            chunk = b""
+        if not chunk:                   # the server process is gone: stop (or, still loading, exit now)
             loop = holder.get("loop")
             if loop is None:
                 os._exit(0)
             holder["stopped"] = True
             loop.stop()
             return
-        try:
-            _apply(cmd, holder, out)
-        except Exception as exc:   # a bad command must not end the reader, nor leave its caller waiting
-            log.exception("engine process: command %r failed", cmd[0])
-            why = f"{type(exc).__name__}: {exc}"
-            if cmd[0] == "add":
-                out.send(("refused", cmd[1], "error", why))
-            elif cmd[0] == "call":
-                out.send(("reply", cmd[1], False, why))
+        buf += chunk
+        for frame in _frames(buf):
+            _apply_frame(frame, holder, out)
+
+
+def _apply_frame(frame: bytes, holder: dict, out: _Outbox) -> None:
+    cmd = None
+    try:
+        cmd = pickle.loads(frame)
+        _apply(cmd, holder, out)
+    except Exception as exc:   # a bad command must not end the reader, nor leave its caller waiting
+        kind = cmd[0] if isinstance(cmd, tuple) and cmd else None
+        log.exception("engine process: command %r failed", kind)
+        why = f"{type(exc).__name__}: {exc}"
+        if kind == "add":
+            out.send(("refused", cmd[1], "error", why))
+        elif kind == "call":
+            out.send(("reply", cmd[1], False, why))
 
 
 def _apply(cmd: tuple, holder: dict, out: _Outbox) -> None:
