@@ -1,6 +1,6 @@
 """Where a decode step's time goes: host phases, graph replay on the device, GPU time per op.
 
-    python -m bench.profile_step --model llama-3-8b-shape --batch 1 32
+    python -m bench.profile_step --model llama-3-8b-shape --batch 1 32 [--context 512]
 """
 from __future__ import annotations
 
@@ -116,10 +116,11 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-shape")
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--override", nargs="*", default=[])
+    ap.add_argument("--context", type=int, default=512, help="tokens of context of every row")
     args = ap.parse_args()
     _, backend, _ = make_backend(args.model, max(args.batch), args.override)
     for b in args.batch:
-        profile(backend, b)
+        profile(backend, b, args.context)
 
 
 if __name__ == "__main__":
