@@ -10,6 +10,7 @@ import logging
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -23,6 +24,7 @@ from metrale.server.engine_process import PIPE_BYTES, EngineInfo, _FdHandle, _fr
 
 log = logging.getLogger("metrale.server")
 READ_BYTES = 1 << 20          # one read takes every command the pipe holds
+GIL_SWITCH_S = 0.001
 
 
 class _Outbox:
@@ -71,6 +73,9 @@ def child_main(cfg, commands: _FdHandle, events: _FdHandle, build: Callable) -> 
     """The engine process: build the engine, say ready (or why not), run its loop until told to
     stop or until the server's end of the commands pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # Ctrl-C reaches the process group: the server drains
+    # the command reader asks for the GIL only when a command came; a busy engine loop then hands
+    # it over within 1 ms instead of the default 5 (the wait is a new request's admission delay)
+    sys.setswitchinterval(GIL_SWITCH_S)
     level = str(cfg.log_level).upper()
     logging.basicConfig(level=getattr(logging, level, logging.WARNING), format="%(levelname)s %(name)s: %(message)s")
     out = _Outbox(events.fd)
