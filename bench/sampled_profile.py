@@ -20,7 +20,8 @@ import time
 import numpy as np
 
 
-def _pipeline_times(engine, rows: int, temperature: float, top_p: float, graphs: bool, iters: int = 50) -> tuple[float, float]:
+def _pipeline_times(engine, rows: int, temperature: float, top_p: float, graphs: bool, split: bool = True,
+                    iters: int = 50) -> tuple[float, float]:
     """(host us a launch, device us a launch) of the sampling pipeline over `rows` random rows."""
     from numba import cuda
     from kernels_numba import sampling as K
@@ -32,7 +33,7 @@ def _pipeline_times(engine, rows: int, temperature: float, top_p: float, graphs:
     V = engine.model_config.vocab_size
     logits = cuda.device_array((rows, V), np.float32)
     fill_logits[((rows + 15) // 16, (V + 15) // 16), (16, 16)](logits, 12345)
-    pipe = DevicePipeline(backend, V, graphs=graphs)
+    pipe = DevicePipeline(backend, V, graphs=graphs, split=split)
     packed = PackedRows(rows, -(-V // 32))
     packed.fparams[:, K.F_INV_TEMP] = np.float32(1.0) / np.float32(temperature)
     packed.fparams[:, K.F_TOP_P] = top_p
@@ -91,14 +92,19 @@ def main(argv: list[str] | None = None) -> int:
             spec = PointSpec(batch=batch, prompt_tokens=16, tokens=args.tokens, reps=2, temperature=0.7, top_p=0.9)
             got["T0.7 top_p0.9 eager sampling"] = decode_tok_s(engine, spec, prompts(engine, spec))
             engine.sampler.device.graphs = True
+            dev, parts = engine.sampler.device, engine.sampler.device.parts   # temperature rows unsplit
+            dev.parts, dev._layouts = None, {}
+            spec = PointSpec(batch=batch, prompt_tokens=16, tokens=args.tokens, reps=2, temperature=0.7)
+            got["T0.7 unsplit"] = decode_tok_s(engine, spec, prompts(engine, spec))
+            dev.parts, dev._layouts = parts, {}
         line = " | ".join(f"{k} {v:,.0f} tok/s ({batch / v * 1e6:.0f} us/step)" for k, v in got.items())
         print(f"sampled_profile {args.model} B={batch}: {line}", flush=True)
         if args.device == "cuda":
-            for t, tp in ((0.7, 1.0), (0.7, 0.9)):
-                for graphs in (True, False):
-                    host, dev = _pipeline_times(engine, batch, t, tp, graphs)
-                    print(f"sampled_profile B={batch} T={t} top_p={tp} graphs={graphs}: DevicePipeline.launch host "
-                          f"{host:.0f} us, on the device {dev:.0f} us", flush=True)
+            for t, tp, graphs, split in ((0.7, 1.0, True, True), (0.7, 1.0, True, False), (0.7, 1.0, False, True),
+                                         (0.7, 0.9, True, True), (0.7, 0.9, False, True)):
+                host, dev = _pipeline_times(engine, batch, t, tp, graphs, split)
+                print(f"sampled_profile B={batch} T={t} top_p={tp} graphs={graphs} split={split}: DevicePipeline.launch "
+                      f"host {host:.0f} us, on the device {dev:.0f} us", flush=True)
         if args.profile:
             spec = PointSpec(batch=batch, prompt_tokens=16, tokens=args.tokens, temperature=0.7, top_p=0.9)
             ps = prompts(engine, spec)

@@ -87,7 +87,8 @@ from numba import cuda
 from kernels_numba.jit import kernel as cached_jit
 
 from kernels_numba.ptx import grid_trigger, grid_wait
-from kernels_numba.bf16 import FULL_MASK, NEG_INF, SIMULATOR, block_argmax, block_max, block_sum, device_function
+from kernels_numba.bf16 import (FULL_MASK, NEG_INF, SIMULATOR, _argmax_better, block_argmax, block_max, block_sum,
+                                device_function)
 
 THREADS = 32 if SIMULATOR else 1024
 # A 1024-thread block may use at most 64 registers a thread: say so to the compiler, or a kernel
@@ -647,8 +648,117 @@ def _prepare_rows_kernel(logits, fparams, iparams, adj_token, adj_rep, adj_add, 
         logits[r, t] = x + adj_add[e]
 
 
+# ---------------------------------------------------------------- split rows (temperature / min-p)
+#
+# A row of a small batch is one block on one SM: at V = 128K its two passes (max, Gumbel-max with
+# Philox and two logs an element) take ~0.1 ms. Rows without top-k and top-p (their kept set needs
+# no threshold search: mask and min-p are per element) are cut into `chunks` contiguous spans of
+# Philox groups, one block each: the spans' maxima, then each span's Gumbel-max with the row's max
+# (the same z as one block computes, so the same token), combined by the row kernel (ties to the
+# lower id).
+
+SPLIT_THREADS = 32 if SIMULATOR else 256
+MAX_CHUNKS = 64
+_split_kernel = cached_jit if SIMULATOR else cached_jit(launch_bounds=(SPLIT_THREADS,))
+
+
+@device_function
+def _split_row(fparams, iparams, r, V):
+    """Is row r drawn from split spans: sampled, no top-k, no top-p?"""
+    k = iparams[r, I_TOP_K]
+    return fparams[r, F_INV_TEMP] != 0 and not (k > 0 and k < V) and fparams[r, F_TOP_P] >= np.float32(1.0)
+
+
+@device_function
+def _span(c, chunks, V):
+    """Philox groups [g0, g1) of span c."""
+    G = (V + 3) // 4
+    per = (G + chunks - 1) // chunks
+    return min(G, c * per), min(G, (c + 1) * per)
+
+
+@_split_kernel
+def _split_max_kernel(logits, mask, fparams, iparams, part_max, chunks):
+    grid_wait()
+    grid_trigger()
+    scratch = cuda.shared.array(SCRATCH, np.float32)
+    r = cuda.blockIdx.x
+    c = cuda.blockIdx.y
+    V = logits.shape[1]
+    if not _split_row(fparams, iparams, r, V):
+        return
+    use_mask = iparams[r, I_USE_MASK] != 0
+    g0, g1 = _span(c, chunks, V)
+    m = NEG_INF
+    for i in range(4 * g0 + cuda.threadIdx.x, min(V, 4 * g1), cuda.blockDim.x):
+        m = max(m, _masked_x(logits, mask, r, i, use_mask))
+    m = block_max(m, scratch)
+    if cuda.threadIdx.x == 0:
+        part_max[r, c] = m
+
+
+@_split_kernel
+def _split_gumbel_kernel(logits, mask, fparams, iparams, part_max, part_v, part_i, chunks):
+    grid_wait()
+    grid_trigger()
+    scratch = cuda.shared.array(SCRATCH, np.float32)
+    iscratch = cuda.shared.array(SCRATCH, np.int32)
+    r = cuda.blockIdx.x
+    c = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    V = logits.shape[1]
+    if not _split_row(fparams, iparams, r, V):
+        return
+    m = NEG_INF
+    for j in range(chunks):
+        m = max(m, part_max[r, j])
+    use_mask = iparams[r, I_USE_MASK] != 0
+    inv_t = fparams[r, F_INV_TEMP]
+    thr = _KEY_NEG_INF
+    kmin = f32_key(fparams[r, F_LOG_MIN_P])
+    if kmin > thr:
+        thr = kmin
+    k0 = np.uint64(np.uint32(iparams[r, I_SEED_LO]))
+    k1 = np.uint64(np.uint32(iparams[r, I_SEED_HI]))
+    step = np.uint64(np.uint32(iparams[r, I_STEP]))
+    zero = np.uint64(0)
+    bv = NEG_INF
+    bi = np.int32(-1)
+    if m > NEG_INF:
+        g0, g1 = _span(c, chunks, V)
+        for g in range(g0 + tid, g1, cuda.blockDim.x):
+            w0, w1, w2, w3 = philox4x32(np.uint64(g), step, zero, zero, k0, k1)
+            for lane in range(4):
+                i = 4 * g + lane
+                if i < V:
+                    z = (_masked_x(logits, mask, r, i, use_mask) - m) * inv_t
+                    if z > NEG_INF and f32_key(z) >= thr:
+                        w = w0
+                        if lane == 1:
+                            w = w1
+                        elif lane == 2:
+                            w = w2
+                        elif lane == 3:
+                            w = w3
+                        v = z - math.log(-math.log(_uniform(w)))
+                        if bi < 0 or v > bv:
+                            bv = v
+                            bi = np.int32(i)
+    bv, bi = block_argmax(bv, bi, scratch, iscratch)
+    if tid == 0:
+        part_v[r, c] = bv
+        part_i[r, c] = bi
+
+
+def split_chunks(rows: int, V: int) -> int:
+    """Spans a row of a step of `rows` rows is cut into (< 2: rows are not split): about two blocks
+    an SM of an H200 over the step, each span at least a group of four ids a thread."""
+    return max(0, min(MAX_CHUNKS, 264 // max(rows, 1), ((V + 3) // 4) // SPLIT_THREADS))
+
+
 @_row_kernel
-def _sample_rows_kernel(logits, mask, fparams, iparams, adj_token, raw_saved, lse, out_tokens, out_lps):
+def _sample_rows_kernel(logits, mask, fparams, iparams, adj_token, raw_saved, lse, out_tokens, out_lps,
+                        part_v, part_i, chunks):
     grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
     grid_trigger()
     scratch = cuda.shared.array(SCRATCH, np.float32)
@@ -666,6 +776,16 @@ def _sample_rows_kernel(logits, mask, fparams, iparams, adj_token, raw_saved, ls
     use_mask = iparams[r, I_USE_MASK] != 0
     inv_t = fparams[r, F_INV_TEMP]
     k = iparams[r, I_TOP_K]
+    if chunks > 1 and _split_row(fparams, iparams, r, V):    # drawn by the spans: combine them
+        if tid == 0:
+            bv = NEG_INF
+            bi = np.int32(-1)
+            for c in range(chunks):
+                if _argmax_better(part_v[r, c], part_i[r, c], bv, bi):
+                    bv = part_v[r, c]
+                    bi = part_i[r, c]
+            _write_draw(logits, iparams, adj_token, raw_saved, lse, out_tokens, out_lps, r, bi)
+        return
     top_k_on = inv_t != 0 and k > 0 and k < V
     if top_k_on:                                # the first digit of top-k's key(x) histogram: in pass 1
         for b in range(tid, RADIX_BINS, nt):
@@ -753,15 +873,21 @@ def _sample_rows_kernel(logits, mask, fparams, iparams, adj_token, raw_saved, ls
                                 bi = np.int32(i)
             bv, bi = block_argmax(bv, bi, scratch, iscratch)
     if tid == 0:
-        out_tokens[r] = bi
-        lp = np.float32(np.nan)
-        if iparams[r, I_NUM_LOGPROBS] >= 0 and bi >= 0:
-            raw = logits[r, bi]
-            for e in range(iparams[r, I_ADJ_START], iparams[r, I_ADJ_END]):
-                if adj_token[e] == bi:
-                    raw = raw_saved[e]
-            lp = raw - lse[r]
-        out_lps[r] = lp
+        _write_draw(logits, iparams, adj_token, raw_saved, lse, out_tokens, out_lps, r, bi)
+
+
+@device_function
+def _write_draw(logits, iparams, adj_token, raw_saved, lse, out_tokens, out_lps, r, bi):
+    """Row r's token and (if asked for) its raw logprob."""
+    out_tokens[r] = bi
+    lp = np.float32(np.nan)
+    if iparams[r, I_NUM_LOGPROBS] >= 0 and bi >= 0:
+        raw = logits[r, bi]
+        for e in range(iparams[r, I_ADJ_START], iparams[r, I_ADJ_END]):
+            if adj_token[e] == bi:
+                raw = raw_saved[e]
+        lp = raw - lse[r]
+    out_lps[r] = lp
 
 
 # ---------------------------------------------------------------- launchers
@@ -779,14 +905,45 @@ def prepare_rows(logits, fparams, iparams, adj_token, adj_rep, adj_add, raw_save
                                                             raw_saved, lse, top_ids, top_lps)
 
 
-def sample_rows(logits, mask, fparams, iparams, adj_token, raw_saved, lse, out_tokens, out_lps, stream=0) -> None:
+def sample_rows(logits, mask, fparams, iparams, adj_token, raw_saved, lse, out_tokens, out_lps, parts=None,
+                chunks: int | None = None, stream=0) -> None:
     """Mask, temperature, top-k / top-p / min-p, Gumbel-max sampling (argmax for greedy rows) and the
     sampled token's raw logprob. mask uint32 [R, ceil(V/32)]; out_tokens int32 [R]; out_lps float32 [R]
-    (NaN where the row asked for no logprobs)."""
-    if logits.shape[0] == 0:
+    (NaN where the row asked for no logprobs). parts: (max, value float32, id int32), each
+    [>= R, MAX_CHUNKS], the split rows' span partials (None: every row in one block); chunks: the
+    spans a row is cut into (default split_chunks)."""
+    R, V = logits.shape
+    if R == 0:
         return
-    _sample_rows_kernel[logits.shape[0], THREADS, stream](logits, mask, fparams, iparams, adj_token, raw_saved, lse,
-                                                           out_tokens, out_lps)
+    if chunks is None:
+        chunks = split_chunks(R, V)
+    if parts is None or chunks < 2:
+        chunks = 0
+        part_v, part_i = _no_parts()
+    else:
+        part_max, part_v, part_i = parts
+        _split_max_kernel[(R, chunks), SPLIT_THREADS, stream](logits, mask, fparams, iparams, part_max, chunks)
+        _split_gumbel_kernel[(R, chunks), SPLIT_THREADS, stream](logits, mask, fparams, iparams, part_max, part_v,
+                                                                 part_i, chunks)
+    _sample_rows_kernel[R, THREADS, stream](logits, mask, fparams, iparams, adj_token, raw_saved, lse,
+                                            out_tokens, out_lps, part_v, part_i, chunks)
+
+
+_NO_PARTS: list = []
+
+
+def _no_parts():
+    """1 x 1 placeholders for the partials' arguments of an unsplit launch (made once: no allocation
+    inside a graph capture after the first call)."""
+    if not _NO_PARTS:
+        _NO_PARTS.extend([cuda.device_array((1, 1), np.float32), cuda.device_array((1, 1), np.int32)])
+    return _NO_PARTS[0], _NO_PARTS[1]
+
+
+def split_parts(rows: int):
+    """Device partials for sample_rows' split rows of steps up to `rows` rows."""
+    return (cuda.device_array((rows, MAX_CHUNKS), np.float32), cuda.device_array((rows, MAX_CHUNKS), np.float32),
+            cuda.device_array((rows, MAX_CHUNKS), np.int32))
 
 
 # ---------------------------------------------------------------- NumPy references

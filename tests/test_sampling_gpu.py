@@ -36,7 +36,7 @@ def batch(rng, R, V, n_adj=32):
     return logits, mask, f, i, toks, rep, add
 
 
-def run_device(logits, mask, f, i, toks, rep, add, repeat=1):
+def run_device(logits, mask, f, i, toks, rep, add, repeat=1, parts=None):
     R = logits.shape[0]
     d = {k: cuda.to_device(v) for k, v in dict(mask=mask, f=f, i=i, toks=toks, rep=rep, add=add).items()}
     raw, lse = cuda.device_array(toks.size, np.float32), cuda.device_array(R, np.float32)
@@ -48,11 +48,30 @@ def run_device(logits, mask, f, i, toks, rep, add, repeat=1):
         a, b = cuda.event(), cuda.event()
         a.record()
         K.prepare_rows(x, d["f"], d["i"], d["toks"], d["rep"], d["add"], raw, lse, top_ids, top_lps)
-        K.sample_rows(x, d["mask"], d["f"], d["i"], d["toks"], raw, lse, out, lps)
+        K.sample_rows(x, d["mask"], d["f"], d["i"], d["toks"], raw, lse, out, lps, parts=parts)
         b.record()
         b.synchronize()
         times.append(cuda.event_elapsed_time(a, b) * 1000)
     return out.copy_to_host(), lps.copy_to_host(), top_ids.copy_to_host(), top_lps.copy_to_host(), float(np.median(times))
+
+
+@pytest.mark.parametrize("V,R", [(128256, 1), (128256, 6), (49152, 12), (151936, 48)])
+def test_split_rows_equal_one_block_rows_and_reference(V, R):
+    """levers.sampling_split: temperature / min-p / masked rows drawn over spans of the row (up to 64
+    blocks a row at batch 1) give the tokens one block a row gives, and the reference's."""
+    rng = np.random.default_rng(R)
+    args = batch(rng, R, V)
+    f, i = args[2], args[3]
+    f[f[:, K.F_INV_TEMP] == 0, K.F_INV_TEMP] = 1.0          # no greedy rows: batch 1 is a sampled row
+    split_rows = (f[:, K.F_TOP_P] >= 1) & ~((i[:, K.I_TOP_K] > 0) & (i[:, K.I_TOP_K] < V))
+    assert split_rows.any() and K.split_chunks(R, V) >= 2
+    split = run_device(*args, parts=K.split_parts(R), repeat=5)
+    whole = run_device(*args, repeat=5)
+    np.testing.assert_array_equal(split[0], whole[0])
+    np.testing.assert_allclose(split[1], whole[1], rtol=1e-6, atol=1e-6)
+    want = K.sample_rows_ref(*args)[0]
+    assert (split[0] == want).sum() >= R - 1, (split[0], want)          # a float border case at most
+    print(f"\nV={V} R={R}: split {split[4]:.1f} us, one block a row {whole[4]:.1f} us")
 
 
 @pytest.mark.parametrize("V,R", [(49152, 48), (128256, 48), (151936, 64)])

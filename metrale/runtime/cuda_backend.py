@@ -391,6 +391,7 @@ class CudaBackend(Backend):
         self.flash_prefill = _choice("prefill_attention_kernel", levers.prefill_attention_kernel, ("mma", "fma")) == "mma"
         self.flash_decode = _choice("decode_attention_kernel", levers.decode_attention_kernel, ("mma", "fma")) == "mma"
         self.use_graphs = bool(levers.cuda_graphs) and ep is None
+        self.sampling_split = bool(levers.sampling_split)
         self.overlap = bool(levers.overlap) and self.part.feeds_tokens     # the host a step ahead (engine)
         self.supports_overlap = self.overlap
         self.graph_sizes = sorted(int(s) for s in levers.graph_batch_sizes)

@@ -83,7 +83,7 @@ class _Layout:
 
 
 class DevicePipeline:
-    def __init__(self, backend, vocab_size: int, graphs: bool = True):
+    def __init__(self, backend, vocab_size: int, graphs: bool = True, split: bool = True):
         self.stream = backend.stream
         self.graphs = graphs
         self._layouts: dict[tuple, _Layout] = {}
@@ -98,6 +98,7 @@ class DevicePipeline:
         self.out_hosts = [cuda.pinned_array(R * (2 + 2 * TOP), np.int32) for _ in range(2)]
         self.events = [Event(timing=False) for _ in range(2)]
         self.lse = cuda.device_array(R, np.float32)
+        self.parts = K.split_parts(R) if split else None       # the split rows' span partials
 
     def _alloc(self, capacity: int) -> None:
         """Two pinned staging buffers: a step queued ahead packs into one while the other's copy
@@ -177,4 +178,4 @@ class DevicePipeline:
     def _kernels(self, lay: _Layout) -> None:
         st = self.stream.numba
         K.prepare_rows(*lay.prepare_args, stream=st)
-        K.sample_rows(*lay.sample_args, stream=st)
+        K.sample_rows(*lay.sample_args, parts=self.parts, stream=st)

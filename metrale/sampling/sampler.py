@@ -63,7 +63,8 @@ class Sampler:
         self.device = None
         if backend is not None and backend.name == "cuda":   # None: the host pipeline alone (tests)
             from metrale.sampling.device import DevicePipeline
-            self.device = DevicePipeline(backend, self.vocab_size, graphs=backend.use_graphs)
+            self.device = DevicePipeline(backend, self.vocab_size, graphs=backend.use_graphs,
+                                         split=backend.sampling_split)
         self._warned_empty = False
 
     # ------------------------------------------------------------------ the step

@@ -410,3 +410,43 @@ def test_compacted_border_ties_and_edges(monkeypatch):
     assert seen[0] == {3, 9, 40, 41}                                 # the 4.0 ties kept, 3.0 not
     assert seen[1] <= {0, 1, 2, 3, 4} and len(seen[1]) >= 3
     assert seen[2] <= {100, 101} and seen[2] == {100, 101}
+
+
+def test_split_rows_match_reference():
+    """Rows without top-k / top-p drawn from spans of a row (two small kernels a span, combined by the
+    row kernel) give the reference's tokens and logprobs, at any span count, beside rows that are not
+    split (greedy, top-k, top-p) in the same launch; a row masked whole gives -1."""
+    for seed, V in ((11, 301), (12, 300), (13, 257)):
+        rng = np.random.default_rng(seed)
+        logits, mask, f, i, tok, rep, add = _batch(rng, 6, V)
+        mask[1] = 0
+        i[1, S.I_USE_MASK] = 1 if seed == 13 else 0          # row 1 (temperature only) masked whole once
+        args = (logits, mask, f, i, tok, rep, add)
+        want, want_lps, _, _ = S.sample_rows_ref(*args)
+        for chunks in (2, 3, 7):
+            x = logits.copy()
+            raw_saved, lse = np.zeros(tok.size, np.float32), np.zeros(6, np.float32)
+            top_ids = np.full((6, S.MAX_TOP_LOGPROBS), -1, np.int32)
+            top_lps = np.full((6, S.MAX_TOP_LOGPROBS), np.nan, np.float32)
+            S.prepare_rows(x, f, i, tok, rep, add, raw_saved, lse, top_ids, top_lps)
+            out, lps = np.zeros(6, np.int32), np.zeros(6, np.float32)
+            parts = tuple(np.full(a.shape, -7, a.dtype) for a in (np.zeros((6, S.MAX_CHUNKS), np.float32),
+                                                                   np.zeros((6, S.MAX_CHUNKS), np.float32),
+                                                                   np.zeros((6, S.MAX_CHUNKS), np.int32)))
+            S.sample_rows(x, mask, f, i, tok, raw_saved, lse, out, lps, parts=parts, chunks=chunks)
+            np.testing.assert_array_equal(out, want, err_msg=f"seed {seed} V {V} chunks {chunks}")
+            np.testing.assert_allclose(lps, want_lps, rtol=1e-5, atol=1e-5)
+            split = [r for r in range(6) if f[r, S.F_INV_TEMP] != 0 and not 0 < i[r, S.I_TOP_K] < V
+                     and f[r, S.F_TOP_P] >= 1]
+            assert split == [1, 5], split
+            assert (parts[2][split, :chunks] != -7).all() and (parts[2][:, chunks:] == -7).all()
+            assert (parts[2][[0, 2, 3, 4]] == -7).all()              # rows not split leave theirs alone
+        if seed == 13:
+            assert want[1] == -1
+
+
+def test_split_chunks_choice():
+    assert S.split_chunks(1, 128256) == S.MAX_CHUNKS
+    assert S.split_chunks(32, 128256) == 8
+    assert S.split_chunks(256, 128256) < 2                   # a full step: one block a row
+    assert S.split_chunks(1, 300) == 300 // 4 // S.SPLIT_THREADS
