@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     from bench.harness import PointSpec, _params, _timed, decode_tok_s, prompts
+    from kernels_numba import sampling as K
     from metrale import Engine
     top = max(args.batch)
     engine = Engine(model=args.model, device=args.device, overrides=[
@@ -92,10 +93,10 @@ def main(argv: list[str] | None = None) -> int:
             spec = PointSpec(batch=batch, prompt_tokens=16, tokens=args.tokens, reps=2, temperature=0.7, top_p=0.9)
             got["T0.7 top_p0.9 eager sampling"] = decode_tok_s(engine, spec, prompts(engine, spec))
             engine.sampler.device.graphs = True
-            dev, parts = engine.sampler.device, engine.sampler.device.parts   # temperature rows unsplit
-            dev.parts, dev._layouts = None, {}
+            dev, parts = engine.sampler.device, engine.sampler.device.parts   # the other levers.sampling_split
+            dev.parts, dev._layouts = (None if parts is not None else K.split_parts(dev.max_rows)), {}
             spec = PointSpec(batch=batch, prompt_tokens=16, tokens=args.tokens, reps=2, temperature=0.7)
-            got["T0.7 unsplit"] = decode_tok_s(engine, spec, prompts(engine, spec))
+            got[f"T0.7 sampling_split={dev.parts is not None}"] = decode_tok_s(engine, spec, prompts(engine, spec))
             dev.parts, dev._layouts = parts, {}
         line = " | ".join(f"{k} {v:,.0f} tok/s ({batch / v * 1e6:.0f} us/step)" for k, v in got.items())
         print(f"sampled_profile {args.model} B={batch}: {line}", flush=True)
