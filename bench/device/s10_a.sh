@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 10's follow-ups on the H200, one call (carry .whl .snap; ~6 minutes): the served 64 streams
+# Session 10's follow-ups on the H200, one call (carry .whl .snap): the served 64 streams
 # after the engine process's command reader took whole reads (TTFT p50 was 150 ms, 0.63 of the library),
 # then where an offline forward's 3.67 ms goes (136-256 rows of ~1,000-token contexts: the offline run's
 # median step; its KV bound is ~0.8 ms), the split sampling rows' GPU test, and the 1B shape's sampled
