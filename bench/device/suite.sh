@@ -4,9 +4,9 @@
 # leaves raw JSON under $OUT.
 source "$(dirname "$0")/common.sh"
 case "${1:-}" in
-  decode)    # Engine.generate (loop ahead / synchronous) beside graph replay, three shapes, batch 1 and 32
+  decode)    # Engine.generate (loop ahead / synchronous, greedy and sampled) beside graph replay, three shapes, batch 1 and 32
     for m in smollm2-135m-shape llama-3.2-1b-shape llama-3-8b-shape; do
-      timeout 200 python3 -m bench.user_decode --model $m --batch 1 32 --json $OUT/user_$m.json 2>&1 | grep user_decode
+      timeout 200 python3 -m bench.user_decode --model $m --batch 1 32 --sampled --json $OUT/user_$m.json 2>&1 | grep user_decode
     done ;;
   serving)   # nano-vllm offline + Poisson, then the HTTP server as users run it
     timeout 240 python3 -m bench.run_all --stage offline --out $OUT/raw --models smollm2-135m-shape llama-3.2-1b-shape \
