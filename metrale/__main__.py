@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
         return code
     logging.basicConfig(level=getattr(logging, str(cfg.log_level).upper(), logging.WARNING),
                         format="%(levelname)s %(name)s: %(message)s")
+    if int(cfg.parallel.tensor) > 1:       # one process a rank (metrale/parallel/tp.py)
+        from metrale.parallel.tp import main as tensor_parallel
+        return tensor_parallel(argv)
     return _generate(cfg)
 
 

@@ -250,3 +250,16 @@ def test_tp_bench_dry_run(tmp_path):
     records = json.loads(out.read_text())
     assert [r["figure"] for r in records] == ["dense decode tok/s, TP=2, batch 1", "dense decode tok/s, TP=2, batch 2"]
     assert all(r["value"] > 0 and r["peer"] > 0 and r["extra"]["greedy_ids_equal"] for r in records)
+
+
+def test_cli_runs_tensor_parallel_ranks(ckpts, capsys):
+    """python -m metrale ... parallel.tensor=2 spawns the two ranks (it used to refuse) and prints the
+    text the one-rank CLI prints for the same greedy settings."""
+    from metrale.__main__ import main
+    args = ["prompt=hello there", "max_tokens=5", "sampling.temperature=0", "sampling.ignore_eos=true", "chat=false"]
+    assert main(_settings(ckpts["qwen2"], 1) + args) == 0
+    one = capsys.readouterr().out
+    assert main(_settings(ckpts["qwen2"], 2) + args) == 0
+    captured = capsys.readouterr()
+    assert captured.out == one and one.strip()
+    assert "on 2 CPU ranks" in captured.err

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+import time
 
 import numpy as np
 
@@ -426,7 +427,7 @@ def tp_engine(cfg, comm: Communicator):
     return Engine(cfg=cfg, parts=(config, tokenizer, TpLeader(rank)))
 
 
-def _rank_main(rank, world, uid, report, overrides, boxes, prompts, params):
+def _rank_main(rank, world, uid, report, overrides, boxes, prompts, params, chat=False):
     """launch target: one rank of a CPU tensor-parallel run (QueueCommunicator over `boxes`)."""
     from metrale.parallel.comm import QueueCommunicator
     from metrale.settings import compose
@@ -438,13 +439,13 @@ def _rank_main(rank, world, uid, report, overrides, boxes, prompts, params):
         return
     report("ready", memory=got.memory_report())
     try:
-        outs = got.generate(prompts, params, use_tqdm=False)
+        outs = got.generate(prompts, params, chat=chat, use_tqdm=False)
         report("outputs", token_ids=[o.token_ids.tolist() for o in outs], text=[o.text for o in outs])
     finally:
         got.backend.close()
 
 
-def launch_tp(overrides: list[str], prompts: list, params=None, timeout: float = 600.0):
+def launch_tp(overrides: list[str], prompts: list, params=None, timeout: float = 600.0, chat: bool = False):
     """Run `prompts` through a tensor-parallel Engine of parallel.tensor processes (one per rank,
     metrale.parallel.launch; CPU ranks joined by queues). Returns (rank 0's outputs message, Report)."""
     import multiprocessing as mp
@@ -454,22 +455,28 @@ def launch_tp(overrides: list[str], prompts: list, params=None, timeout: float =
     world = int(cfg.parallel.tensor)
     ctx = mp.get_context("spawn")
     boxes = [ctx.Queue() for _ in range(world)]
-    report = launch(world, _rank_main, (list(overrides), boxes, prompts, params), pin_devices=False, timeout=timeout)
+    report = launch(world, _rank_main, (list(overrides), boxes, prompts, params, chat), pin_devices=False,
+                    timeout=timeout)
     return report.of("outputs").get(0), report
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m metrale.parallel.tp <settings> parallel.tensor=N: generate cfg.prompt on N CPU ranks."""
+    """python -m metrale <settings> parallel.tensor=N (or python -m metrale.parallel.tp ...): generate
+    cfg.prompt on N CPU ranks, one process each."""
     import sys
     from metrale.engine import Engine
     from metrale.settings import compose
     overrides = list(sys.argv[1:] if argv is None else argv)
     cfg = compose(overrides)
-    out, report = launch_tp(overrides, [cfg.prompt], Engine.params_from_config(cfg))
+    t0 = time.perf_counter()
+    out, report = launch_tp(overrides, [cfg.prompt], Engine.params_from_config(cfg), chat=bool(cfg.chat))
     if not report.ok:
         print("\n".join(report.problems), file=sys.stderr)
         return 1
     print(out["text"][0])
+    n = len(out["token_ids"][0])
+    print(f"[metrale] {n} tokens on {cfg.parallel.tensor} CPU ranks in {time.perf_counter() - t0:.2f} s "
+          "(start-up included)", file=sys.stderr)
     return 0
 
 
