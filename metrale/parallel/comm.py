@@ -150,7 +150,9 @@ class QueueCommunicator:
             if dst == self.rank:
                 pieces[dst] = piece.copy()
             else:
-                self.boxes[dst].put((self.calls, self.rank, np.ascontiguousarray(piece)))
+                # a copy: the queue's feeder thread pickles it later, after the caller may have
+                # overwritten its buffer for the next step
+                self.boxes[dst].put((self.calls, self.rank, np.array(piece, copy=True, order="C")))
         for src in range(self.world_size):
             while pieces[src] is None:
                 if (self.calls, src) in self._early:
