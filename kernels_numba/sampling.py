@@ -648,14 +648,43 @@ def _prepare_rows_kernel(logits, fparams, iparams, adj_token, adj_rep, adj_add, 
         logits[r, t] = x + adj_add[e]
 
 
+@device_function
+def _gumbel_groups(logits, mask, r, use_mask, m, inv_t, thr, k0, k1, step, g_first, g_end, g_stride):
+    """This thread's Gumbel-max (value, id; ties to the lower id) over the kept ids (z > -inf, key(z)
+    >= thr) of Philox groups g_first, g_first + g_stride, ... < g_end: z = (x - m) * inv_temp."""
+    V = logits.shape[1]
+    zero = np.uint64(0)
+    bv = NEG_INF
+    bi = np.int32(-1)
+    for g in range(g_first, g_end, g_stride):
+        w0, w1, w2, w3 = philox4x32(np.uint64(g), step, zero, zero, k0, k1)
+        for lane in range(4):
+            i = 4 * g + lane
+            if i < V:
+                z = (_masked_x(logits, mask, r, i, use_mask) - m) * inv_t
+                if z > NEG_INF and f32_key(z) >= thr:
+                    w = w0
+                    if lane == 1:
+                        w = w1
+                    elif lane == 2:
+                        w = w2
+                    elif lane == 3:
+                        w = w3
+                    v = z - math.log(-math.log(_uniform(w)))
+                    if bi < 0 or v > bv:
+                        bv = v
+                        bi = np.int32(i)
+    return bv, bi
+
+
 # ---------------------------------------------------------------- split rows (temperature / min-p)
 #
-# A row of a small batch is one block on one SM: at V = 128K its two passes (max, Gumbel-max with
-# Philox and two logs an element) take ~0.1 ms. Rows without top-k and top-p (their kept set needs
-# no threshold search: mask and min-p are per element) are cut into `chunks` contiguous spans of
-# Philox groups, one block each: the spans' maxima, then each span's Gumbel-max with the row's max
-# (the same z as one block computes, so the same token), combined by the row kernel (ties to the
-# lower id).
+# A row of a small batch is one block on one SM, its two passes (max, Gumbel-max with Philox and two
+# logs an element) latency-bound there (docs/levers.md, sampling_split). Rows without top-k and top-p
+# (their kept set needs no threshold search: mask and min-p are per element) are cut into `chunks`
+# contiguous spans of Philox groups, one block each: the spans' maxima, then each span's Gumbel-max
+# with the row's max (the same z as one block computes, so the same token), combined by the row
+# kernel (ties to the lower id).
 
 SPLIT_THREADS = 32 if SIMULATOR else 256
 MAX_CHUNKS = 64
@@ -721,29 +750,11 @@ def _split_gumbel_kernel(logits, mask, fparams, iparams, part_max, part_v, part_
     k0 = np.uint64(np.uint32(iparams[r, I_SEED_LO]))
     k1 = np.uint64(np.uint32(iparams[r, I_SEED_HI]))
     step = np.uint64(np.uint32(iparams[r, I_STEP]))
-    zero = np.uint64(0)
     bv = NEG_INF
     bi = np.int32(-1)
     if m > NEG_INF:
         g0, g1 = _span(c, chunks, V)
-        for g in range(g0 + tid, g1, cuda.blockDim.x):
-            w0, w1, w2, w3 = philox4x32(np.uint64(g), step, zero, zero, k0, k1)
-            for lane in range(4):
-                i = 4 * g + lane
-                if i < V:
-                    z = (_masked_x(logits, mask, r, i, use_mask) - m) * inv_t
-                    if z > NEG_INF and f32_key(z) >= thr:
-                        w = w0
-                        if lane == 1:
-                            w = w1
-                        elif lane == 2:
-                            w = w2
-                        elif lane == 3:
-                            w = w3
-                        v = z - math.log(-math.log(_uniform(w)))
-                        if bi < 0 or v > bv:
-                            bv = v
-                            bi = np.int32(i)
+        bv, bi = _gumbel_groups(logits, mask, r, use_mask, m, inv_t, thr, k0, k1, step, g0 + tid, g1, cuda.blockDim.x)
     bv, bi = block_argmax(bv, bi, scratch, iscratch)
     if tid == 0:
         part_v[r, c] = bv
@@ -850,27 +861,8 @@ def _sample_rows_kernel(logits, mask, fparams, iparams, adj_token, raw_saved, ls
         else:
             if kmin > thr:
                 thr = kmin
-            zero = np.uint64(0)
-            bv = NEG_INF
-            bi = np.int32(-1)
-            for g in range(tid, (V + 3) // 4, nt):  # last pass: Gumbel-max over the kept elements
-                w0, w1, w2, w3 = philox4x32(np.uint64(g), step, zero, zero, k0, k1)
-                for lane in range(4):
-                    i = 4 * g + lane
-                    if i < V:
-                        z = (_masked_x(logits, mask, r, i, use_mask) - m) * inv_t
-                        if z > NEG_INF and f32_key(z) >= thr:
-                            w = w0
-                            if lane == 1:
-                                w = w1
-                            elif lane == 2:
-                                w = w2
-                            elif lane == 3:
-                                w = w3
-                            v = z - math.log(-math.log(_uniform(w)))
-                            if bi < 0 or v > bv:
-                                bv = v
-                                bi = np.int32(i)
+            # last pass: Gumbel-max over the kept elements
+            bv, bi = _gumbel_groups(logits, mask, r, use_mask, m, inv_t, thr, k0, k1, step, tid, (V + 3) // 4, nt)
             bv, bi = block_argmax(bv, bi, scratch, iscratch)
     if tid == 0:
         _write_draw(logits, iparams, adj_token, raw_saved, lse, out_tokens, out_lps, r, bi)
