@@ -2,8 +2,9 @@
 tests/gpu/test_quant_backend_gpu.py through Engine.generate under each of (weights, cuda_graphs,
 overlap), each greedy token checked against a NumPy twin's teacher-forced logits (the blocks' exact
 dequantization); prints the first step that leaves the twin's maximum by more than 5% of the row's rms.
+--rows: one engine's error against the twin row by row (by position), repeatability, eager decode.
 
-    python -m bench.quant_diag          (GPU)
+    python -m bench.quant_diag [--rows]          (GPU)
 """
 from __future__ import annotations
 
@@ -20,17 +21,13 @@ for _d in ("tests", "tests/gpu"):
 from metrale import Engine, SamplingParams                        # noqa: E402
 from metrale.runtime.batch import Segment, build_batch            # noqa: E402
 from metrale.runtime.numpy_backend import NumpyBackend            # noqa: E402
-
-
-def _logits(backend, ids):
-    blocks = np.arange(-(-len(ids) // backend.block_size), dtype=np.int32) + 1
-    return backend.forward(build_batch([Segment(np.asarray(ids, np.int32), 0, blocks, "all")], backend.block_size))
+from test_quant_backend_gpu import ENGINE, LEVERS, TYPES          # noqa: E402
+from test_quant_backend_gpu import prefill_logits as _logits      # noqa: E402
+from test_quant_wiring import write_quant_gguf                    # noqa: E402
 
 
 def _engine(path, **levers):
-    return Engine(model=str(path), device="cuda", cache={"num_blocks": 256},
-                  scheduler={"max_model_len": 1024, "max_num_seqs": 128},
-                  levers={"graph_batch_sizes": [1, 2, 16], "warm_mixed": False, **levers})
+    return Engine(model=str(path), levers={**LEVERS, **levers}, **ENGINE)
 
 
 def first_departure(tokens, prompt, twin, tol=0.05):
@@ -43,10 +40,8 @@ def first_departure(tokens, prompt, twin, tol=0.05):
     return None, 0.0
 
 
-def main() -> int:
-    from test_quant_backend_gpu import TYPES
-    from test_quant_wiring import write_quant_gguf
-    path = write_quant_gguf(Path(tempfile.mkdtemp()) / "tiny-q4km.gguf", seed=1, layer_types=TYPES)
+def levers_report(path) -> None:
+    """Greedy departures from the twin under each (weights, cuda_graphs, overlap)."""
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 258, int(n)).astype(np.int32) for n in (30, 12)]
     p = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -57,14 +52,14 @@ def main() -> int:
             be = eng.backend
             twin = NumpyBackend(be.config, be.export_weights(), num_blocks=512, block_size=be.block_size)
         full = np.concatenate([prompts[0], rng.integers(0, 258, 24).astype(np.int32)])
-        err = float(np.linalg.norm(_logits(eng.backend, full) - _logits(twin, full)) / np.linalg.norm(_logits(twin, full)))
+        ref = _logits(twin, full)
+        err = float(np.linalg.norm(_logits(eng.backend, full) - ref) / np.linalg.norm(ref))
         for batch in (1, 2):
             outs = eng.generate(prompts[:batch], p, use_tqdm=False)
             dep = [first_departure(np.asarray(o.token_ids), pr, twin) for o, pr in zip(outs, prompts)]
             print(f"quant_diag weights={weights} cuda_graphs={graphs} overlap={overlap} B={batch}: prefill rel err "
                   f"{err:.4f}; first departure (step, gap/slack) {dep}", flush=True)
         eng.backend.close()
-    return 0
 
 
 def rows_report(path) -> None:
@@ -94,11 +89,11 @@ def rows_report(path) -> None:
     be.close()
 
 
-if __name__ == "__main__" and "--rows" in sys.argv:
-    from test_quant_backend_gpu import TYPES as _T
-    from test_quant_wiring import write_quant_gguf as _w
-    rows_report(_w(Path(tempfile.mkdtemp()) / "tiny-q4km.gguf", seed=1, layer_types=_T))
-    raise SystemExit(0)
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    path = write_quant_gguf(Path(tempfile.mkdtemp()) / "tiny-q4km.gguf", seed=1, layer_types=TYPES)
+    (rows_report if "--rows" in args else levers_report)(path)
+    return 0
 
 
 if __name__ == "__main__":
