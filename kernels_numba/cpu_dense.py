@@ -39,7 +39,7 @@ def _product_road(parts, count, cols, x, norm, eps, normed, residual, y, road):
     if isinstance(road, types.Array) and road.dtype == types.int8:
         def q8(parts, count, cols, x, norm, eps, normed, residual, y, road):
             xq = np.empty(x.shape, np.int8)
-            xs = np.empty((x.shape[0], x.shape[1] // 32, 3), np.float32)
+            xs = np.empty((x.shape[0], (x.shape[1] // 32 + 1) // 2, Q.Q8_LANES), np.float32)   # Q.q8_scales_shape
             Q.matmul_q8_into(parts, count, cols, x, norm, eps, normed, xq, xs, residual, y)
         return q8
 

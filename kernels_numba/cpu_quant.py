@@ -43,6 +43,8 @@ KINDS = {
 _DTYPES = {k: np.dtype([(k, np.uint8, (nbytes,))]) for k, (_, nbytes) in KINDS.items()}
 MAX_TOKENS = 8                      # activation rows one pass over the weights multiplies
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}   # no no-NaN / no-Inf assumptions
+PREFETCH_BYTES = 2048     # the dot products prefetch a row's stream this far ahead (a few rows on):
+                          # cold weights stream ~2x faster (docs/cpu.md)
 
 
 def block_dtype(kind: str) -> np.dtype:
@@ -94,6 +96,12 @@ class _IR:
 
     def load(self, addr, off: int, ty, align: int = 1):
         return self.b.load(self.at(addr, off, ty), align=align)
+
+    def prefetch(self, addr, off: int = PREFETCH_BYTES):
+        """A read prefetch into every cache level of the line at addr + off (never faults)."""
+        mod, name = self.b.module, "llvm.prefetch.p0i8"
+        fn = mod.globals.get(name) or ir.Function(mod, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]), name)
+        self.b.call(fn, [self.at(addr, off, I8), ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
     def u8(self, addr, off: int):
         return self.b.zext(self.load(addr, off, I8), I32)
@@ -289,6 +297,7 @@ def row_dot(typingctx, w, row, x_addr, x_stride, ntok):
                 b = builder.add(b0, ir.Constant(I64, u))
                 addr = builder.add(rowp, builder.mul(b, ir.Constant(I64, nbytes)))
                 col0 = builder.mul(b, ir.Constant(I64, cols * 4))
+                e.prefetch(addr)
                 for off, wv in decode(e, addr):
                     for t in range(n):
                         xa = builder.add(builder.add(xrows[t], col0), ir.Constant(I64, off * 4))
@@ -344,7 +353,10 @@ def rows4_dot(typingctx, w, row, x_addr):
             for u in range(count):
                 b = builder.add(b0, ir.Constant(I64, u))
                 col0 = builder.mul(b, ir.Constant(I64, cols * 4))
-                decoded = [decode(e, builder.add(rp, builder.mul(b, ir.Constant(I64, nbytes)))) for rp in rowps]
+                addrs = [builder.add(rp, builder.mul(b, ir.Constant(I64, nbytes))) for rp in rowps]
+                for a in addrs:
+                    e.prefetch(a)
+                decoded = [decode(e, a) for a in addrs]
                 for j, (off, _) in enumerate(decoded[0]):
                     xa = builder.add(builder.add(args[2], col0), ir.Constant(I64, off * 4))
                     xv = builder.load(builder.inttoptr(xa, VF.as_pointer()), align=4)
@@ -471,63 +483,170 @@ _U8_DECODERS.update({"q4_k": lambda e, a: _u8_k(e, a, False), "q5_k": lambda e, 
                      "q6_k": _u8_q6_k})
 
 
-def _splat8(e: _IR, lo, hi):
-    v = e.b.insert_element(ir.Constant(VF8, ir.Undefined), lo, ir.Constant(I32, 0))
-    v = e.b.insert_element(v, hi, ir.Constant(I32, 1))
-    return e.b.shuffle_vector(v, ir.Constant(VF8, ir.Undefined), _cvec(I32, [0, 0, 0, 0, 1, 1, 1, 1]))
+VI8_64, VI32_16 = ir.VectorType(I8, 64), ir.VectorType(I32, 16)
+Q8_LANES = 32             # floats a pair of 32-column units keeps per token in quantize_q8's xs
+# Within a pair of 32-column units A, B (64 columns), the order of quantize_q8's int8 and of the
+# pair decoders' weight bytes: A's first 16, B's first 16, A's last 16, B's last 16 (the nibble
+# split of two legacy 4-bit blocks gives it without a shuffle). vpdpbusd lane groups of 4 then
+# hold A lo, B lo, A hi, B hi.
+_PAIR_ORDER = list(range(16)) + list(range(32, 48)) + list(range(16, 32)) + list(range(48, 64))
+_GROUPS = (0, 1, 0, 1)    # lane group -> unit (A 0, B 1)
+
+
+def _lanes(e: _IR, values):
+    """<len(values) * 4 x float>: each scalar of `values` repeated 4 times (one per i32 lane group)."""
+    vec = ir.VectorType(F32, len(values))
+    v = ir.Constant(vec, ir.Undefined)
+    for i, x in enumerate(values):
+        v = e.b.insert_element(v, x, ir.Constant(I32, i))
+    return e.b.shuffle_vector(v, ir.Constant(vec, ir.Undefined), _cvec(I32, [i // 4 for i in range(4 * len(values))]))
+
+
+def _intrinsic_fn(mod, name: str, ret, args):
+    return mod.globals.get(name) or ir.Function(mod, ir.FunctionType(ret, args), name)
+
+
+def _pair_of_units(e: _IR, ua, ub):
+    """Two u8-decoder units -> (<64 x i8> in pair order, <16 x float> lane scales, lane offsets)."""
+    u = e.b.shuffle_vector(ua[1], ub[1], _cvec(I32, _PAIR_ORDER))
+    return u, _lanes(e, [ua[2][0], ub[2][0], ua[2][1], ub[2][1]]), _lanes(e, [ua[3][0], ub[3][0], ua[3][1], ub[3][1]])
+
+
+def _dm_pair(e: _IR, a, b):
+    """<4 x float> (dA, mA, dB, mB): the f16 scale and offset leading the blocks at a and b."""
+    v = ir.Constant(ir.VectorType(I32, 2), ir.Undefined)
+    v = e.b.insert_element(v, e.load(a, 0, I32), ir.Constant(I32, 0))
+    v = e.b.insert_element(v, e.load(b, 0, I32), ir.Constant(I32, 1))
+    return e.b.fpext(e.b.bitcast(v, ir.VectorType(ir.HalfType(), 4)), ir.VectorType(F32, 4))
+
+
+def _d_pair(e: _IR, a, b):
+    """<2 x float> (dA, dB): the f16 scale leading the blocks at a and b."""
+    v = ir.Constant(ir.VectorType(I16, 2), ir.Undefined)
+    v = e.b.insert_element(v, e.load(a, 0, I16), ir.Constant(I32, 0))
+    v = e.b.insert_element(v, e.load(b, 0, I16), ir.Constant(I32, 1))
+    return e.b.fpext(e.b.bitcast(v, ir.VectorType(ir.HalfType(), 2)), ir.VectorType(F32, 2))
+
+
+def _spread(e: _IR, v, picks):
+    """<16 x float>: lane group g takes element picks[g] of v."""
+    return e.b.shuffle_vector(v, ir.Constant(v.type, ir.Undefined), _cvec(I32, [picks[i // 4] for i in range(16)]))
+
+
+def _pair_q4(e: _IR, a, b, kind: str):
+    """Two consecutive Q4_0 / Q4_1 blocks: one nibble split of their 32 bytes gives pair order."""
+    off = 4 if kind == "q4_1" else 2
+    q = e.b.shuffle_vector(e.load(a, off, VI8), e.load(b, off, VI8), _cvec(I32, range(32)))
+    u = e.b.shuffle_vector(e.b.and_(q, _bvec(15)), e.b.lshr(q, _bvec(4)), _cvec(I32, range(64)))
+    if kind == "q4_1":
+        dm = _dm_pair(e, a, b)                                # dA mA dB mB
+        return u, _spread(e, dm, [0, 2, 0, 2]), _spread(e, dm, [1, 3, 1, 3])
+    d = _spread(e, _d_pair(e, a, b), [0, 1, 0, 1])
+    return u, d, e.b.fmul(d, e.splat(ir.Constant(F32, -8.0)))
+
+
+def _pair_q8_0(e: _IR, a, b):
+    lo = e.b.shuffle_vector(e.load(a, 2, VI8), e.load(b, 2, VI8), _cvec(I32, range(32)))
+    hi = e.b.shuffle_vector(e.load(a, 18, VI8), e.load(b, 18, VI8), _cvec(I32, range(32)))
+    u = e.b.xor(e.b.shuffle_vector(lo, hi, _cvec(I32, range(64))), _cvec(I8, [0x80] * 64))
+    d = _spread(e, _d_pair(e, a, b), [0, 1, 0, 1])
+    return u, d, e.b.fmul(d, e.splat(ir.Constant(F32, -128.0)))
+
+
+def _legacy_pair(e: _IR, a, b, kind: str):
+    if kind in ("q4_0", "q4_1"):
+        return _pair_q4(e, a, b, kind)
+    if kind == "q8_0":
+        return _pair_q8_0(e, a, b)
+    return _pair_of_units(e, _U8_DECODERS[kind](e, a)[0], _U8_DECODERS[kind](e, b)[0])
 
 
 @intrinsic
 def row_dot_q8(typingctx, w, row, q_addr, q_stride, s_addr, s_stride, ntok):
     """(x[t] . W[row] for t < ntok) with x given as quantize_q8's int8 rows (q_addr, rows q_stride
-    bytes apart) and per-block (dx, dx * sum of the first 16, dx * sum of the last 16) float32
-    triples (s_addr, s_stride); W a block array of a Q8_KINDS kind; ntok a literal 1..MAX_TOKENS."""
+    bytes apart) and scale lanes (s_addr, rows s_stride bytes apart: Q8_LANES floats a 64 columns);
+    W a block array of a Q8_KINDS kind; ntok a literal 1..MAX_TOKENS.
+
+    Two 32-column units a step (two legacy blocks, or two sub-blocks of a K block): their 64 weight
+    bytes (pair order) against the token's 64 int8 in one 512-bit vpdpbusd, whose 16 lanes each sum
+    4 columns; lane groups take the units' half scales. A token's accumulation order does not
+    depend on ntok. An odd last unit (legacy rows of an odd block count) takes a 256-bit step."""
     kind = _block_array_kind(w)
     if kind not in Q8_KINDS or not isinstance(ntok, types.IntegerLiteral):
         return None
     n = ntok.literal_value
     cols, nbytes = KINDS[kind]
     decode = _U8_DECODERS[kind]
+    legacy = cols == 32
     sig = types.UniTuple(types.float32, n)(w, row, q_addr, q_stride, s_addr, s_stride, ntok)
 
     def codegen(context, builder, signature, args):
         e = _IR(builder)
         mod = builder.module
-        name = "llvm.x86.avx512.vpdpbusd.256"
-        dp = mod.globals.get(name) or ir.Function(mod, ir.FunctionType(VI32_8, [VI32_8] * 3), name)
-        name = "llvm.fma.v8f32"
-        fma8 = mod.globals.get(name) or ir.Function(mod, ir.FunctionType(VF8, [VF8] * 3), name)
+        dp16 = _intrinsic_fn(mod, "llvm.x86.avx512.vpdpbusd.512", VI32_16, [VI32_16] * 3)
+        dp8 = _intrinsic_fn(mod, "llvm.x86.avx512.vpdpbusd.256", VI32_8, [VI32_8] * 3)
+        fma16 = _intrinsic_fn(mod, "llvm.fma.v16f32", VF, [VF] * 3)
+        fma8 = _intrinsic_fn(mod, "llvm.fma.v8f32", VF8, [VF8] * 3)
         rowp, nblocks = _row_base(context, builder, w, args[0], args[1])
         qrows = [builder.add(args[2], builder.mul(args[3], ir.Constant(I64, t))) for t in range(n)]
         srows = [builder.add(args[4], builder.mul(args[5], ir.Constant(I64, t))) for t in range(n)]
-        zero8 = ir.Constant(VF8, [ir.Constant(F32, 0.0)] * 8)
-        izero = ir.Constant(VI32_8, [ir.Constant(I32, 0)] * 8)
-        accs = [[cgutils.alloca_once_value(builder, zero8) for _ in range(2)] for _ in range(n)]
-        corr = [cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0)) for _ in range(n)]
-        with cgutils.for_range(builder, nblocks) as loop:
-            b = loop.index
-            addr = builder.add(rowp, builder.mul(b, ir.Constant(I64, nbytes)))
-            col0 = builder.mul(b, ir.Constant(I64, cols))
-            for k, (off, u, (alo, ahi), (clo, chi)) in enumerate(decode(e, addr)):
-                u32 = builder.bitcast(u, VI32_8)
-                col = builder.add(col0, ir.Constant(I64, off))
+        zero = ir.Constant(VF, [ir.Constant(F32, 0.0)] * W)
+        accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(2)] for _ in range(n)]
+        tails = [cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0)) for _ in range(n)]
+        izero16 = ir.Constant(VI32_16, [ir.Constant(I32, 0)] * 16)
+        izero8 = ir.Constant(VI32_8, [ir.Constant(I32, 0)] * 8)
+
+        def pair(u, wsc, cvec, p, k: int):
+            """Pair p's weight bytes u (pair order) and lane scales; k alternates the chains."""
+            u = builder.bitcast(u, VI32_16)
+            qoff = builder.mul(p, ir.Constant(I64, 64))
+            soff = builder.mul(p, ir.Constant(I64, 4 * Q8_LANES))
+            for t in range(n):
+                xq = builder.load(builder.inttoptr(builder.add(qrows[t], qoff), VI32_16.as_pointer()), align=1)
+                sp = builder.add(srows[t], soff)
+                dx = builder.load(builder.inttoptr(sp, VF.as_pointer()), align=4)
+                sv = e.load(sp, 64, VF, align=4)
+                isum = builder.sitofp(builder.call(dp16, [izero16, u, xq]), VF)
+                main, other = accs[t][k % 2], accs[t][(k + 1) % 2]
+                builder.store(builder.call(fma16, [isum, builder.fmul(wsc, dx), builder.load(main)]), main)
+                builder.store(builder.call(fma16, [cvec, sv, builder.load(other)]), other)
+
+        if legacy:
+            with cgutils.for_range(builder, builder.udiv(nblocks, ir.Constant(I64, 2))) as loop:
+                i = loop.index
+                a = builder.add(rowp, builder.mul(i, ir.Constant(I64, 2 * nbytes)))
+                e.prefetch(a)
+                pair(*_legacy_pair(e, a, builder.add(a, ir.Constant(I64, nbytes)), kind), i, 0)
+            odd = builder.icmp_unsigned("!=", builder.urem(nblocks, ir.Constant(I64, 2)), ir.Constant(I64, 0))
+            with builder.if_then(odd):                  # natural order, lanes 0-7 and 16-23
+                last = builder.sub(nblocks, ir.Constant(I64, 1))
+                _, u, (alo, ahi), (clo, chi) = decode(e, builder.add(rowp, builder.mul(last, ir.Constant(I64, nbytes))))[0]
+                u = builder.bitcast(u, VI32_8)
+                p = builder.udiv(last, ir.Constant(I64, 2))
+                qoff = builder.mul(p, ir.Constant(I64, 64))
+                soff = builder.mul(p, ir.Constant(I64, 4 * Q8_LANES))
+                wsc, cvec = _lanes(e, [alo, ahi]), _lanes(e, [clo, chi])
                 for t in range(n):
-                    xq = builder.load(builder.inttoptr(builder.add(qrows[t], col), VI32_8.as_pointer()), align=1)
-                    sp = builder.add(srows[t], builder.mul(builder.udiv(col, ir.Constant(I64, 32)), ir.Constant(I64, 12)))
-                    dx = e.load(sp, 0, F32, align=4)
-                    slo, shi = e.load(sp, 4, F32, align=4), e.load(sp, 8, F32, align=4)
-                    isum = builder.sitofp(builder.call(dp, [izero, u32, xq]), VF8)
-                    scale = e.splat(builder.fmul(alo, dx), VF8) if alo is ahi else \
-                        _splat8(e, builder.fmul(alo, dx), builder.fmul(ahi, dx))
-                    acc = accs[t][k % 2]
-                    builder.store(builder.call(fma8, [isum, scale, builder.load(acc)]), acc)
-                    c = builder.fmul(clo, builder.fadd(slo, shi)) if clo is chi else \
-                        builder.fadd(builder.fmul(clo, slo), builder.fmul(chi, shi))
-                    builder.store(builder.fadd(builder.load(corr[t]), c), corr[t])
+                    xq = builder.load(builder.inttoptr(builder.add(qrows[t], qoff), VI32_8.as_pointer()), align=1)
+                    sp = builder.add(srows[t], soff)
+                    dx, sv = e.load(sp, 0, VF8, align=4), e.load(sp, 64, VF8, align=4)
+                    isum = builder.sitofp(builder.call(dp8, [izero8, u, xq]), VF8)
+                    v = builder.call(fma8, [isum, builder.fmul(wsc, dx), builder.fmul(cvec, sv)])
+                    builder.store(_hsum(builder, v, 8), tails[t])
+        else:
+            with cgutils.for_range(builder, nblocks) as loop:
+                b = loop.index
+                a = builder.add(rowp, builder.mul(b, ir.Constant(I64, nbytes)))
+                e.prefetch(a)
+                units = decode(e, a)
+                per = len(units) // 2
+                for j in range(per):
+                    p = builder.add(builder.mul(b, ir.Constant(I64, per)), ir.Constant(I64, j))
+                    pair(*_pair_of_units(e, units[2 * j], units[2 * j + 1]), p, j)
         sums = []
         for t in range(n):
             v = builder.fadd(builder.load(accs[t][0]), builder.load(accs[t][1]))
-            sums.append(builder.fadd(_hsum(builder, v, 8), builder.load(corr[t])))
+            sums.append(builder.fadd(_hsum(builder, v), builder.load(tails[t])))
         return context.make_tuple(builder, signature.return_type, sums)
 
     return sig, codegen
@@ -541,18 +660,14 @@ TOKEN_TILE = 64          # activation rows a work item takes (64 x K floats stay
                          # a 512-token prefill, would not: 3.5x slower measured)
 
 
-@njit(inline="always")
-def _put(y, t, c, v, residual):
-    if residual.shape[0]:
-        y[t, c] = residual[t, c] + v
-    else:
-        y[t, c] = v
-
+# The row loops write y in place, without a helper: Numba increfs arrays handed to an inlined
+# function, an atomic per row on a line both threads share (measured: docs/cpu.md).
 
 @njit(fastmath=FASTMATH)
 def _chunk(w, x, y, col0, r0, r1, t0, t1, residual):
     """Rows r0:r1 of W against activation rows t0:t1: up to 8 rows of x a pass over the weights."""
     xa, xs = x.ctypes.data, x.strides[0]
+    res = residual.shape[0] > 0
     t = t0
     while t < t1:
         left, xt = t1 - t, xa + t * xs
@@ -560,29 +675,30 @@ def _chunk(w, x, y, col0, r0, r1, t0, t1, residual):
             for r in range(r0, r1):
                 s = row_dot(w, r, xt, xs, 8)
                 for i in range(8):
-                    _put(y, t + i, col0 + r, s[i], residual)
+                    y[t + i, col0 + r] = s[i] + residual[t + i, col0 + r] if res else s[i]
             t += 8
         elif left >= 4:
             for r in range(r0, r1):
                 s = row_dot(w, r, xt, xs, 4)
                 for i in range(4):
-                    _put(y, t + i, col0 + r, s[i], residual)
+                    y[t + i, col0 + r] = s[i] + residual[t + i, col0 + r] if res else s[i]
             t += 4
         elif left >= 2:
             for r in range(r0, r1):
                 s = row_dot(w, r, xt, xs, 2)
-                _put(y, t, col0 + r, s[0], residual)
-                _put(y, t + 1, col0 + r, s[1], residual)
+                for i in range(2):
+                    y[t + i, col0 + r] = s[i] + residual[t + i, col0 + r] if res else s[i]
             t += 2
         else:
             r = r0
             while r + 4 <= r1:
                 s = rows4_dot(w, r, xt)
                 for i in range(4):
-                    _put(y, t, col0 + r + i, s[i], residual)
+                    y[t, col0 + r + i] = s[i] + residual[t, col0 + r + i] if res else s[i]
                 r += 4
             for r in range(r, r1):
-                _put(y, t, col0 + r, row_dot(w, r, xt, xs, 1)[0], residual)
+                v = row_dot(w, r, xt, xs, 1)[0]
+                y[t, col0 + r] = v + residual[t, col0 + r] if res else v
             t += 1
 
 
@@ -633,35 +749,60 @@ def matmul_into(parts, count, col0s, x, norm, eps, normed, residual, y):
         _chunk(w, src, y, col0s[p], r0, min(w.shape[0], r0 + rows), t0, min(T, t0 + TOKEN_TILE), residual)
 
 
+def q8_scales_shape(tokens: int, cols: int) -> tuple[int, int, int]:
+    """quantize_q8's xs: Q8_LANES floats a token a 64 columns (an odd last 32 padded)."""
+    return tokens, (cols // 32 + 1) // 2, Q8_LANES
+
+
 @njit(fastmath=FASTMATH)
 def quantize_q8(x, xq, xs, t0, t1):
-    """Rows t0:t1 of x [T, K] as int8 xq [T, K] (round(x / dx), dx = max|x| / 127 a 32-block) and
-    xs [T, K / 32, 3] = (dx, dx * sum of the block's first 16 xq, dx * sum of its last 16)."""
+    """Rows t0:t1 of x [T, K] as int8 xq [T, K] (round(x / dx), dx = max|x| / 127 a 32-block), each
+    64 columns in pair order (q8_order; an odd last block as it is), and their scale lanes xs
+    (q8_scales_shape): in xs[t, p], for the lane groups g of 4 (A lo, B lo, A hi, B hi of blocks
+    2p, 2p + 1), dx of g's block at lanes 4g..4g+3 and dx * (sum of g's 16 xq) / 4 at 16 + 4g.."""
     nb = x.shape[1] // 32
     for t in range(t0, t1):
+        if nb % 2:
+            xs[t, nb // 2, :] = 0
         for b in range(nb):
             top = np.float32(0.0)
             for j in range(32):
                 top = max(top, abs(x[t, 32 * b + j]))
             dx = top / np.float32(127.0)
             inv = np.float32(1.0) / dx if top > 0 else np.float32(0.0)
-            lo, hi = 0, 0
-            for j in range(32):
-                v = np.int32(np.rint(x[t, 32 * b + j] * inv))
-                xq[t, 32 * b + j] = v
-                if j < 16:
-                    lo += v
-                else:
-                    hi += v
-            xs[t, b, 0] = dx
-            xs[t, b, 1] = dx * np.float32(lo)
-            xs[t, b, 2] = dx * np.float32(hi)
+            p, unit = b // 2, b % 2
+            paired = 2 * p + 1 < nb
+            for half in range(2):
+                s = 0
+                g = 2 * half + unit if paired else half            # the tail block: groups 0, 1
+                dst = 64 * p + 16 * g
+                for j in range(16):
+                    v = np.int32(np.rint(x[t, 32 * b + 16 * half + j] * inv))
+                    xq[t, dst + j] = v
+                    s += v
+                for i in range(4):
+                    xs[t, p, 4 * g + i] = dx
+                    xs[t, p, 16 + 4 * g + i] = dx * np.float32(s) * np.float32(0.25)
+
+
+def q8_order(cols: int) -> np.ndarray:
+    """The source column of each of quantize_q8's xq columns (pair order)."""
+    order = np.arange(cols)
+    for p in range(cols // 64):
+        order[64 * p:64 * p + 64] = 64 * p + np.array(_PAIR_ORDER)
+    return order
+
+
+def q8_block_scales(xs: np.ndarray, cols: int) -> np.ndarray:
+    """dx [T, cols / 32] read back from quantize_q8's xs."""
+    return xs[:, :, [0, 4]].reshape(xs.shape[0], -1)[:, :cols // 32]
 
 
 @njit(fastmath=FASTMATH)
 def _chunk_q8(w, xq, xs, y, col0, r0, r1, t0, t1, residual):
     qa, qs_ = xq.ctypes.data, xq.strides[0]
     sa, ss = xs.ctypes.data, xs.strides[0]
+    res = residual.shape[0] > 0
     t = t0
     while t < t1:
         left, qt, st = t1 - t, qa + t * qs_, sa + t * ss
@@ -669,30 +810,31 @@ def _chunk_q8(w, xq, xs, y, col0, r0, r1, t0, t1, residual):
             for r in range(r0, r1):
                 s = row_dot_q8(w, r, qt, qs_, st, ss, 8)
                 for i in range(8):
-                    _put(y, t + i, col0 + r, s[i], residual)
+                    y[t + i, col0 + r] = s[i] + residual[t + i, col0 + r] if res else s[i]
             t += 8
         elif left >= 4:
             for r in range(r0, r1):
                 s = row_dot_q8(w, r, qt, qs_, st, ss, 4)
                 for i in range(4):
-                    _put(y, t + i, col0 + r, s[i], residual)
+                    y[t + i, col0 + r] = s[i] + residual[t + i, col0 + r] if res else s[i]
             t += 4
         elif left >= 2:
             for r in range(r0, r1):
                 s = row_dot_q8(w, r, qt, qs_, st, ss, 2)
-                _put(y, t, col0 + r, s[0], residual)
-                _put(y, t + 1, col0 + r, s[1], residual)
+                for i in range(2):
+                    y[t + i, col0 + r] = s[i] + residual[t + i, col0 + r] if res else s[i]
             t += 2
         else:
             for r in range(r0, r1):
-                _put(y, t, col0 + r, row_dot_q8(w, r, qt, qs_, st, ss, 1)[0], residual)
+                v = row_dot_q8(w, r, qt, qs_, st, ss, 1)[0]
+                y[t, col0 + r] = v + residual[t, col0 + r] if res else v
             t += 1
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=CACHE)
 def matmul_q8_into(parts, count, col0s, x, norm, eps, normed, xq, xs, residual, y):
     """matmul_into with 8-bit activations: x (or RMSNorm(x) into `normed`, given `norm`) quantized
-    into xq [T, K] int8 and xs [T, K / 32, 3] (quantize_q8), then integer block dot products
+    into xq [T, K] int8 and xs (q8_scales_shape, quantize_q8), then integer block dot products
     (row_dot_q8) for the Q8_KINDS block arrays of `parts`."""
     T = x.shape[0]
     tiles = (T + TOKEN_TILE - 1) // TOKEN_TILE

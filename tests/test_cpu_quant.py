@@ -81,18 +81,20 @@ def _probe_q8(w, x, xq, xs, dots_out):
 
 
 @pytest.mark.parametrize("kind", Q.Q8_KINDS)
-def test_q8_activations_every_kind(kind, rng):
+@pytest.mark.parametrize("blocks", [3, 4])
+def test_q8_activations_every_kind(kind, blocks, rng):
     """The integer path against its exact arithmetic (gguf's W against x quantized as the kernel does)
-    and, within the activation rounding, against the float product."""
-    cols = 512 if Q.KINDS[kind][0] == 256 else 96
+    and, within the activation rounding, against the float product; rows of an odd and an even
+    number of 32-column units (the kernel pairs them)."""
+    cols = Q.KINDS[kind][0] * (blocks - 1 if Q.KINDS[kind][0] == 256 else blocks)
     data = random_rows(kind, 6, cols, rng)
     x = rng.standard_normal((4, cols)).astype(np.float32)
-    xq, xs = np.empty(x.shape, np.int8), np.empty((4, cols // 32, 3), np.float32)
+    xq, xs = np.empty(x.shape, np.int8), np.empty(Q.q8_scales_shape(4, cols), np.float32)
     dots = np.empty((2, 4, 6), np.float32)
     _probe_q8(Q.as_blocks(data, kind), x, xq, xs, dots)
     want_q, want_d = Q.quantize_q8_ref(x)
-    np.testing.assert_array_equal(xq, want_q)
-    np.testing.assert_allclose(xs[..., 0], want_d, rtol=1e-6)      # max / 127 (fast-math: * 1/127)
+    np.testing.assert_array_equal(xq, want_q[:, Q.q8_order(cols)])      # pair order
+    np.testing.assert_allclose(Q.q8_block_scales(xs, cols), want_d, rtol=1e-6)      # max / 127 (fast-math: * 1/127)
     ref = Q.dequantize_ref(data, kind)
     exact = Q.matmul_q8_ref(x, data, kind)
     tol = 1e-5 * np.abs(x).sum(1, keepdims=True) * np.abs(ref).max()

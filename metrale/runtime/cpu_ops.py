@@ -75,7 +75,7 @@ class CpuMatrix:
             if q8 and kind in Q.Q8_KINDS:
                 if xq is None:
                     xq = np.empty(x.shape, np.int8)
-                    xs = np.empty((T, x.shape[1] // 32, 3), np.float32)
+                    xs = np.empty(Q.q8_scales_shape(T, x.shape[1]), np.float32)
                 Q.matmul_q8_into(blocks, count, col0s, src, nw, eps, normed, xq, xs, res, out)
             else:
                 Q.matmul_into(blocks, count, col0s, src, nw, eps, normed, res, out)
