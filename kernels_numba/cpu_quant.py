@@ -9,9 +9,9 @@ here as Numba intrinsics) and taking up to 8 activation rows a pass, so a block 
                   accumulators (`_DECODERS`, `row_dot`); every kind; the reference's arithmetic up
                   to summation order.
   matmul_q8_into  llama.cpp's: activations quantized to int8 a 32-block, weights decoded to bytes,
-                  vpdpbusd (AVX-512 VNNI) integer dot products (`_U8_DECODERS`, `row_dot_q8`);
-                  block kinds only. 2.3x the float kernel with weights in cache; at decode the
-                  weights stream from DRAM and both ran alike (levers.cpu_activations, docs).
+                  two blocks a 512-bit vpdpbusd (AVX-512 VNNI) integer dot product (`row_dot_q8`);
+                  block kinds only; faster, less exact (levers.cpu_activations; docs/cpu.md).
+Both prefetch each weight row's stream PREFETCH_BYTES ahead.
 A token's result does not depend on the rows beside it (the same accumulation order at every width).
 
 How the block type reaches the kernel: `as_blocks(data, kind)` views a part's uint8 rows as a

@@ -47,7 +47,8 @@ class Levers:
     cpu_threads: int = 0                 # Numba CPU kernels' threads (0: one per core)
     cpu_activations: str = "f32"         # f32 | q8: products on GGUF blocks take float32 activations, or ones
                                          # quantized to 8 bits a 32-block with integer dot products (VNNI, as
-                                         # llama.cpp: faster kernels, not faster decode here, less accurate)
+                                         # llama.cpp: ~15% faster batch-1 decode here, logits off by up to
+                                         # ~1.5 on SmolLM2's golden prompts: docs/cpu.md)
     weights: str = "bf16"                # bf16 | native: on CUDA, GGUF block-quantized matrices are dequantized to
                                          # bf16 at load, or stay in their blocks on the device (quantized GEMV up to
                                          # 8 rows, bf16 dequantized into a scratch beyond; docs/quant.md; native
