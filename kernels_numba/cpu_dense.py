@@ -10,7 +10,7 @@ instead of seven and none of their glue (its measured gain: docs/cpu.md).
 Each weight is one kind group of cpu_quant.matmul_into (its parts tuple, count and first columns;
 CpuOps takes the unfused road for a matrix of several kinds). `road` picks the products' kernel by
 its type, when Numba types the call (so the other is not compiled): an int8 array (Q8, any length)
-matmul_q8_into, a float32 one (F32) matmul_into. Small batches run the row-wise kernels on the
+matmul_q8_into, a float32 one (F32) matmul_into; parts regrouped by cpu_x16 take matmul_x16_into. Small batches run the row-wise kernels on the
 calling thread, as cpu_layers does.
 
 Cached on disk with the other CPU kernels (cpu_cache.py: stamped by all of cpu_*.py, since these
@@ -25,6 +25,7 @@ from numba.extending import overload
 
 from kernels_numba import cpu_layers as L
 from kernels_numba import cpu_quant as Q
+from kernels_numba import cpu_x16 as X
 from kernels_numba.cpu_cache import CACHE
 
 Q8, F32 = np.zeros(0, np.int8), np.zeros(0, np.float32)     # the two values of `road`
@@ -36,6 +37,12 @@ def _product(parts, count, cols, x, norm, eps, normed, residual, y, road):
 
 @overload(_product)
 def _product_road(parts, count, cols, x, norm, eps, normed, residual, y, road):
+    if X._x16_kind(parts.dtype) is not None:
+        def x16(parts, count, cols, x, norm, eps, normed, residual, y, road):
+            xq = np.empty(x.shape, np.int8)
+            xs = np.empty((x.shape[0], x.shape[1] // 32, 2), np.float32)       # X.scales_shape
+            X.matmul_x16_into(parts, count, cols, x, norm, eps, normed, xq, xs, residual, y)
+        return x16
     if isinstance(road, types.Array) and road.dtype == types.int8:
         def q8(parts, count, cols, x, norm, eps, normed, residual, y, road):
             xq = np.empty(x.shape, np.int8)

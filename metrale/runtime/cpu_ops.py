@@ -11,8 +11,11 @@ per forward from levers.cpu_threads (Numba's setting is per calling thread).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import queue
 import sys
+import threading
 import time
 
 import numpy as np
@@ -20,6 +23,7 @@ import numpy as np
 from kernels_numba import cpu_dense as D
 from kernels_numba import cpu_layers as L
 from kernels_numba import cpu_quant as Q
+from kernels_numba import cpu_x16 as X
 from metrale.models.quantized import QuantizedTensor
 from metrale.runtime.numpy_backend import NumpyOps
 
@@ -35,23 +39,29 @@ _NO_RESIDUAL = np.zeros((0, 0), np.float32)
 
 class CpuMatrix:
     """A weight [rows, cols] as the kernels read it: its parts as block records, grouped by kind
-    (one kernel call a kind), with each part's first output row."""
+    (one kernel call a kind), with each part's first output row. With `x16` (the 8-bit-activation
+    road), parts of a cpu_x16 kind are regrouped 16 rows at a time instead (kind "<kind>x16"; the
+    same bytes, read by X.matmul_x16_into; rows() reads them back)."""
 
-    def __init__(self, weight):
+    def __init__(self, weight, x16: bool = False):
         if isinstance(weight, QuantizedTensor):
             parts, col = [], 0
             for p in weight.parts:
-                parts.append((Q.as_blocks(p.data, _KIND[p.ggml_type.name]), col))
+                kind = _KIND[p.ggml_type.name]
+                if x16 and X.repackable(kind, p.rows):
+                    parts.append((X.repack_x16(p.data, kind), col))
+                else:
+                    parts.append((Q.as_blocks(p.data, kind), col))
                 col += p.rows
             self.shape = weight.shape
         else:
             w = np.ascontiguousarray(weight, dtype=np.float32)
             parts, self.shape = [(Q.as_blocks(w, "f32"), 0)], w.shape
         self.parts = tuple(parts)
-        self.kinds = tuple(sorted({Q.kind_of(b.dtype) for b, _ in parts}))
+        self.kinds = tuple(sorted({_kind(b) for b, _ in parts}))
         self.groups = []          # (parts tuple, count, first output columns, kind): one kernel call each
         for kind in self.kinds:
-            mine = [(b, c) for b, c in parts if Q.kind_of(b.dtype) == kind]
+            mine = [(b, c) for b, c in parts if _kind(b) == kind]
             for i in range(0, len(mine), Q.MAX_PARTS):
                 some = mine[i:i + Q.MAX_PARTS]
                 cols = np.zeros(Q.MAX_PARTS, np.int64)
@@ -72,7 +82,10 @@ class CpuMatrix:
         xq = xs = None
         for i, (blocks, count, col0s, kind) in enumerate(self.groups):
             src, nw = (x, _NONE if norm is None else norm) if i == 0 else (normed if norm is not None else x, _NONE)
-            if q8 and kind in Q.Q8_KINDS:
+            if kind.endswith("x16"):
+                X.matmul_x16_into(blocks, count, col0s, src, nw, eps, normed, np.empty(x.shape, np.int8),
+                                  np.empty(X.scales_shape(T, x.shape[1]), np.float32), res, out)
+            elif q8 and kind in Q.Q8_KINDS:
                 if xq is None:
                     xq = np.empty(x.shape, np.int8)
                     xs = np.empty(Q.q8_scales_shape(T, x.shape[1]), np.float32)
@@ -86,22 +99,38 @@ class CpuMatrix:
         ids = np.asarray(ids, np.int64)
         out = np.empty((ids.shape[0], self.shape[1]), np.float32)
         for blocks, col0 in self.parts:
-            mine = (ids >= col0) & (ids < col0 + blocks.shape[0])
-            if mine.all():
+            rows = blocks.shape[0] * (X.GROUP if _kind(blocks).endswith("x16") else 1)
+            mine = (ids >= col0) & (ids < col0 + rows)
+            if not mine.any():
+                continue
+            if _kind(blocks).endswith("x16"):
+                kind = _kind(blocks)[:-3]
+                mine_ids = ids[mine] - col0
+                part = np.empty((mine_ids.shape[0], self.shape[1]), np.float32)
+                Q.decode_rows(Q.as_blocks(X.unpack_rows(blocks, kind, mine_ids), kind),
+                              np.arange(mine_ids.shape[0]), part)
+            elif mine.all():
                 Q.decode_rows(blocks, ids - col0, out)
-            elif mine.any():
+                continue
+            else:
                 part = np.empty((int(mine.sum()), self.shape[1]), np.float32)
                 Q.decode_rows(blocks, ids[mine] - col0, part)
-                out[mine] = part
+            out[mine] = part
         return out
 
 
+def _kind(blocks: np.ndarray) -> str:
+    name = list(blocks.dtype.fields)[0]
+    return name if name.endswith("x16") else Q.kind_of(blocks.dtype)
+
+
 def cpu_matrix(backend, weight) -> CpuMatrix:
-    """The kernel form of one of backend's weights, made on first use and kept on the backend."""
+    """The kernel form of one of backend's weights, made on first use and kept on the backend
+    (regrouped 16 rows at a time on the 8-bit-activation road)."""
     cache = backend.__dict__.setdefault("_cpu_matrices", {})
     hit = cache.get(id(weight))
     if hit is None or hit[0] is not weight:
-        hit = cache[id(weight)] = (weight, CpuMatrix(weight))
+        hit = cache[id(weight)] = (weight, CpuMatrix(weight, x16=getattr(backend, "cpu_activations", "f32") == "q8"))
     return hit[1]
 
 
@@ -210,7 +239,7 @@ class CpuOps(NumpyOps):
         return m.groups[0] if len(m.groups) == 1 else None
 
     def _road(self, *groups):
-        return D.Q8 if self._q8 and all(g[3] in Q.Q8_KINDS for g in groups) else D.F32
+        return D.Q8 if self._q8 and all(g[3] in Q.Q8_KINDS or g[3].endswith("x16") for g in groups) else D.F32
 
     def norm_qkv_to_cache(self, x, norm_weight, weight, bias, layer, q_norm, k_norm):
         g = self._one_group(weight)
@@ -271,7 +300,47 @@ def start(backend, cfg) -> None:
         for a in vars(cache).values():
             if isinstance(a, np.ndarray) and a.nbytes >= 1 << 21:
                 small_pages(a)
-    warm_up(backend)
+    backend.compute = compute_thread()
+    backend.compute(warm_up, backend)
+
+
+class ComputeThread:
+    """The one thread that runs the fast CPU path's forwards (Numba's OpenMP regions) for the whole
+    process. OpenMP keeps a worker pool per calling thread; a second one (the engine's loop thread
+    beside the main thread) makes the workers sleep between regions, measured 3.4x slower decode
+    (docs/cpu.md). Callers wait on a future (the GIL is free meanwhile); errors re-raise in the caller."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="metrale-cpu", daemon=True)
+        self._thread.start()
+
+    def __call__(self, fn, *args):
+        if threading.current_thread() is self._thread:
+            return fn(*args)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((fn, args, done))
+        return done.result()
+
+    def _run(self) -> None:
+        while True:
+            fn, args, done = self._jobs.get()
+            try:
+                done.set_result(fn(*args))
+            except BaseException as exc:     # the caller's to handle (a bad batch ends its own requests)
+                done.set_exception(exc)
+
+
+_COMPUTE: ComputeThread | None = None
+_COMPUTE_LOCK = threading.Lock()
+
+
+def compute_thread() -> ComputeThread:
+    global _COMPUTE
+    with _COMPUTE_LOCK:
+        if _COMPUTE is None:
+            _COMPUTE = ComputeThread()
+        return _COMPUTE
 
 
 def has_vnni() -> bool:

@@ -185,6 +185,7 @@ class NumpyBackend(Backend):
         self.kv = next((c for c in self.caches.values() if c.paged), None)   # the cache block tables index
         self.states = self.caches.get(STATE)
         self.ops_class = compose_ops(ops_class or type(self).ops_class, self.family.numpy_ops)
+        self.compute = None           # fast CPU path: cpu_ops.ComputeThread (its forwards run there)
         self._hidden: np.ndarray | None = None
 
     @classmethod
@@ -217,6 +218,11 @@ class NumpyBackend(Backend):
         return self.rope.cos_sin(batch.positions)
 
     def forward(self, batch: ForwardBatch, num_layers: int | None = None, return_hidden: bool = False):
+        if self.compute is not None:       # the fast CPU path: every forward on its one thread
+            return self.compute(self._forward, batch, num_layers, return_hidden)
+        return self._forward(batch, num_layers, return_hidden)
+
+    def _forward(self, batch: ForwardBatch, num_layers: int | None, return_hidden: bool):
         if num_layers is not None and num_layers < self.config.num_layers and not self.family.layer_prefix:
             raise ValueError(f"a {self.family.name} model runs all its layers (a layer-prefix forward would "
                              "advance only some layers' recurrent states)")
