@@ -102,3 +102,24 @@ def mlp(x, norm, eps, gu_parts, gu_count, gu_cols, ffn, dn_parts, dn_count, dn_c
     y = np.empty(x.shape, np.float32)
     _product(dn_parts, dn_count, dn_cols, act, np.empty(0, np.float32), 0.0, act, x, y, road)
     return y
+
+
+@njit(cache=CACHE)
+def layers(x, stack, count, num_heads, eps, cos, sin, interleaved, slots, k_pool, v_pool, block_tables, seq_start,
+           positions, scale, parallel, road):
+    """The first `count` layers of `stack` on the residual stream x [T, D], each attn_in -> attn_out
+    -> mlp, in one call (no Python between layers). stack: one tuple a layer, (attn_norm, qkv parts,
+    count, cols, qkv bias, q_norm, k_norm, o parts, count, cols, mlp_norm, gate_up parts, count,
+    cols, ffn, down parts, count, cols, window) as CpuOps.dense_layers builds it; k_pool, v_pool
+    [layers, blocks, block_size, kv heads, head_dim]."""
+    T = x.shape[0]
+    Hk, hd = k_pool.shape[3], k_pool.shape[4]
+    for i in range(count):
+        s = stack[i]
+        k, v = k_pool[i], v_pool[i]
+        q = np.empty((T, num_heads, hd), np.float32)
+        attn_in(x, s[0], eps, s[1], s[2], s[3], s[4], cos, sin, interleaved, s[5], s[6], slots,
+                k.reshape(-1, Hk, hd), v.reshape(-1, Hk, hd), q, road)
+        x = attn_out(q, k, v, block_tables, seq_start, positions, s[18], scale, parallel, s[7], s[8], s[9], x, road)
+        x = mlp(x, s[10], eps, s[11], s[12], s[13], s[14], s[15], s[16], s[17], road)
+    return x

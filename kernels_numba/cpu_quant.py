@@ -97,11 +97,12 @@ class _IR:
     def load(self, addr, off: int, ty, align: int = 1):
         return self.b.load(self.at(addr, off, ty), align=align)
 
-    def prefetch(self, addr, off: int = PREFETCH_BYTES):
-        """A read prefetch into every cache level of the line at addr + off (never faults)."""
+    def prefetch(self, addr, off: int = PREFETCH_BYTES, locality: int = 3):
+        """A read prefetch of the line at addr + off (never faults): locality 3 into L1 (prefetcht0),
+        2 into L2 (prefetcht1)."""
         mod, name = self.b.module, "llvm.prefetch.p0i8"
         fn = mod.globals.get(name) or ir.Function(mod, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]), name)
-        self.b.call(fn, [self.at(addr, off, I8), ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+        self.b.call(fn, [self.at(addr, off, I8), ir.Constant(I32, 0), ir.Constant(I32, locality), ir.Constant(I32, 1)])
 
     def u8(self, addr, off: int):
         return self.b.zext(self.load(addr, off, I8), I32)

@@ -29,7 +29,7 @@ _SCALES = {"q4_0": 2, "q4_1": 4, "q8_0": 2}       # bytes of f16 scale (+ offset
 _DTYPES = {k: np.dtype([(k + "x16", np.uint8, (GROUP * Q.KINDS[k][1],))]) for k in X16_KINDS}
 GROUPS_A_CHUNK = 2                                # groups a parallel work item takes at up to 8 tokens
 GROUPS_A_TILE = 4                                 # ... and with more (their token tiles reuse them)
-PREFETCH = (2048, 2304)                           # bytes ahead of a group's block that the loop prefetches
+PREFETCH = ((2048, 3), (2304, 3))                 # (bytes ahead, locality) the block loop prefetches
 
 I8, I16, I32, I64, F32 = Q.I8, Q.I16, Q.I32, Q.I64, Q.F32
 VF, VI8_64, VI32_16 = Q.VF, Q.VI8_64, Q.VI32_16
@@ -112,8 +112,8 @@ def group_dot(typingctx, w, g, q_addr, q_stride, s_addr, s_stride, out_addr, nto
         with cgutils.for_range(builder, nblocks) as loop:
             b = loop.index
             a = builder.add(base, builder.mul(b, ir.Constant(I64, span)))
-            for ahead in PREFETCH:
-                e.prefetch(a, ahead)
+            for ahead, locality in PREFETCH:
+                e.prefetch(a, ahead, locality)
             d = builder.fpext(e.load(a, 0, VH, align=1), VF)
             if kind == "q4_1":
                 c = builder.fpext(e.load(a, 32, VH, align=1), VF)

@@ -27,6 +27,8 @@ Tensor = Any  # an ndarray on the host or a device array; only the backend's Ops
 
 class Ops(Protocol):
     def embed(self, weight: Tensor) -> Tensor: ...
+    # the first `count` layers at once where the backend can (all plain dense layers), else None
+    def dense_layers(self, residual: Tensor, count: int, w: dict[str, Tensor]) -> Tensor | None: ...
     def rms_norm(self, x: Tensor, weight: Tensor) -> Tensor: ...
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor: ...
     def linear_residual(self, x: Tensor, weight: Tensor, residual: Tensor) -> Tensor: ...
@@ -59,7 +61,11 @@ def llama_forward(ops: Ops, w: dict[str, Tensor], config: ModelConfig, num_layer
     heads read). num_layers < config.num_layers runs the first layers only, then the final norm
     and LM head: the self-speculative (layer-skip) drafter."""
     residual = ops.embed(w["embed"])
-    for i in range(config.num_layers if num_layers is None else num_layers):
+    count = config.num_layers if num_layers is None else num_layers
+    fused = ops.dense_layers(residual, count, w)
+    if fused is not None:
+        residual, count = fused, 0
+    for i in range(count):
         p = f"layers.{i}."
         norm = w[p + "attn_norm"]
         if config.is_linear_layer(i):

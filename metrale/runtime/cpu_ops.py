@@ -269,6 +269,62 @@ class CpuOps(NumpyOps):
                           bt.seq_query_start, bt.positions, int(c.layer_window(layer)), float(1.0 / np.sqrt(c.head_dim)),
                           self._attn_parallel, g[0], g[1], g[2], _f32(residual), self._road(g))
 
+    def dense_layers(self, residual, count: int, w: dict):
+        """The first `count` layers in one Numba call (cpu_dense.layers) when every one of them is a
+        plain dense layer of one signature and this class's layer ops are CpuOps's own (a subclass
+        that changes one, as tensor parallelism would, keeps the per-layer road); else None."""
+        for name in ("norm_qkv_to_cache", "attention_linear_residual", "mlp_residual"):
+            if getattr(type(self), name) is not getattr(CpuOps, name):
+                return None
+        stack = self._layer_stack(w)
+        if stack is None:
+            return None
+        c, bt = self.cfg, self.batch
+        k_pool, v_pool = self._pools()
+        if self._attn_parallel is None:
+            pairs = int(bt.context_lens.max()) * bt.num_tokens * c.num_heads
+            self._attn_parallel = pairs >= L.PARALLEL_MIN_SCORES
+        cos, sin = self._rope_tables()
+        return D.layers(_f32(residual), stack, count, int(c.num_heads), float(c.rms_norm_eps), cos, sin,
+                        bool(c.rope_interleaved), bt.slot_mapping, k_pool, v_pool, bt.block_tables, bt.seq_query_start,
+                        bt.positions, float(1.0 / np.sqrt(c.head_dim)), self._attn_parallel, self._stack_road)
+
+    def _pools(self):
+        return self.b.kv.k, self.b.kv.v
+
+    def _layer_stack(self, w: dict):
+        """cpu_dense.layers' per-layer tuples for all layers (one type whatever count runs), made
+        once a backend; None when a layer is not plain dense (linear attention, an attention gate,
+        MoE, several kinds in one matrix) or the layers' kinds differ (a tuple indexed at run time
+        needs one type)."""
+        cache = self.b.__dict__.setdefault("_layer_stacks", {})
+        if self._q8 not in cache:
+            cache[self._q8] = self._build_stack(w)
+        stack, self._stack_road = cache[self._q8] if cache[self._q8] is not None else (None, None)
+        return stack
+
+    def _build_stack(self, w: dict):
+        c = self.cfg
+        if self.b.kv is None or not self.fused_layer or c.is_hybrid:
+            return None
+        vec = lambda name: _NONE if w.get(name) is None else cpu_vector(self.b, w[name])  # noqa: E731
+        stack, kinds = [], set()
+        for i in range(c.num_layers):
+            p = f"layers.{i}."
+            if c.is_moe_layer(i) or c.kv_layer(i) != i or p + "attn_gate" in w:
+                return None
+            groups = [self._one_group(w[p + n]) for n in ("qkv", "o", "gate_up", "down")]
+            if any(g is None for g in groups):
+                return None
+            kinds.add(tuple(g[3] for g in groups))
+            qkv, o, gu, dn = groups
+            stack.append((vec(p + "attn_norm"), *qkv[:3], vec(p + "qkv_bias"), vec(p + "q_norm"), vec(p + "k_norm"),
+                          *o[:3], vec(p + "mlp_norm"), *gu[:3], self._m(w[p + "gate_up"]).shape[0] // 2, *dn[:3],
+                          int(c.layer_window(i))))
+        if len(kinds) != 1:
+            return None
+        return tuple(stack), self._road(*groups)
+
     def mlp_residual(self, residual, norm_weight, gate_up, down):
         g1, g2 = self._one_group(gate_up), self._one_group(down)
         if g1 is None or g2 is None:
@@ -418,6 +474,8 @@ def _warm_layers(backend) -> None:
                                   w.get(p + "q_norm"), w.get(p + "k_norm"))
         ops.attention_linear_residual(q, 0, w[p + "o"], x)
         ops.mlp_residual(x, w[p + "mlp_norm"], w[p + "gate_up"], w[p + "down"])
+    ops._pools = lambda: (scratch[:1], scratch[1:])       # the whole stack's call, one layer run
+    ops.dense_layers(x, 1, w)
 
 
 def _compile_log(stream):

@@ -164,6 +164,9 @@ class CudaOps:
         self._resid_ss = None        # the slot holding sum(residual^2), while it is current
         self.rows_ptr = _ptr(backend.act["rows"])
 
+    def dense_layers(self, residual, count: int, w: dict):
+        return None          # layer by layer (the decode graphs capture them)
+
     def _buf(self, name: str, n: int | None = None):
         return self.b.view(name, n if n is not None else self.g.tokens)
 

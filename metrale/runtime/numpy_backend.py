@@ -53,6 +53,9 @@ class NumpyOps:
     def embed(self, weight: np.ndarray) -> np.ndarray:
         return weight[self.batch.token_ids]
 
+    def dense_layers(self, residual, count: int, w: dict):
+        return None          # layer by layer (CpuOps runs a dense stack in one call)
+
     def rms_norm(self, x, weight):
         var = np.mean(x * x, axis=-1, keepdims=True)
         return x / np.sqrt(var + self.cfg.rms_norm_eps) * weight
