@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, types
+from numba.np.ufunc.parallel import _launch_threads
 from numba.extending import overload
 
 from kernels_numba import cpu_layers as L
@@ -29,6 +30,11 @@ from kernels_numba import cpu_x16 as X
 from kernels_numba.cpu_cache import CACHE
 
 Q8, F32 = np.zeros(0, np.int8), np.zeros(0, np.float32)     # the two values of `road`
+
+# These cached functions call parallel kernels; loaded from the disk cache, a caller does not start
+# Numba's threading layer for them (numba#8578): its first call then crashed or returned garbage
+# unless a parallel kernel had run first. Started here, before any of them can run.
+_launch_threads()
 
 
 def _product(parts, count, cols, x, norm, eps, normed, residual, y, road):

@@ -40,21 +40,30 @@ def repackable(kind: str, rows: int) -> bool:
     return kind in X16_KINDS and rows % GROUP == 0
 
 
-def repack_x16(data: np.ndarray, kind: str) -> np.ndarray:
+def repack_x16(data: np.ndarray, kind: str, done=None, chunk: int = 4096) -> np.ndarray:
     """uint8 [R, bytes a row] of `kind` blocks -> read-only records [R / 16, blocks a row], each the
     16 rows' block b: their scales (f16 x 16; Q4_1: then the offsets), then their quant bytes as
-    [quant bytes / 4][16 rows][4]."""
+    [quant bytes / 4][16 rows][4]. `chunk` rows at a time, each handed to done(rows) once copied
+    (the caller may drop their pages: a large matrix is never resident twice)."""
     cols, nbytes = Q.KINDS[kind]
     rows, width = data.shape
     if not repackable(kind, rows) or width % nbytes:
         raise ValueError(f"{kind} x16: rows a multiple of {GROUP} of whole blocks expected, got {data.shape}")
-    nb = width // nbytes
-    t = data.reshape(rows // GROUP, GROUP, nb, nbytes).transpose(0, 2, 1, 3)          # [G, nb, 16, nbytes]
-    head = _SCALES[kind]
-    fields = [t[..., i:i + 2].reshape(t.shape[0], nb, 2 * GROUP) for i in range(0, head, 2)]
-    quants = t[..., head:].reshape(t.shape[0], nb, GROUP, (nbytes - head) // 4, 4).transpose(0, 1, 3, 2, 4)
-    out = np.concatenate(fields + [quants.reshape(t.shape[0], nb, -1)], axis=-1)
-    blocks = np.ascontiguousarray(out).view(_DTYPES[kind])[..., 0]
+    nb, head = width // nbytes, _SCALES[kind]
+    quads = (nbytes - head) // 4
+    out = np.empty((rows // GROUP, nb, GROUP * nbytes), np.uint8)    # written through views: no temporaries
+    for r0 in range(0, rows, chunk):
+        src = data[r0:r0 + chunk]
+        G = src.shape[0] // GROUP
+        t = src.reshape(G, GROUP, nb, nbytes).transpose(0, 2, 1, 3)                    # [G, nb, 16, nbytes]
+        dst = out[r0 // GROUP:r0 // GROUP + G]
+        for i in range(0, head, 2):
+            dst[..., GROUP * i:GROUP * (i + 2)].reshape(G, nb, GROUP, 2)[...] = t[..., i:i + 2]
+        dst[..., GROUP * head:].reshape(G, nb, quads, GROUP, 4)[...] = \
+            t[..., head:].reshape(G, nb, GROUP, quads, 4).transpose(0, 1, 3, 2, 4)
+        if done is not None:
+            done(src)
+    blocks = out.view(_DTYPES[kind])[..., 0]
     blocks.flags.writeable = False
     return blocks
 

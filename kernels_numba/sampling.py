@@ -108,14 +108,10 @@ NF = 4
 I_TOP_K, I_USE_MASK, I_NUM_LOGPROBS, I_SEED_LO, I_SEED_HI, I_STEP, I_ADJ_START, I_ADJ_END = range(8)
 NI = 8
 
-_M32 = np.uint64(0xFFFFFFFF)
-_S32 = np.uint64(32)
+from kernels_numba.philox import M32 as _M32, S32 as _S32, PHILOX_M0 as _PHILOX_M0, PHILOX_M1 as _PHILOX_M1  # noqa: E402
+from kernels_numba.philox import PHILOX_W0 as _PHILOX_W0, PHILOX_W1 as _PHILOX_W1, philox4x32_ref  # noqa: E402,F401
 _S9 = np.uint64(9)
 _ONE64 = np.uint64(1)
-_PHILOX_M0 = np.uint64(0xD2511F53)
-_PHILOX_M1 = np.uint64(0xCD9E8D57)
-_PHILOX_W0 = np.uint64(0x9E3779B9)
-_PHILOX_W1 = np.uint64(0xBB67AE85)
 _TWO_M24 = np.float32(2.0 ** -24)
 _KEY_TOP = np.uint64(0x80000000)          # key of +0.0: z <= 0 always (z = (x - max) * inv_temp)
 
@@ -145,19 +141,6 @@ def philox4x32(c0, c1, c2, c3, k0, k1):
 def _uniform(x):
     """uint32 -> float32 in (0, 1): odd multiples of 2^-24 (exact in float32, never 0 or 1)."""
     return np.float32(((x >> _S9) << _ONE64) | _ONE64) * _TWO_M24
-
-
-def philox4x32_ref(c0, c1, c2, c3, k0, k1):
-    """Vectorized Philox4x32-10 on uint64 arrays (or scalars) holding 32-bit words."""
-    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) for c in (c0, c1, c2, c3))
-    k0, k1 = np.uint64(k0), np.uint64(k1)
-    for _ in range(10):
-        p0 = _PHILOX_M0 * c0
-        p1 = _PHILOX_M1 * c2
-        c0, c1, c2, c3 = (p1 >> _S32) ^ c1 ^ k0, p1 & _M32, (p0 >> _S32) ^ c3 ^ k1, p0 & _M32
-        k0 = (k0 + _PHILOX_W0) & _M32
-        k1 = (k1 + _PHILOX_W1) & _M32
-    return c0, c1, c2, c3
 
 
 def uniforms_ref(indices: np.ndarray, step: int, seed_lo: int, seed_hi: int) -> np.ndarray:

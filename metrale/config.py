@@ -45,10 +45,11 @@ class Levers:
                                          # stored (GGUF blocks stay quantized; metrale/runtime/cpu_ops.py) or
                                          # the float32 NumPy reference (weights expanded at load)
     cpu_threads: int = 0                 # Numba CPU kernels' threads (0: one per core)
-    cpu_activations: str = "f32"         # f32 | q8: products on GGUF blocks take float32 activations, or ones
-                                         # quantized to 8 bits a 32-block with integer dot products (VNNI, as
-                                         # llama.cpp: ~15% faster batch-1 decode here, logits off by up to
-                                         # ~1.5 on SmolLM2's golden prompts: docs/cpu.md)
+    cpu_activations: str = "auto"        # auto | q8 | f32: products on GGUF blocks take activations quantized
+                                         # to 8 bits a 32-block with integer dot products (VNNI, as llama.cpp;
+                                         # 1.5-2x faster; logits off by up to ~1.8 on SmolLM2's golden prompts)
+                                         # or float32 ones (the reference's arithmetic); auto: q8 where the CPU
+                                         # has AVX-512 VNNI, else f32 (docs/cpu.md)
     weights: str = "bf16"                # bf16 | native: on CUDA, GGUF block-quantized matrices are dequantized to
                                          # bf16 at load, or stay in their blocks on the device (quantized GEMV up to
                                          # 8 rows, bf16 dequantized into a scratch beyond; docs/quant.md; native
@@ -214,7 +215,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "levers.preempt_mode": ("recompute", "abort"),
     "levers.numpy_dtype": ("float32", "float64"),
     "levers.cpu_kernels": ("numba", "numpy"),
-    "levers.cpu_activations": ("f32", "q8"),
+    "levers.cpu_activations": ("auto", "f32", "q8"),
     "levers.weights": ("native", "bf16"),
     "levers.prefill_attention_kernel": ("mma", "fma"),
     "levers.decode_attention_kernel": ("mma", "fma"),

@@ -35,7 +35,7 @@ def golden():
 def fast():
     from metrale import Engine
     from metrale.runtime.cpu_ops import CpuOps
-    engine = Engine(model="smollm2-135m", device="cpu", levers={"cpu_kernels": "numba"})
+    engine = Engine(model="smollm2-135m", device="cpu", levers={"cpu_kernels": "numba", "cpu_activations": "f32"})
     assert issubclass(engine.backend.ops_class, CpuOps)
     return engine
 

@@ -77,14 +77,15 @@ def test_load_gguf_keeps_block_matrices_quantized(low, high, tmp_path):
 
 def tiny_engines(path):
     from metrale import Engine
-    levers = ({"cpu_kernels": "numba"}, {"cpu_kernels": "numba", "cpu_activations": "q8"}, {"cpu_kernels": "numpy"})
+    levers = ({"cpu_kernels": "numba", "cpu_activations": "f32"}, {"cpu_kernels": "numba", "cpu_activations": "q8"},
+              {"cpu_kernels": "numpy"})
     return [Engine(model=str(path), device="cpu", levers=lv) for lv in levers]
 
 
 def test_fast_path_against_numpy_on_quantized_weights(tiny_gguf):
     """CpuOps on the file's blocks (Q4_1 and Q8_0 mixed in qkv) against NumpyOps on their float32
     expansion: logits of a prefill of two sequences and of decode steps, with float32 activations
-    (the default: summation order apart, the reference's arithmetic) and with 8-bit ones (a random
+    (summation order apart, the reference's arithmetic) and with 8-bit ones (the default with VNNI; a random
     model amplifies their rounding: only a loose agreement here; test_cpu_quant checks the kernels)."""
     from conftest import scratch_blocks
     from metrale.runtime.batch import Segment, build_batch

@@ -27,8 +27,11 @@ class NoisyOracle:
 
 
 # the default gate keeps dear drafters off on CPU (a draft model as dear as the target never pays:
-# test_draft_model_as_dear_as_the_target_stays_off); tests of their mechanics pin the cost model
-FORCE = {"spec_verify_cost": 0.0}
+# test_draft_model_as_dear_as_the_target_stays_off); tests of their mechanics pin the cost model.
+# Float32 activations: their outputs are compared with the NumPy oracle (smollm2), which the 8-bit
+# activation products (the default on VNNI CPUs) do not match token for token.
+F32 = {"cpu_activations": "f32"}
+FORCE = {"spec_verify_cost": 0.0, **F32}
 
 
 def greedy(n: int) -> SamplingParams:
@@ -156,7 +159,7 @@ def test_smollm2_controls_speculative_equals_plain(exact_plain, controls_plain, 
 
 
 def test_draft_model_as_dear_as_the_target_stays_off(smollm2):
-    eng = Engine(model="smollm2-135m", device="cpu", spec={"method": "draft", "num_drafts": 4,
+    eng = Engine(model="smollm2-135m", device="cpu", levers=F32, spec={"method": "draft", "num_drafts": 4,
                                                            "draft_model": "smollm2-135m"})
     calls = []
     forward = eng.speculator.drafter.backend.forward

@@ -49,7 +49,8 @@ class CpuMatrix:
             for p in weight.parts:
                 kind = _KIND[p.ggml_type.name]
                 if x16 and X.repackable(kind, p.rows):
-                    parts.append((X.repack_x16(p.data, kind), col))
+                    # the file's pages leave RSS as they are copied (read back from the file if asked)
+                    parts.append((X.repack_x16(p.data, kind, done=release_file_pages), col))
                 else:
                     parts.append((Q.as_blocks(p.data, kind), col))
                 col += p.rows
@@ -349,7 +350,9 @@ def start(backend, cfg) -> None:
     K/V write into 2 MiB of resident memory), and every kernel compiled or loaded (warm_up)."""
     backend.cpu_threads = int(cfg.levers.cpu_threads)
     backend.cpu_activations = str(cfg.levers.cpu_activations)
-    if backend.cpu_activations == "q8" and not has_vnni():
+    if backend.cpu_activations == "auto":
+        backend.cpu_activations = "q8" if has_vnni() else "f32"
+    elif backend.cpu_activations == "q8" and not has_vnni():
         log.warning("levers.cpu_activations=q8 needs AVX-512 VNNI, which this CPU lacks: float32 activations")
         backend.cpu_activations = "f32"
     for cache in getattr(backend, "caches", {}).values():
@@ -406,6 +409,26 @@ def has_vnni() -> bool:
     return bool(features.get("avx512vnni")) and bool(features.get("avx512vl"))
 
 
+def release_file_pages(a: np.ndarray) -> None:
+    """Drops an array's resident pages from this process (madvise MADV_DONTNEED) when it is a view
+    of a file mapping (the GGUF file's np.memmap): they leave RSS and come back from the file on the
+    next read. Anonymous memory is left alone (DONTNEED would zero it). Linux; elsewhere nothing."""
+    import ctypes
+    import mmap
+    base, mapped = a, False
+    while base is not None and not mapped:
+        mapped = isinstance(base, (np.memmap, mmap.mmap))
+        base = getattr(base, "base", None)
+    if not mapped or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    page = mmap.PAGESIZE
+    start = -(-a.ctypes.data // page) * page                  # whole pages only: a neighbour keeps its own
+    end = (a.ctypes.data + a.nbytes) // page * page
+    if end > start:
+        ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                                                  mmap.MADV_DONTNEED)
+
+
 def small_pages(a: np.ndarray) -> None:
     """madvise(MADV_NOHUGEPAGE) over an array not yet touched (Linux; elsewhere nothing)."""
     import ctypes
@@ -424,24 +447,25 @@ def small_pages(a: np.ndarray) -> None:
 def warm_up(backend, stream=sys.stderr) -> float:
     """Runs every kernel the backend's weights need once, on tiny inputs, so that Numba compiles
     (first start) or loads them from its disk cache (later starts) now rather than inside the first
-    request. Says one line on `stream` per kernel it has to compile. Returns the seconds taken."""
+    request. Says one line on `stream` per kernel it has to compile. Returns the seconds taken.
+    Callees load before their callers (a cached caller loaded first crashed: docs/cpu.md); where
+    the whole-stack call runs the layers, the per-layer fused calls are not loaded (resident code)."""
     from numba.core import event
     t0 = time.perf_counter()
     listener = _compile_log(stream)
-    kinds = set()
-    for w in backend.weights.values():
-        if isinstance(w, QuantizedTensor) or (isinstance(w, np.ndarray) and w.ndim == 2):
-            kinds.update(cpu_matrix(backend, w).kinds)
+    q8 = getattr(backend, "cpu_activations", "") == "q8"
     with event.install_listener("numba:compile", listener):
-        for kind in sorted(kinds):
-            listener.label = f"products on {kind} weights"
-            for w in backend.weights.values():
-                if (isinstance(w, QuantizedTensor) or (isinstance(w, np.ndarray) and w.ndim == 2)) \
-                        and kind in cpu_matrix(backend, w).kinds:
-                    m = cpu_matrix(backend, w)
-                    m.matmul(np.zeros((1, m.shape[1]), np.float32), q8=getattr(backend, "cpu_activations", "") == "q8")
-                    m.rows(np.zeros(1, np.int64))
-                    break
+        seen = set()
+        for w in backend.weights.values():
+            if not (isinstance(w, QuantizedTensor) or (isinstance(w, np.ndarray) and w.ndim == 2)):
+                continue
+            m = cpu_matrix(backend, w)
+            if m.kinds in seen:
+                continue
+            seen.add(m.kinds)
+            listener.label = f"products on {'/'.join(m.kinds)} weights"
+            m.matmul(np.zeros((1, m.shape[1]), np.float32), q8=q8)
+            m.rows(np.zeros(1, np.int64))
         listener.label = "norms, RoPE and attention"
         L.warm()
         listener.label = "fused layers"
@@ -449,17 +473,22 @@ def warm_up(backend, stream=sys.stderr) -> float:
     return time.perf_counter() - t0
 
 
-def _warm_layers(backend) -> None:
-    """One token through each distinct layer signature's three fused calls (their types: the kinds
-    of qkv, o, gate_up, down), against a one-block scratch cache instead of the backend's."""
+def _warm_layers(backend) -> bool:
+    """One token through the whole-stack call (CpuOps.dense_layers) where the model has one, else
+    through each distinct layer signature's three fused calls (their types: the kinds of qkv, o,
+    gate_up, down), against a one-block scratch cache instead of the backend's. Only what runs is
+    loaded: each compiled call holds its own copy of the products (tens of MB of code resident)."""
     from metrale.runtime.batch import Segment, build_batch
     c, w = backend.config, backend.weights
     if not CpuOps.fused_layer or "layers.0.qkv" not in w:
-        return
+        return False
     scratch = np.zeros((2, 1, backend.block_size, c.num_kv_heads, c.head_dim), np.float32)
     ops = CpuOps(backend, build_batch([Segment(np.zeros(1, np.int32), 0, np.zeros(1, np.int32))], backend.block_size))
     ops._kv = lambda layer: (scratch[0], scratch[1])
+    ops._pools = lambda: (scratch[:1], scratch[1:])
     x = np.zeros((1, c.hidden_size), np.float32)
+    if ops.dense_layers(x, 1, w) is not None:
+        return True
     seen = set()
     for i in range(c.num_layers):
         p = f"layers.{i}."
@@ -474,8 +503,7 @@ def _warm_layers(backend) -> None:
                                   w.get(p + "q_norm"), w.get(p + "k_norm"))
         ops.attention_linear_residual(q, 0, w[p + "o"], x)
         ops.mlp_residual(x, w[p + "mlp_norm"], w[p + "gate_up"], w[p + "down"])
-    ops._pools = lambda: (scratch[:1], scratch[1:])       # the whole stack's call, one layer run
-    ops.dense_layers(x, 1, w)
+    return False
 
 
 def _compile_log(stream):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 
-from kernels_numba.sampling import philox4x32_ref
+from kernels_numba.philox import philox4x32_ref
 from metrale.sampling.params import SamplingParams
 
 
