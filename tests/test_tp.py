@@ -223,8 +223,6 @@ def test_refusals_name_the_numbers(ckpts):
         check_tensor_parallel(replace(config, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8), 2)
     with pytest.raises(Exception, match="parallel.tensor: must be >= 1, got 0"):
         compose(["parallel.tensor=0"])
-    with pytest.raises(ValueError, match="parallel.tensor=2: run it with python -m metrale.parallel.tp"):
-        Engine(cfg=compose(_settings(ckpts["llama"], 2)))          # not silently one rank
     with pytest.raises(ValueError, match="parallel.tensor=2 but 4 ranks"):
         run_ranks(4, lambda comm: tp_engine(compose(_settings(ckpts["llama"], 2)), comm))
 
@@ -239,6 +237,42 @@ def test_launch_runs_one_process_per_rank(ckpts):
     assert report.ok, report.problems
     assert out["token_ids"] == want
     assert report.of("followed")[1]["steps"] > 0
+
+
+def test_engine_starts_its_own_ranks(ckpts):
+    """Engine(cfg with parallel.tensor=2): rank 0 in this process, rank 1 spawned by it (it used to
+    refuse); TP=1's tokens; close() ends the follower."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids.tolist() for o in Engine(cfg=compose(_settings(ckpts["qwen2"], 1))).generate(
+        PROMPTS[:2], params, use_tqdm=False)]
+    eng = Engine(cfg=compose(_settings(ckpts["qwen2"], 2)))
+    try:
+        got = [o.token_ids.tolist() for o in eng.generate(PROMPTS[:2], params, use_tqdm=False)]
+        assert eng.backend.memory_report()["tensor_parallel"] == 2
+    finally:
+        eng.backend.close()
+    assert got == want
+    assert len(eng.backend.followers) == 1 and not eng.backend.followers[0].is_alive()
+
+
+def test_server_engine_process_starts_tensor_parallel_ranks(ckpts):
+    """serve's engine process (EngineProcess) with parallel.tensor=2: not daemonic, so its engine
+    can spawn rank 1; a greedy completion over HTTP equals TP=1's text; close() ends it."""
+    import httpx
+    from metrale.server import ServerThread, create_app
+    from metrale.server.engine_process import EngineProcess
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = Engine(cfg=compose(_settings(ckpts["qwen2"], 1))).generate(PROMPTS[:1], params, use_tqdm=False)[0]
+    cfg = compose(_settings(ckpts["qwen2"], 2))
+    proc = EngineProcess.start(cfg)
+    try:
+        with ServerThread(create_app(proc, cfg)) as server:
+            body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+            got = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()
+    finally:
+        proc.close()
+    assert got["choices"][0]["text"] == want.text and got["usage"]["completion_tokens"] == 6
+    assert not proc.process.is_alive()
 
 
 def test_tp_bench_dry_run(tmp_path):

@@ -15,6 +15,10 @@ log = logging.getLogger("metrale")
 
 
 def load_model(cfg) -> tuple[ModelConfig, Tokenizer, object]:
+    from omegaconf import OmegaConf
+    if int(OmegaConf.select(cfg, "parallel.tensor", default=1)) > 1:   # rank 0 here, the others spawned
+        from metrale.parallel.tp import local_leader
+        return local_leader(cfg)
     source = resolve_model(cfg.model)
     t0 = time.perf_counter()
     device = resolve_device(cfg.device)

@@ -338,11 +338,12 @@ class TpLeader(Backend):
 
     name = "cpu"
 
-    def __init__(self, rank: TPRank):
+    def __init__(self, rank: TPRank, followers: list | None = None):
         if rank.comm.rank != 0:
             raise ValueError(f"the leader is rank 0, not rank {rank.comm.rank}")
         b = rank.backend
         self.rank, self.shard = rank, b
+        self.followers = list(followers or ())        # processes this leader started (local_leader)
         self.config, self.family = b.full_config, b.family
         self.block_size, self.num_blocks, self.weights, self.dtype = b.block_size, b.num_blocks, b.weights, b.dtype
         self.stopped = False
@@ -375,6 +376,10 @@ class TpLeader(Backend):
         if not self.stopped:
             self.stopped = True
             self.rank.stop()
+        for proc in self.followers:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.terminate()
 
 
 # ----------------------------------------------------------------------- building a rank
@@ -425,6 +430,36 @@ def tp_engine(cfg, comm: Communicator):
     if comm.rank != 0:
         return rank.follow()
     return Engine(cfg=cfg, parts=(config, tokenizer, TpLeader(rank)))
+
+
+def local_leader(cfg) -> tuple[ModelConfig, object, "TpLeader"]:
+    """parallel.tensor=N inside the caller's process (Engine(...), serve): rank 0 here, ranks
+    1..N-1 spawned as follower processes joined by queues (CPU). The leader's close() stops them;
+    they are daemons, so they also end with this process. A rank that fails to load here stops
+    the followers before the error propagates."""
+    import multiprocessing as mp
+    from metrale.parallel.comm import QueueCommunicator
+    world = int(cfg.parallel.tensor)
+    ctx = mp.get_context("spawn")
+    boxes = [ctx.Queue() for _ in range(world)]
+    followers = [ctx.Process(target=_follower_main, args=(r, cfg, boxes), daemon=True, name=f"metrale-tp-rank{r}")
+                 for r in range(1, world)]
+    for proc in followers:
+        proc.start()
+    try:
+        config, tokenizer, rank = load_rank(cfg, QueueCommunicator(0, boxes))
+    except BaseException:
+        for proc in followers:
+            proc.terminate()
+        raise
+    return config, tokenizer, TpLeader(rank, followers)
+
+
+def _follower_main(rank: int, cfg, boxes) -> None:
+    """local_leader's follower: load this rank's shards, run rank 0's steps until STOP."""
+    from metrale.parallel.comm import QueueCommunicator
+    _, _, me = load_rank(cfg, QueueCommunicator(rank, boxes))
+    me.follow()
 
 
 def _rank_main(rank, world, uid, report, overrides, boxes, prompts, params, chat=False):

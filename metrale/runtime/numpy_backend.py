@@ -199,8 +199,8 @@ class NumpyBackend(Backend):
         from omegaconf import OmegaConf
         tensor = OmegaConf.select(cfg, "parallel.tensor", default=1)
         if tensor > 1:     # one rank per process: metrale/parallel/tp.py builds the ranks (docs/parallel.md)
-            raise ValueError(f"parallel.tensor={tensor}: run it with python -m metrale.parallel.tp or "
-                             "metrale.parallel.tp.launch_tp; this entry point builds one unsplit backend")
+            raise ValueError(f"parallel.tensor={tensor}: Engine / load_model start the ranks "
+                             "(metrale.parallel.tp.local_leader); this entry point builds one unsplit backend")
         block_size = int(cfg.cache.block_size)
         num_blocks = cfg.cache.num_blocks or max(1, cfg.cache.cpu_kv_tokens // block_size)
         if weights is None and family.random_weights is None:

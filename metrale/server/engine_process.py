@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterator
 
 import numpy as np
+from omegaconf import OmegaConf
 
 from metrale.driver import ServerDraining
 from metrale.engine import Engine
@@ -170,7 +171,10 @@ class EngineProcess:
         ctx = multiprocessing.get_context("spawn")
         cmd_r, cmd_w = os.pipe()
         ev_r, ev_w = os.pipe()
-        process = ctx.Process(target=child_main, name="metrale-engine", daemon=True,
+        # a daemonic process may not start processes: a tensor-parallel engine spawns its ranks
+        # (close() and the pipes' end stop it either way)
+        single = int(OmegaConf.select(cfg, "parallel.tensor", default=1)) <= 1
+        process = ctx.Process(target=child_main, name="metrale-engine", daemon=single,
                               args=(cfg, _FdHandle(cmd_r), _FdHandle(ev_w), build))
         try:
             process.start()
