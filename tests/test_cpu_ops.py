@@ -112,3 +112,18 @@ def test_fast_path_against_numpy_on_quantized_weights(tiny_gguf):
         scale = np.abs(want).max()
         assert np.abs(got_f32 - want).max() <= 2e-4 * scale
         assert np.corrcoef(got_q8.ravel(), want.ravel())[0, 1] > 0.99
+
+
+def test_cpu_engine_does_not_load_cuda():
+    """A CPU-only engine imports no CUDA kernel module: numba.cuda (and libnvJitLink, mapped by the
+    first cuda.jit definition) cost ~40 MB resident; the host reads the CUDA-free *_ref modules."""
+    import subprocess
+    import sys
+    code = ("import sys; from metrale import Engine; "
+            "e = Engine(model='tiny-shape', device='cpu', cache={'num_blocks': 8}); "
+            "e.generate(['hi'], use_tqdm=False); "
+            "print(sorted(m for m in sys.modules if m == 'numba.cuda' or m.startswith(('kernels_numba.sampling', "
+            "'kernels_numba.moe', 'kernels_numba.gdn'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "['kernels_numba.gdn_ref', 'kernels_numba.moe_ref', 'kernels_numba.sampling_ref']"

@@ -4,7 +4,7 @@ Owns: the hybrid family value (FAMILY), reading a hybrid config.json ("qwen3_nex
 custom "metrale_hybrid") into a ModelConfig, mapping its tensors onto canonical names, random
 weights for tests, and the NumPy side of its cache kind and ops (HostStatePool, GdnNumpyOps). The
 forward itself is models/llama.py; its CUDA part runtime/cuda_hybrid.py; the math
-kernels_numba/gdn.py (references and kernels). docs/hybrid.md has the design: state slots,
+kernels_numba/gdn_ref.py (references; gdn.py the kernels). docs/hybrid.md has the design: state slots,
 checkpoints and rollback.
 
 Canonical names of a linear-attention layer i (attention layers keep llama's names, plus
@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from kernels_numba.gdn import gdn_segment_ref, rms_norm_gated_ref, state_norm_clamp_ref
+from kernels_numba.gdn_ref import gdn_segment_ref, rms_norm_gated_ref, state_norm_clamp_ref
 from metrale.cache.kinds import CacheKind
 from metrale.models.config import ModelConfig
 from metrale.models.families import KV, STATE, Family

@@ -4,7 +4,7 @@ MoE family composes (MoeNumpyOps; DeepSeek's MlaNumpyOps and the hybrid MoE fami
 and reading Qwen-style MoE keys and tensors.
 
 A MoE layer (config.is_moe_layer(i)): router logits h @ router.T, routing by metrale's one router
-(kernels_numba.moe.route_ref: Qwen's softmax + top-k, optionally renormalized, is DeepSeek-V2's
+(kernels_numba.moe_ref.route_ref: Qwen's softmax + top-k, optionally renormalized, is DeepSeek-V2's
 `greedy`), the top-k SwiGLU experts' outputs weighted and summed, plus the shared expert(s):
 DeepSeek adds them as they are; Qwen2-MoE / Qwen3-Next scale their one shared expert by
 sigmoid(h @ shared_gate.T) (config.shared_expert_gate).
@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from kernels_numba.moe import RouteConfig, route_ref
+from kernels_numba.moe_ref import RouteConfig, route_ref
 from metrale.models.config import ModelConfig
 from metrale.models.families import KV, Family
 from metrale.models.llama import llama_forward

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kernels_numba import sampling as K
+from kernels_numba import sampling_ref as K
 from metrale.sampling.grammar import MaskWorker
 from metrale.sampling.params import SamplingParams
 

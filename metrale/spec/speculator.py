@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels_numba import sampling as K
+from kernels_numba import sampling_ref as K
 from metrale.options import GateOptions, SpecOptions
 from metrale.sampling.params import SamplingParams
 from metrale.sampling.sampler import Drawn
