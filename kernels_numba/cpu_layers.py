@@ -329,7 +329,7 @@ def _attention_parallel(q, k_cache, v_cache, block_tables, seq_start, positions,
 
 
 PARALLEL_MIN_SCORES = 1024      # query-key pairs (times query heads) from which attention runs in parallel
-                                # (SmolLM2 decode, 2 threads: 576 pairs even, 2,700 5% faster: docs/cpu.md)
+                                # (the A/B that set it: docs/cpu.md)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_start, positions, window, scale, out):

@@ -43,8 +43,8 @@ KINDS = {
 _DTYPES = {k: np.dtype([(k, np.uint8, (nbytes,))]) for k, (_, nbytes) in KINDS.items()}
 MAX_TOKENS = 8                      # activation rows one pass over the weights multiplies
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}   # no no-NaN / no-Inf assumptions
-PREFETCH_BYTES = 2048     # the dot products prefetch a row's stream this far ahead (a few rows on):
-                          # cold weights stream ~2x faster (docs/cpu.md)
+PREFETCH_BYTES = 2048     # the dot products prefetch a row's stream this far ahead (a few rows on),
+                          # so cold weights arrive before they are needed (docs/cpu.md)
 
 
 def block_dtype(kind: str) -> np.dtype:
@@ -662,7 +662,7 @@ TOKEN_TILE = 64          # activation rows a work item takes (64 x K floats stay
 
 
 # The row loops write y in place, without a helper: Numba increfs arrays handed to an inlined
-# function, an atomic per row on a line both threads share (measured: docs/cpu.md).
+# function, an atomic per row on a line both threads share (docs/cpu.md).
 
 @njit(fastmath=FASTMATH)
 def _chunk(w, x, y, col0, r0, r1, t0, t1, residual):
@@ -718,6 +718,25 @@ def _rms_rows(x, weight, eps, out, t0, t1):
             out[t, d] = x[t, d] * inv * weight[d]
 
 
+@njit
+def _work_items(parts, count, rows):
+    """first[p]: the first parallel work item of part p (items of `rows` rows; first[count] in all)."""
+    first = np.zeros(count + 1, np.int64)
+    for p in range(count):
+        first[p + 1] = first[p] + (parts[p].shape[0] + rows - 1) // rows
+    return first
+
+
+@njit
+def _work_item(first, count, item):
+    """(token tile, part, index within the part) of parallel work item `item` (_work_items' table)."""
+    tile, c = item // first[count], item % first[count]
+    p = 0
+    while c >= first[p + 1]:
+        p += 1
+    return tile, p, (c - first[p])
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=CACHE)
 def matmul_into(parts, count, col0s, x, norm, eps, normed, residual, y):
     """y[:, col0s[p]:col0s[p] + R_p] = (residual +) x' @ W_p.T for the first `count` block arrays W_p
@@ -736,16 +755,11 @@ def matmul_into(parts, count, col0s, x, norm, eps, normed, residual, y):
         src = normed
     rows = ROWS_A_CHUNK if T <= MAX_TOKENS else ROWS_A_TILE
     tiles = (T + TOKEN_TILE - 1) // TOKEN_TILE
-    first = np.zeros(count + 1, np.int64)
-    for p in range(count):
-        first[p + 1] = first[p] + (parts[p].shape[0] + rows - 1) // rows
+    first = _work_items(parts, count, rows)
     for item in prange(first[count] * tiles):
-        tile, c = item // first[count], item % first[count]     # a token tile stays in L2 over all rows
-        p = 0
-        while c >= first[p + 1]:
-            p += 1
+        tile, p, c = _work_item(first, count, item)     # a token tile stays in L2 over all rows
         w = parts[p]
-        r0 = (c - first[p]) * rows
+        r0 = c * rows
         t0 = tile * TOKEN_TILE
         _chunk(w, src, y, col0s[p], r0, min(w.shape[0], r0 + rows), t0, min(T, t0 + TOKEN_TILE), residual)
 
@@ -853,16 +867,11 @@ def matmul_q8_into(parts, count, col0s, x, norm, eps, normed, xq, xs, residual, 
                 _rms_rows(x, norm, eps, normed, a, b)
             quantize_q8(src, xq, xs, a, b)
     rows = ROWS_A_CHUNK if T <= MAX_TOKENS else ROWS_A_TILE
-    first = np.zeros(count + 1, np.int64)
-    for p in range(count):
-        first[p + 1] = first[p] + (parts[p].shape[0] + rows - 1) // rows
+    first = _work_items(parts, count, rows)
     for item in prange(first[count] * tiles):
-        tile, c = item // first[count], item % first[count]
-        p = 0
-        while c >= first[p + 1]:
-            p += 1
+        tile, p, c = _work_item(first, count, item)
         w = parts[p]
-        r0 = (c - first[p]) * rows
+        r0 = c * rows
         t0 = tile * TOKEN_TILE
         _chunk_q8(w, xq, xs, y, col0s[p], r0, min(w.shape[0], r0 + rows), t0, min(T, t0 + TOKEN_TILE), residual)
 

@@ -228,15 +228,10 @@ def matmul_x16_into(parts, count, col0s, x, norm, eps, normed, xq, xs, residual,
                 Q._rms_rows(x, norm, eps, normed, a, b)
             quantize_flat(src, xq, xs, a, b)
     per = GROUPS_A_CHUNK if T <= Q.MAX_TOKENS else GROUPS_A_TILE
-    first = np.zeros(count + 1, np.int64)
-    for p in range(count):
-        first[p + 1] = first[p] + (parts[p].shape[0] + per - 1) // per
+    first = Q._work_items(parts, count, per)
     for item in prange(first[count] * tiles):
-        tile, c = item // first[count], item % first[count]
-        p = 0
-        while c >= first[p + 1]:
-            p += 1
+        tile, p, c = Q._work_item(first, count, item)
         w = parts[p]
-        g0 = (c - first[p]) * per
+        g0 = c * per
         t0 = tile * Q.TOKEN_TILE
         _chunk_x16(w, xq, xs, y, col0s[p], g0, min(w.shape[0], g0 + per), t0, min(T, t0 + Q.TOKEN_TILE), residual)

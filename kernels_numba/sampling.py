@@ -133,6 +133,18 @@ def philox4x32(c0, c1, c2, c3, k0, k1):
 
 
 @device_function
+def _lane_word(w0, w1, w2, w3, lane):
+    """Word `lane` (0-3) of a Philox output: the one an id's uniform comes from (id % 4)."""
+    if lane == 1:
+        return w1
+    if lane == 2:
+        return w2
+    if lane == 3:
+        return w3
+    return w0
+
+
+@device_function
 def _uniform(x):
     """uint32 -> float32 in (0, 1): odd multiples of 2^-24 (exact in float32, never 0 or 1)."""
     return np.float32(((x >> _S9) << _ONE64) | _ONE64) * _TWO_M24
@@ -516,14 +528,7 @@ def _list_sample(buf, n, thr, k_list, p_list, p_target, kmin, k0, k1, step, cnt,
             i = np.int32(e & _M32)
             w0, w1, w2, w3 = philox4x32(np.uint64(i >> 2), step, zero, zero, k0, k1)
             lane = i & 3
-            w = w0
-            if lane == 1:
-                w = w1
-            elif lane == 2:
-                w = w2
-            elif lane == 3:
-                w = w3
-            v = f32_of_key(key) - math.log(-math.log(_uniform(w)))
+            v = f32_of_key(key) - math.log(-math.log(_uniform(_lane_word(w0, w1, w2, w3, lane))))
             if bi < 0 or v > bv or (v == bv and i < bi):
                 bv = v
                 bi = i
@@ -601,14 +606,7 @@ def _gumbel_groups(logits, mask, r, use_mask, m, inv_t, thr, k0, k1, step, g_fir
             if i < V:
                 z = (_masked_x(logits, mask, r, i, use_mask) - m) * inv_t
                 if z > NEG_INF and f32_key(z) >= thr:
-                    w = w0
-                    if lane == 1:
-                        w = w1
-                    elif lane == 2:
-                        w = w2
-                    elif lane == 3:
-                        w = w3
-                    v = z - math.log(-math.log(_uniform(w)))
+                    v = z - math.log(-math.log(_uniform(_lane_word(w0, w1, w2, w3, lane))))
                     if bi < 0 or v > bv:
                         bv = v
                         bi = np.int32(i)

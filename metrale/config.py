@@ -47,7 +47,7 @@ class Levers:
     cpu_threads: int = 0                 # Numba CPU kernels' threads (0: one per core)
     cpu_activations: str = "auto"        # auto | q8 | f32: products on GGUF blocks take activations quantized
                                          # to 8 bits a 32-block with integer dot products (VNNI, as llama.cpp;
-                                         # 1.5-2x faster; logits off by up to ~1.8 on SmolLM2's golden prompts)
+                                         # faster, less exact: docs/cpu.md)
                                          # or float32 ones (the reference's arithmetic); auto: q8 where the CPU
                                          # has AVX-512 VNNI, else f32 (docs/cpu.md)
     weights: str = "bf16"                # bf16 | native: on CUDA, GGUF block-quantized matrices are dequantized to

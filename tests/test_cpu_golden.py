@@ -40,20 +40,28 @@ def fast():
     return engine
 
 
-def test_teacher_forced_top1_where_the_margin_allows(fast, golden):
+def teacher_forced(engine, golden, margin: float) -> tuple[int, int, float]:
+    """Over the golden prompts' teacher-forced positions: (positions whose reference top-1 margin
+    exceeds `margin`, how many of those the engine's top-1 agrees on, max |logit - reference| over
+    the reference's top-k)."""
     z, meta = golden
     counted = agreed = 0
     worst = 0.0
     for p in range(meta["n_prompts"]):
         ids = z[f"p{p}_ids"]
-        with scratch_blocks(fast, len(ids)) as blocks:
-            logits = fast.backend.forward(build_batch([Segment(ids, 0, blocks, logits="all")], fast.backend.block_size))
+        with scratch_blocks(engine, len(ids)) as blocks:
+            logits = engine.backend.forward(build_batch([Segment(ids, 0, blocks, logits="all")], engine.backend.block_size))
         top = z[f"p{p}_topk_logits"]
-        decided = top[:, 0] - top[:, 1] > MARGIN
+        decided = top[:, 0] - top[:, 1] > margin
         counted += int(decided.sum())
         agreed += int((np.argmax(logits, -1) == z[f"p{p}_top1"])[decided].sum())
         got = np.take_along_axis(logits, z[f"p{p}_topk_ids"], axis=-1)
         worst = max(worst, float(np.abs(got - top).max()))
+    return counted, agreed, worst
+
+
+def test_teacher_forced_top1_where_the_margin_allows(fast, golden):
+    counted, agreed, worst = teacher_forced(fast, golden, MARGIN)
     assert counted == 177 and agreed == counted, f"{agreed} of {counted} positions agree"
     assert worst <= MARGIN, worst
 
@@ -86,19 +94,7 @@ def fast_q8():
 
 
 def test_q8_activations_top1_where_their_error_allows(fast_q8, golden):
-    z, meta = golden
     assert fast_q8.backend.cpu_activations == "q8"
-    counted = agreed = 0
-    worst = 0.0
-    for p in range(meta["n_prompts"]):
-        ids = z[f"p{p}_ids"]
-        with scratch_blocks(fast_q8, len(ids)) as blocks:
-            logits = fast_q8.backend.forward(build_batch([Segment(ids, 0, blocks, logits="all")], fast_q8.backend.block_size))
-        top = z[f"p{p}_topk_logits"]
-        decided = top[:, 0] - top[:, 1] > 2 * Q8_ERROR
-        counted += int(decided.sum())
-        agreed += int((np.argmax(logits, -1) == z[f"p{p}_top1"])[decided].sum())
-        got = np.take_along_axis(logits, z[f"p{p}_topk_ids"], axis=-1)
-        worst = max(worst, float(np.abs(got - top).max()))
+    counted, agreed, worst = teacher_forced(fast_q8, golden, 2 * Q8_ERROR)
     assert worst <= Q8_ERROR, worst
     assert counted >= 30 and agreed == counted, f"{agreed} of {counted} positions agree"

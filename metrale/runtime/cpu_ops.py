@@ -366,8 +366,7 @@ def start(backend, cfg) -> None:
 class ComputeThread:
     """The one thread that runs the fast CPU path's forwards (Numba's OpenMP regions) for the whole
     process. OpenMP keeps a worker pool per calling thread; a second one (the engine's loop thread
-    beside the main thread) makes the workers sleep between regions, measured 3.4x slower decode
-    (docs/cpu.md). Callers wait on a future (the GIL is free meanwhile); errors re-raise in the caller."""
+    beside the main thread) makes the workers sleep between regions (docs/cpu.md). Callers wait on a future (the GIL is free meanwhile); errors re-raise in the caller."""
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
