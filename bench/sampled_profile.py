@@ -95,14 +95,14 @@ def main(argv: list[str] | None = None) -> int:
             engine.sampler.device.graphs = True
             dev, parts = engine.sampler.device, engine.sampler.device.parts   # the other levers.sampling_split
             dev.parts, dev._layouts = (None if parts is not None else K.split_parts(dev.max_rows)), {}
-            spec = PointSpec(batch=batch, prompt_tokens=16, tokens=args.tokens, reps=2, temperature=0.7)
-            got[f"T0.7 sampling_split={dev.parts is not None}"] = decode_tok_s(engine, spec, prompts(engine, spec))
+            spec = PointSpec(batch=batch, prompt_tokens=16, tokens=args.tokens, reps=2, temperature=0.7, top_p=0.9)
+            got[f"T0.7 top_p0.9 sampling_split={dev.parts is not None}"] = decode_tok_s(engine, spec, prompts(engine, spec))
             dev.parts, dev._layouts = parts, {}
         line = " | ".join(f"{k} {v:,.0f} tok/s ({batch / v * 1e6:.0f} us/step)" for k, v in got.items())
         print(f"sampled_profile {args.model} B={batch}: {line}", flush=True)
         if args.device == "cuda":
             for t, tp, graphs, split in ((0.7, 1.0, True, True), (0.7, 1.0, True, False), (0.7, 1.0, False, True),
-                                         (0.7, 0.9, True, True), (0.7, 0.9, False, True)):
+                                         (0.7, 0.9, True, True), (0.7, 0.9, True, False), (0.7, 0.9, False, True)):
                 host, dev = _pipeline_times(engine, batch, t, tp, graphs, split)
                 print(f"sampled_profile B={batch} T={t} top_p={tp} graphs={graphs} split={split}: DevicePipeline.launch "
                       f"host {host:.0f} us, on the device {dev:.0f} us", flush=True)

@@ -613,25 +613,35 @@ def _gumbel_groups(logits, mask, r, use_mask, m, inv_t, thr, k0, k1, step, g_fir
     return bv, bi
 
 
-# ---------------------------------------------------------------- split rows (temperature / min-p)
+# ---------------------------------------------------------------- split rows (temperature / min-p / top-p)
 #
-# A row of a small batch is one block on one SM, its two passes (max, Gumbel-max with Philox and two
-# logs an element) latency-bound there (docs/levers.md, sampling_split). Rows without top-k and top-p
-# (their kept set needs no threshold search: mask and min-p are per element) are cut into `chunks`
-# contiguous spans of Philox groups, one block each: the spans' maxima, then each span's Gumbel-max
-# with the row's max (the same z as one block computes, so the same token), combined by the row
-# kernel (ties to the lower id).
+# A row of a small batch is one block on one SM, its passes (max, Gumbel-max with Philox and two logs
+# an element, top-p's mass digits) latency-bound there (docs/levers.md, sampling_split). Rows without
+# top-k are cut into `chunks` contiguous spans of Philox groups, one block each: the spans' maxima,
+# then (top-p rows, with `top_p` on) the three mass digits of the top-p threshold, each a span pass
+# into a row histogram in global memory and a one-block scan of it (`_split_mass_kernel`,
+# `_split_find_kernel`: the exact key, where the one-block path may stop at a bin's edge holding the
+# same set), then each span's Gumbel-max over the kept ids with the row's max (the same z as one
+# block computes, so the same token), combined by the row kernel (ties to the lower id).
 
 SPLIT_THREADS = 32 if SIMULATOR else 256
 MAX_CHUNKS = 64
 _split_kernel = cached_jit if SIMULATOR else cached_jit(launch_bounds=(SPLIT_THREADS,))
+SPLIT_TEMPERATURE = 1       # _split_kind: temperature / min-p / mask only
+SPLIT_TOP_P = 2             # top-p without top-k (split only when the launch runs the mass digits)
+_ST_PREFIX, _ST_TARGET, _ST_THR = 0, 1, 2      # a top-p row's search state (int64 [R, 4])
 
 
 @device_function
-def _split_row(fparams, iparams, r, V):
-    """Is row r drawn from split spans: sampled, no top-k, no top-p?"""
+def _split_kind(fparams, iparams, r, V, top_p_on):
+    """How row r is drawn from split spans: 0 (one block: greedy, top-k, or top-p when the launch
+    does not split top-p rows), SPLIT_TEMPERATURE or SPLIT_TOP_P."""
     k = iparams[r, I_TOP_K]
-    return fparams[r, F_INV_TEMP] != 0 and not (k > 0 and k < V) and fparams[r, F_TOP_P] >= np.float32(1.0)
+    if fparams[r, F_INV_TEMP] == 0 or (k > 0 and k < V):
+        return 0
+    if fparams[r, F_TOP_P] >= np.float32(1.0):
+        return SPLIT_TEMPERATURE
+    return SPLIT_TOP_P if top_p_on != 0 else 0
 
 
 @device_function
@@ -642,15 +652,23 @@ def _span(c, chunks, V):
     return min(G, c * per), min(G, (c + 1) * per)
 
 
+@device_function
+def _row_max(part_max, r, chunks):
+    m = NEG_INF
+    for j in range(chunks):
+        m = max(m, part_max[r, j])
+    return m
+
+
 @_split_kernel
-def _split_max_kernel(logits, mask, fparams, iparams, part_max, chunks):
+def _split_max_kernel(logits, mask, fparams, iparams, part_max, chunks, top_p_on):
     grid_wait()
     grid_trigger()
     scratch = cuda.shared.array(SCRATCH, np.float32)
     r = cuda.blockIdx.x
     c = cuda.blockIdx.y
     V = logits.shape[1]
-    if not _split_row(fparams, iparams, r, V):
+    if _split_kind(fparams, iparams, r, V, top_p_on) == 0:
         return
     use_mask = iparams[r, I_USE_MASK] != 0
     g0, g1 = _span(c, chunks, V)
@@ -663,7 +681,96 @@ def _split_max_kernel(logits, mask, fparams, iparams, part_max, chunks):
 
 
 @_split_kernel
-def _split_gumbel_kernel(logits, mask, fparams, iparams, part_max, part_v, part_i, chunks):
+def _split_mass_kernel(logits, mask, fparams, iparams, part_max, hist, state, chunks, level):
+    """Top-p rows, digit `level` (11, 10, 10 bits of d = key(z) - key(-inf)): the masses of the span's
+    elements whose higher digits equal the row's prefix, summed into the row's histogram hist[r]
+    (uint64 mass units; the find kernel reads and clears it)."""
+    grid_wait()
+    grid_trigger()
+    wt = cuda.shared.array(RADIX_BINS, np.uint64)
+    r = cuda.blockIdx.x
+    c = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    V = logits.shape[1]
+    if _split_kind(fparams, iparams, r, V, 1) != SPLIT_TOP_P:
+        return
+    m = _row_max(part_max, r, chunks)
+    if m == NEG_INF:
+        return
+    shift = np.uint64(_LEVEL_SHIFT[0])
+    nbits = np.uint64(_LEVEL_BITS[0])
+    if level == 1:
+        shift = np.uint64(_LEVEL_SHIFT[1])
+        nbits = np.uint64(_LEVEL_BITS[1])
+    elif level == 2:
+        shift = np.uint64(_LEVEL_SHIFT[2])
+        nbits = np.uint64(_LEVEL_BITS[2])
+    hi_shift = shift + nbits
+    nb = np.int64(1) << np.int64(nbits)
+    dmask = np.uint64(nb - 1)
+    prefix = np.uint64(state[r, _ST_PREFIX])
+    for b in range(tid, nb, nt):
+        wt[b] = np.uint64(0)
+    cuda.syncthreads()
+    use_mask = iparams[r, I_USE_MASK] != 0
+    inv_t = fparams[r, F_INV_TEMP]
+    g0, g1 = _span(c, chunks, V)
+    for i in range(4 * g0 + tid, min(V, 4 * g1), nt):
+        z = (_masked_x(logits, mask, r, i, use_mask) - m) * inv_t
+        if z > NEG_INF:
+            d = f32_key(z) - _KEY_NEG_INF
+            if level == 0 or (d >> hi_shift) == prefix:
+                cuda.atomic.add(wt, np.int32((d >> shift) & dmask), np.uint64(np.float32(math.exp(z)) * _MASS_SCALE))
+    cuda.syncthreads()
+    for b in range(tid, nb, nt):
+        w = wt[b]
+        if w != 0:
+            cuda.atomic.add(hist, (r, b), w)
+
+
+@_row_kernel
+def _split_find_kernel(fparams, iparams, hist, state, V, level):
+    """Top-p rows, digit `level`: the bin of hist[r] holding the border (level 0: the target is
+    top_p_units of the row's total mass), appended to the row's prefix; after the last digit the
+    row's threshold key. Clears hist[r] for the next digit."""
+    grid_wait()
+    grid_trigger()
+    res = cuda.shared.array(8, np.int64)
+    wsum = cuda.shared.array(64, np.int64)
+    r = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    if _split_kind(fparams, iparams, r, V, 1) != SPLIT_TOP_P:
+        return
+    nbits = _LEVEL_BITS[0]
+    if level > 0:
+        nbits = _LEVEL_BITS[1]
+    nb = 1 << nbits
+    h = hist[r]
+    top_p = np.float32(-1.0)
+    target = np.int64(0)
+    prefix = np.uint64(0)
+    if level == 0:
+        top_p = max(fparams[r, F_TOP_P], np.float32(0.0))
+    else:
+        target = state[r, _ST_TARGET]
+        prefix = np.uint64(state[r, _ST_PREFIX])
+    b, above, _c, target, _ac = _find_bin(h, h, nb, target, top_p, res, wsum)
+    if tid == 0:
+        if b < 0:                               # no mass: the row has no finite element
+            state[r, _ST_THR] = np.int64(_KEY_NEG_INF)
+            state[r, _ST_PREFIX] = np.int64(0)
+        else:
+            prefix = (prefix << np.uint64(nbits)) | np.uint64(b)
+            state[r, _ST_PREFIX] = np.int64(prefix)
+            state[r, _ST_TARGET] = target - above
+            state[r, _ST_THR] = np.int64(prefix + _KEY_NEG_INF)     # the exact key after the last digit
+    for j in range(tid, nb, cuda.blockDim.x):
+        h[j] = np.uint64(0)
+
+
+@_split_kernel
+def _split_gumbel_kernel(logits, mask, fparams, iparams, part_max, part_v, part_i, state, chunks, top_p_on):
     grid_wait()
     grid_trigger()
     scratch = cuda.shared.array(SCRATCH, np.float32)
@@ -672,14 +779,15 @@ def _split_gumbel_kernel(logits, mask, fparams, iparams, part_max, part_v, part_
     c = cuda.blockIdx.y
     tid = cuda.threadIdx.x
     V = logits.shape[1]
-    if not _split_row(fparams, iparams, r, V):
+    kind = _split_kind(fparams, iparams, r, V, top_p_on)
+    if kind == 0:
         return
-    m = NEG_INF
-    for j in range(chunks):
-        m = max(m, part_max[r, j])
+    m = _row_max(part_max, r, chunks)
     use_mask = iparams[r, I_USE_MASK] != 0
     inv_t = fparams[r, F_INV_TEMP]
     thr = _KEY_NEG_INF
+    if kind == SPLIT_TOP_P:
+        thr = np.uint64(state[r, _ST_THR])
     kmin = f32_key(fparams[r, F_LOG_MIN_P])
     if kmin > thr:
         thr = kmin
@@ -705,7 +813,7 @@ def split_chunks(rows: int, V: int) -> int:
 
 @_row_kernel
 def _sample_rows_kernel(logits, mask, fparams, iparams, adj_token, raw_saved, lse, out_tokens, out_lps,
-                        part_v, part_i, chunks):
+                        part_v, part_i, chunks, top_p_on):
     grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
     grid_trigger()
     scratch = cuda.shared.array(SCRATCH, np.float32)
@@ -723,7 +831,7 @@ def _sample_rows_kernel(logits, mask, fparams, iparams, adj_token, raw_saved, ls
     use_mask = iparams[r, I_USE_MASK] != 0
     inv_t = fparams[r, F_INV_TEMP]
     k = iparams[r, I_TOP_K]
-    if chunks > 1 and _split_row(fparams, iparams, r, V):    # drawn by the spans: combine them
+    if chunks > 1 and _split_kind(fparams, iparams, r, V, top_p_on) != 0:    # drawn by the spans: combine them
         if tid == 0:
             bv = NEG_INF
             bi = np.int32(-1)
@@ -834,27 +942,34 @@ def prepare_rows(logits, fparams, iparams, adj_token, adj_rep, adj_add, raw_save
 
 
 def sample_rows(logits, mask, fparams, iparams, adj_token, raw_saved, lse, out_tokens, out_lps, parts=None,
-                chunks: int | None = None, stream=0) -> None:
+                chunks: int | None = None, top_p: bool = False, stream=0) -> None:
     """Mask, temperature, top-k / top-p / min-p, Gumbel-max sampling (argmax for greedy rows) and the
     sampled token's raw logprob. mask uint32 [R, ceil(V/32)]; out_tokens int32 [R]; out_lps float32 [R]
-    (NaN where the row asked for no logprobs). parts: (max, value float32, id int32), each
-    [>= R, MAX_CHUNKS], the split rows' span partials (None: every row in one block); chunks: the
-    spans a row is cut into (default split_chunks)."""
+    (NaN where the row asked for no logprobs). parts: split_parts' span partials and top-p search
+    buffers (None: every row in one block); chunks: the spans a row is cut into (default
+    split_chunks); top_p: top-p rows without top-k are split too (three more span passes and scans;
+    the caller knows whether the step has such rows)."""
     R, V = logits.shape
     if R == 0:
         return
     if chunks is None:
         chunks = split_chunks(R, V)
+    p_on = int(bool(top_p))
     if parts is None or chunks < 2:
-        chunks = 0
+        chunks, p_on = 0, 0
         part_v, part_i = _no_parts()
     else:
-        part_max, part_v, part_i = parts
-        _split_max_kernel[(R, chunks), SPLIT_THREADS, stream](logits, mask, fparams, iparams, part_max, chunks)
+        part_max, part_v, part_i, hist, state = parts
+        _split_max_kernel[(R, chunks), SPLIT_THREADS, stream](logits, mask, fparams, iparams, part_max, chunks, p_on)
+        if p_on:
+            for level in range(3):
+                _split_mass_kernel[(R, chunks), SPLIT_THREADS, stream](logits, mask, fparams, iparams, part_max,
+                                                                       hist, state, chunks, level)
+                _split_find_kernel[R, THREADS, stream](fparams, iparams, hist, state, V, level)
         _split_gumbel_kernel[(R, chunks), SPLIT_THREADS, stream](logits, mask, fparams, iparams, part_max, part_v,
-                                                                 part_i, chunks)
+                                                                 part_i, state, chunks, p_on)
     _sample_rows_kernel[R, THREADS, stream](logits, mask, fparams, iparams, adj_token, raw_saved, lse,
-                                            out_tokens, out_lps, part_v, part_i, chunks)
+                                            out_tokens, out_lps, part_v, part_i, chunks, p_on)
 
 
 _NO_PARTS: list = []
@@ -869,9 +984,18 @@ def _no_parts():
 
 
 def split_parts(rows: int):
-    """Device partials for sample_rows' split rows of steps up to `rows` rows."""
+    """Device buffers of sample_rows' split rows for steps up to `rows` rows: span maxima, values and
+    ids [rows, MAX_CHUNKS], top-p's mass histograms [rows, RADIX_BINS] (zero: each scan clears the
+    one it read) and search state [rows, 4]."""
     return (cuda.device_array((rows, MAX_CHUNKS), np.float32), cuda.device_array((rows, MAX_CHUNKS), np.float32),
-            cuda.device_array((rows, MAX_CHUNKS), np.int32))
+            cuda.device_array((rows, MAX_CHUNKS), np.int32), cuda.to_device(np.zeros((rows, RADIX_BINS), np.uint64)),
+            cuda.to_device(np.zeros((rows, 4), np.int64)))
+
+
+def top_p_split_rows(fparams: np.ndarray, iparams: np.ndarray, V: int) -> bool:
+    """Has the step a sampled top-p row without top-k (sample_rows' `top_p`)?"""
+    k = iparams[:, I_TOP_K]
+    return bool(np.any((fparams[:, F_INV_TEMP] != 0) & (fparams[:, F_TOP_P] < 1) & ~((k > 0) & (k < V))))
 
 
 # ---------------------------------------------------------------- NumPy references

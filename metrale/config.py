@@ -23,7 +23,7 @@ class Levers:
     warm_mixed: bool = True              # CUDA with mixed_graphs: compile at start-up the kernels every
                                          # token and rows bucket uses (cached on disk), so a new prompt
                                          # length never waits for a compile while serving
-    sampling_split: bool = False         # CUDA: small steps' temperature / min-p rows (no top-k, top-p)
+    sampling_split: bool = True          # CUDA: small steps' temperature / min-p rows (no top-k, top-p)
                                          # draw over spans of the row, a block each, not one block a row
                                          # (off until its GPU test and A/B have run: docs/levers.md)
     # decode batch sizes captured as CUDA graphs (a batch is padded to the next size)

@@ -35,6 +35,7 @@ class _Event:
 def test_layouts_with_adjustments_stay_bounded(monkeypatch):
     monkeypatch.setattr(D.cuda, "device_array", lambda n, dt, **_: np.zeros(n, dt))
     monkeypatch.setattr(D.cuda, "pinned_array", lambda n, dt, **_: np.zeros(n, dt))
+    monkeypatch.setattr(D.cuda, "to_device", lambda a, **_: np.array(a))
     monkeypatch.setattr(D, "Event", _Event)
     monkeypatch.setattr(D, "cu", lambda *a: None)
     monkeypatch.setattr(D, "_ptr", lambda a: a.__array_interface__["data"][0])

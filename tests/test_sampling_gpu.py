@@ -36,7 +36,7 @@ def batch(rng, R, V, n_adj=32):
     return logits, mask, f, i, toks, rep, add
 
 
-def run_device(logits, mask, f, i, toks, rep, add, repeat=1, parts=None):
+def run_device(logits, mask, f, i, toks, rep, add, repeat=1, parts=None, top_p=False):
     R = logits.shape[0]
     d = {k: cuda.to_device(v) for k, v in dict(mask=mask, f=f, i=i, toks=toks, rep=rep, add=add).items()}
     raw, lse = cuda.device_array(toks.size, np.float32), cuda.device_array(R, np.float32)
@@ -48,7 +48,7 @@ def run_device(logits, mask, f, i, toks, rep, add, repeat=1, parts=None):
         a, b = cuda.event(), cuda.event()
         a.record()
         K.prepare_rows(x, d["f"], d["i"], d["toks"], d["rep"], d["add"], raw, lse, top_ids, top_lps)
-        K.sample_rows(x, d["mask"], d["f"], d["i"], d["toks"], raw, lse, out, lps, parts=parts)
+        K.sample_rows(x, d["mask"], d["f"], d["i"], d["toks"], raw, lse, out, lps, parts=parts, top_p=top_p)
         b.record()
         b.synchronize()
         times.append(cuda.event_elapsed_time(a, b) * 1000)
@@ -57,21 +57,53 @@ def run_device(logits, mask, f, i, toks, rep, add, repeat=1, parts=None):
 
 @pytest.mark.parametrize("V,R", [(128256, 1), (128256, 6), (49152, 12), (151936, 48)])
 def test_split_rows_equal_one_block_rows_and_reference(V, R):
-    """levers.sampling_split: temperature / min-p / masked rows drawn over spans of the row (up to 64
-    blocks a row at batch 1) give the tokens one block a row gives, and the reference's."""
+    """levers.sampling_split: temperature / min-p / masked rows (and with top_p=True top-p rows
+    without top-k) drawn over spans of the row (up to 64 blocks a row at batch 1) give the tokens one
+    block a row gives, and the reference's."""
     rng = np.random.default_rng(R)
     args = batch(rng, R, V)
     f, i = args[2], args[3]
     f[f[:, K.F_INV_TEMP] == 0, K.F_INV_TEMP] = 1.0          # no greedy rows: batch 1 is a sampled row
     split_rows = (f[:, K.F_TOP_P] >= 1) & ~((i[:, K.I_TOP_K] > 0) & (i[:, K.I_TOP_K] < V))
     assert split_rows.any() and K.split_chunks(R, V) >= 2
-    split = run_device(*args, parts=K.split_parts(R), repeat=5)
     whole = run_device(*args, repeat=5)
-    np.testing.assert_array_equal(split[0], whole[0])
-    np.testing.assert_allclose(split[1], whole[1], rtol=1e-6, atol=1e-6)
     want = K.sample_rows_ref(*args)[0]
-    assert (split[0] == want).sum() >= R - 1, (split[0], want)          # a float border case at most
-    print(f"\nV={V} R={R}: split {split[4]:.1f} us, one block a row {whole[4]:.1f} us")
+    times = {}
+    for top_p in (False, True):
+        split = run_device(*args, parts=K.split_parts(R), repeat=5, top_p=top_p)
+        np.testing.assert_array_equal(split[0], whole[0])
+        np.testing.assert_allclose(split[1], whole[1], rtol=1e-6, atol=1e-6)
+        assert (split[0] == want).sum() >= R - 1, (split[0], want)          # a float border case at most
+        times[top_p] = split[4]
+    print(f"\nV={V} R={R}: split {times[False]:.1f} us, with top-p rows {times[True]:.1f} us, "
+          f"one block a row {whole[4]:.1f} us")
+
+
+@pytest.mark.parametrize("V,R,p", [(128256, 1, 0.9), (128256, 1, 0.3), (151936, 8, 0.95), (49152, 32, 0.9)])
+def test_split_top_p_rows_on_flat_and_peaked_rows(V, R, p):
+    """Top-p rows without top-k from spans (three mass digits over the spans, one scan each) against
+    one block a row and the reference, on flat rows (random logits: the kept set is most of the row)
+    and peaked ones (a few tokens hold the mass); prints both times."""
+    for peaked in (False, True):
+        rng = np.random.default_rng(R + int(peaked))
+        logits, mask, f, i, toks, rep, add = batch(rng, R, V, n_adj=1)
+        if peaked:
+            logits *= 4
+        f[:, K.F_INV_TEMP] = 1 / 0.7
+        f[:, K.F_TOP_P] = p
+        f[:, K.F_LOG_MIN_P] = -np.inf
+        i[:, K.I_TOP_K] = -1
+        i[:, K.I_USE_MASK] = 0
+        i[:, K.I_ADJ_START] = i[:, K.I_ADJ_END] = 0
+        args = (logits, mask, f, i, toks, rep, add)
+        assert K.top_p_split_rows(f, i, V)
+        whole = run_device(*args, repeat=5)
+        split = run_device(*args, parts=K.split_parts(R), repeat=5, top_p=True)
+        np.testing.assert_array_equal(split[0], whole[0])
+        want = K.sample_rows_ref(*args)[0]
+        assert (split[0] == want).sum() >= R - 1, (split[0], want)
+        print(f"\ntop-p {p} V={V} R={R} {'peaked' if peaked else 'flat'}: split {split[4]:.1f} us, "
+              f"one block a row {whole[4]:.1f} us")
 
 
 @pytest.mark.parametrize("V,R", [(49152, 48), (128256, 48), (151936, 64)])
@@ -96,7 +128,7 @@ def test_radix_select_at_qwen_vocab(ties):
     give the same tokens (the fixed-point mass histograms do not depend on the order of the atomics)."""
     V, R = 151936, 64
     rng = np.random.default_rng(7 + ties)
-    logits, mask, f, i, toks, rep, add = batch(rng, R, V, n_adj=0)
+    logits, mask, f, i, toks, rep, add = batch(rng, R, V, n_adj=1)
     if ties:
         logits = np.round(logits * 4) / 4
     kind = np.arange(R) % 8
@@ -190,7 +222,7 @@ def test_compaction_paths_at_qwen_vocab(dist):
     ties at the border, top-p on a flat row) equal the reference; two runs give the same tokens."""
     V, R = 151936, 48
     rng = np.random.default_rng({"peaked": 1, "ties": 2, "llm": 3}[dist])
-    logits, mask, f, i, toks, rep, add = batch(rng, R, V, n_adj=0)
+    logits, mask, f, i, toks, rep, add = batch(rng, R, V, n_adj=1)
     if dist == "peaked":
         logits[np.arange(R), rng.integers(0, V, R)] += 25
     elif dist == "ties":

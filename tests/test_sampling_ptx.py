@@ -21,7 +21,8 @@ F32_2, I32_2, U32_2 = (types.Array(types.float32, 2, "C"), types.Array(types.int
 from ptx_util import no_gpu_needed, ptx_of  # noqa: E402,F401  (autouse fixture)
 
 
-SAMPLE_SIG = (F32_2, U32_2, F32_2, I32_2, I32_1, F32_1, F32_1, I32_1, F32_1, F32_2, I32_2, types.int64)
+SAMPLE_SIG = (F32_2, U32_2, F32_2, I32_2, I32_1, F32_1, F32_1, I32_1, F32_1, F32_2, I32_2, types.int64, types.int64)
+U64_2, I64_2 = types.Array(types.uint64, 2, "C"), types.Array(types.int64, 2, "C")
 
 
 def _body(kernel, sig):
@@ -94,11 +95,17 @@ def test_row_kernels_fit_a_1024_thread_block():
 
 
 def test_split_kernels_compile():
-    """The split rows' two span kernels compile for sm_90 (ptx_of: no local memory, no float64):
-    warp-shuffle reductions, Philox in integer products."""
+    """The split rows' span kernels compile for sm_90 (ptx_of: no local memory, no float64):
+    warp-shuffle reductions, Philox in integer products, top-p's mass digits in 64-bit shared and
+    global atomics."""
     from kernels_numba import sampling as S
-    mx = _body(S._split_max_kernel, (F32_2, U32_2, F32_2, I32_2, F32_2, types.int64))
+    mx = _body(S._split_max_kernel, (F32_2, U32_2, F32_2, I32_2, F32_2, types.int64, types.int64))
     assert "shfl.sync.bfly.b32" in mx and "bar.sync" in mx
-    gb = _body(S._split_gumbel_kernel, (F32_2, U32_2, F32_2, I32_2, F32_2, F32_2, I32_2, types.int64))
+    ms = _body(S._split_mass_kernel, (F32_2, U32_2, F32_2, I32_2, F32_2, U64_2, I64_2, types.int64, types.int64))
+    assert "atom.shared.add.u64" in ms and ("atom.global.add.u64" in ms or "red.global.add.u64" in ms)
+    fd = _body(S._split_find_kernel, (F32_2, I32_2, U64_2, I64_2, types.int64, types.int64))
+    assert "shfl.sync.up.b32" in fd and "st.global.u64" in fd
+    gb = _body(S._split_gumbel_kernel, (F32_2, U32_2, F32_2, I32_2, F32_2, F32_2, I32_2, I64_2, types.int64,
+                                        types.int64))
     assert "mul.hi.u32" in gb or "mul.wide.u32" in gb or "mul.lo.s64" in gb     # Philox products
     assert "bar.sync" in gb and "st.global.u32" in gb                          # the span's winner id

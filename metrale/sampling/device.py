@@ -6,9 +6,9 @@ iparams | fparams | adj_token | adj_rep | adj_add | mask rows), copied with one 
 prefix a step uses, and one output buffer (tokens | logprobs | top ids | top logprobs) fetched
 with one transfer. The kernels themselves allocate nothing.
 
-A step's layout depends only on (rows, list length, mask words, logits buffer): the device views
-of that layout are built once, and with `graphs` the two kernels of a layout without adjustments
-are captured once as a CUDA graph and replayed (two Numba launches and their argument marshalling
+A step's layout depends only on (rows, list length, mask words, logits buffer, whether top-p rows
+are split): the device views of that layout are built once, and with `graphs` the kernels of a
+layout without adjustments are captured once as a CUDA graph and replayed (two Numba launches and their argument marshalling
 cost more host time than a small model's decode step leaves; a layout with adjustments runs eagerly,
 since a capture's warm-up would apply them to the logits twice).
 """
@@ -55,7 +55,8 @@ class PendingDraw:
 class _Layout:
     """One step layout's spans of the input buffer and the kernels' device views over it."""
 
-    def __init__(self, pipe: "DevicePipeline", logits, R: int, N: int, W: int) -> None:
+    def __init__(self, pipe: "DevicePipeline", logits, R: int, N: int, W: int, top_p: bool) -> None:
+        self.top_p = top_p              # top-p rows without top-k drawn from spans too
         self.spans, off = {}, 0
         for name, size in (("i", R * K.NI), ("f", R * K.NF), ("tok", N), ("rep", N), ("add", N), ("mask", R * W)):
             self.spans[name] = (off, off + size)
@@ -130,7 +131,8 @@ class DevicePipeline:
         turn = self._turn
         self._turn ^= 1
         W = mask.shape[1]
-        key = (R, N, W, _ptr(logits), logits.shape[0])
+        top_p = self.parts is not None and K.top_p_split_rows(rows.fparams, rows.iparams, logits.shape[1])
+        key = (R, N, W, _ptr(logits), logits.shape[0], top_p)
         lay = self._layouts.get(key)
         if lay is None:
             if N and self._adj_layouts >= MAX_ADJ_LAYOUTS:
@@ -138,7 +140,7 @@ class DevicePipeline:
                 # would keep a layout per (rows, length) seen, for the process's life
                 self._layouts = {k: v for k, v in self._layouts.items() if k[1] == 0}
                 self._adj_layouts = 0
-            lay = self._layouts[key] = _Layout(self, logits, R, N, W)
+            lay = self._layouts[key] = _Layout(self, logits, R, N, W, top_p)
             self._adj_layouts += N > 0
         h, sp = self.in_hosts[turn], lay.spans
         h[slice(*sp["i"])] = rows.iparams.ravel()
@@ -178,4 +180,4 @@ class DevicePipeline:
     def _kernels(self, lay: _Layout) -> None:
         st = self.stream.numba
         K.prepare_rows(*lay.prepare_args, stream=st)
-        K.sample_rows(*lay.sample_args, parts=self.parts, stream=st)
+        K.sample_rows(*lay.sample_args, parts=self.parts, top_p=lay.top_p, stream=st)

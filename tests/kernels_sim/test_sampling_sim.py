@@ -413,9 +413,10 @@ def test_compacted_border_ties_and_edges(monkeypatch):
 
 
 def test_split_rows_match_reference():
-    """Rows without top-k / top-p drawn from spans of a row (two small kernels a span, combined by the
-    row kernel) give the reference's tokens and logprobs, at any span count, beside rows that are not
-    split (greedy, top-k, top-p) in the same launch; a row masked whole gives -1."""
+    """Rows without top-k drawn from spans of a row (temperature / min-p rows; with top_p=True top-p
+    rows too, through three span passes and scans of its mass digits) give the reference's tokens
+    and logprobs, at any span count, beside rows that are not split (greedy, top-k) in the same
+    launch; a row masked whole gives -1; the mass histograms are left cleared."""
     for seed, V in ((11, 301), (12, 300), (13, 257)):
         rng = np.random.default_rng(seed)
         logits, mask, f, i, tok, rep, add = _batch(rng, 6, V)
@@ -423,7 +424,7 @@ def test_split_rows_match_reference():
         i[1, S.I_USE_MASK] = 1 if seed == 13 else 0          # row 1 (temperature only) masked whole once
         args = (logits, mask, f, i, tok, rep, add)
         want, want_lps, _, _ = S.sample_rows_ref(*args)
-        for chunks in (2, 3, 7):
+        for chunks, top_p in ((2, False), (3, True), (7, False), (7, True)):
             x = logits.copy()
             raw_saved, lse = np.zeros(tok.size, np.float32), np.zeros(6, np.float32)
             top_ids = np.full((6, S.MAX_TOP_LOGPROBS), -1, np.int32)
@@ -433,14 +434,24 @@ def test_split_rows_match_reference():
             parts = tuple(np.full(a.shape, -7, a.dtype) for a in (np.zeros((6, S.MAX_CHUNKS), np.float32),
                                                                    np.zeros((6, S.MAX_CHUNKS), np.float32),
                                                                    np.zeros((6, S.MAX_CHUNKS), np.int32)))
-            S.sample_rows(x, mask, f, i, tok, raw_saved, lse, out, lps, parts=parts, chunks=chunks)
-            np.testing.assert_array_equal(out, want, err_msg=f"seed {seed} V {V} chunks {chunks}")
+            parts += (np.zeros((6, S.RADIX_BINS), np.uint64), np.zeros((6, 4), np.int64))
+            S.sample_rows(x, mask, f, i, tok, raw_saved, lse, out, lps, parts=parts, chunks=chunks, top_p=top_p)
+            np.testing.assert_array_equal(out, want, err_msg=f"seed {seed} V {V} chunks {chunks} top_p {top_p}")
             np.testing.assert_allclose(lps, want_lps, rtol=1e-5, atol=1e-5)
             split = [r for r in range(6) if f[r, S.F_INV_TEMP] != 0 and not 0 < i[r, S.I_TOP_K] < V
-                     and f[r, S.F_TOP_P] >= 1]
-            assert split == [1, 5], split
+                     and (top_p or f[r, S.F_TOP_P] >= 1)]
+            assert split == ([1, 4, 5] if top_p else [1, 5]), split
+            assert S.top_p_split_rows(f, i, V)
+            others = [r for r in range(6) if r not in split]
             assert (parts[2][split, :chunks] != -7).all() and (parts[2][:, chunks:] == -7).all()
-            assert (parts[2][[0, 2, 3, 4]] == -7).all()              # rows not split leave theirs alone
+            assert (parts[2][others] == -7).all()                    # rows not split leave theirs alone
+            assert (parts[3] == 0).all()
+            if top_p:                                                # row 4's threshold: the reference's kept set
+                keys = S.f32_key_ref((x[4] - x[4].max()) * f[4, S.F_INV_TEMP])
+                kept = keys >= np.uint64(parts[4][4, 2])
+                p_sorted = np.sort(np.exp((x[4] - x[4].max()).astype(np.float64)))[::-1]
+                n = int(np.searchsorted(np.cumsum(p_sorted) / p_sorted.sum(), f[4, S.F_TOP_P]) + 1)
+                assert abs(int(kept.sum()) - n) <= 1, (kept.sum(), n)
         if seed == 13:
             assert want[1] == -1
 
