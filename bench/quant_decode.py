@@ -64,7 +64,10 @@ def random_quantized_items(config, body: str = "Q4_K", head: str = "Q6_K", seed:
     return items
 
 
-def make_backend(model: str, weights: str, max_batch: int, overrides: list[str] = ()):
+def make_backend(model: str, weights: str, batches: list[int], overrides: list[str] = ()):
+    """The backend with a decode graph for every batch timed (a batch padded to a larger graph would
+    time that graph instead)."""
+    max_batch = max(batches)
     from metrale.models.assemble import make_backend as build
     from metrale.models.checkpoint import random_model_config
     from metrale.models.quantized import QuantizedStream
@@ -72,7 +75,7 @@ def make_backend(model: str, weights: str, max_batch: int, overrides: list[str] 
     from metrale.settings import compose
     cfg = compose(["device=cuda", f"levers.weights={weights}", f"scheduler.max_num_seqs={max(max_batch, 1)}",
                    "scheduler.max_num_batched_tokens=4096", "scheduler.max_model_len=4096",
-                   f"levers.graph_batch_sizes=[{','.join(str(b) for b in sorted({1, max_batch}))}]",
+                   f"levers.graph_batch_sizes=[{','.join(str(b) for b in sorted({1, *batches}))}]",
                    "levers.warm_mixed=false", *overrides])
     source = resolve_model(model)
     config = random_model_config(source.preset, source.name)
@@ -92,7 +95,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--override", nargs="*", default=[])
     args = ap.parse_args()
-    backend, gen_s, load_s = make_backend(args.model, args.weights, max(args.batch), args.override)
+    backend, gen_s, load_s = make_backend(args.model, args.weights, args.batch, args.override)
     mem = backend.memory_report()
     print(f"{args.model} weights={args.weights}: blocks made in {gen_s:.1f} s, backend in {load_s:.1f} s; "
           f"device weights {mem['weights_bytes'] / 2**30:.2f} GiB ({mem['weights_native']} native matrices), "

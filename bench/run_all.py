@@ -156,6 +156,12 @@ def stage_offline(out: Path, n_requests: int = 256, *, quick: bool = False, devi
             r["poisson"] = poisson_latency(eng, rate=50.0, n=QUICK["poisson_n"], prompt_len=16, output_len=4)
         else:
             r["poisson"] = poisson_latency(eng, rate=16.0, n=64, prompt_len=256, output_len=128)
+            r["poisson_64"] = poisson_latency(eng, rate=64.0, n=128, prompt_len=256, output_len=128)
+            for key in ("poisson", "poisson_64"):
+                p = r[key]
+                print(f"[poisson] {model} {p['rate_per_s']:g}/s: TTFT p50/p90/p99 " + " / ".join(
+                    f"{v:.1f}" for v in p["ttft_ms"].values()) + " ms, ITL p99 "
+                      f"{p['itl_ms']['p99']:.2f} ms, graphs during it {p['graphs']}", flush=True)
         results[model] = r
         if hasattr(eng.backend, "close"):
             eng.backend.close()
@@ -173,6 +179,8 @@ def poisson_latency(eng, rate: float, n: int, prompt_len: int, output_len: int, 
     last: dict[str, float] = {}
     start: dict[str, float] = {}
     itl: list[float] = []
+    counters = ("mixed_captures", "mixed_replays", "mixed_evictions", "mixed_eager_steps")
+    before = eng.memory_report()
     t0 = time.perf_counter()
     done = 0
     while done < n:
@@ -198,8 +206,10 @@ def poisson_latency(eng, rate: float, n: int, prompt_len: int, output_len: int, 
     ttft = np.array(list(first.values())) * 1e3
     itl_ms = np.array(itl) * 1e3
     pct = lambda a: {f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)}  # noqa: E731
+    after = eng.memory_report()
     return {"rate_per_s": rate, "requests": n, "prompt_len": prompt_len, "output_len": output_len,
-            "ttft_ms": pct(ttft), "itl_ms": pct(itl_ms)}
+            "ttft_ms": pct(ttft), "itl_ms": pct(itl_ms), "ttft_worst_ms": sorted(ttft.tolist())[-4:],
+            "graphs": {c: after.get(c, 0) - before.get(c, 0) for c in counters}}
 
 
 def stage_peers(out: Path, only: list[str] | None = None) -> None:
@@ -262,10 +272,11 @@ def offline_records(off: dict, peer: dict, copy_bytes_s: float | None, gpu: str)
                                 f"HF generate, {HF_OFFLINE[0]} req (<={HF_OFFLINE[1]}/{HF_OFFLINE[2]})"
                                 if hf_off.get("tok_s") else None,
                                 gpu, COMMAND.format(stage="offline"), extra))
-        for key in ("ttft_ms", "itl_ms"):
-            for q, v in r.get("poisson", {}).get(key, {}).items():
-                recs.append(make_record("latency", f"{model} Poisson {r['poisson']['rate_per_s']:g}/s {key[:-3]} {q}",
-                                        v, "ms", None, None, None, gpu, COMMAND.format(stage="offline")))
+        for run in ("poisson", "poisson_64"):
+            for key in ("ttft_ms", "itl_ms"):
+                for q, v in r.get(run, {}).get(key, {}).items():
+                    recs.append(make_record("latency", f"{model} Poisson {r[run]['rate_per_s']:g}/s {key[:-3]} {q}",
+                                            v, "ms", None, None, None, gpu, COMMAND.format(stage="offline")))
     return recs
 
 
