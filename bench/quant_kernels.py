@@ -139,6 +139,7 @@ def main() -> None:
                     help="with --precompile: compile (T = 1 and 8 for the shapes' K) and exit")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--hint", type=int, default=1, help="0: weight loads without the streaming hints")
+    ap.add_argument("--mma-warps", default="4,8,16", help="warps a block of the tensor-core GEMV (quant_mma)")
     args = ap.parse_args()
     from kernels_numba import quant_gemv as QG
     QG.STREAM_HINT["on"] = bool(args.hint)
@@ -159,6 +160,7 @@ def main() -> None:
 
     from bench.timing import time_launches
     from kernels_numba import gemm, quant_dequant, quant_gemv as QG
+    from kernels_numba import quant_mma as QM
     torch = None
     if not args.no_torch:
         try:
@@ -236,6 +238,8 @@ def main() -> None:
                 rec(f"{name} T={T} {L.NAMES[qt]}", gbs, "GB/s", HBM / 1e9, 2 * N * K / (bf16[T] * 1e-3) / 1e9,
                     "bf16 gemm.linear (its bytes/s)", us=ms * 1e3, bytes=nbytes, N=N, K=K, T=T, kind=kind,
                     speedup_vs_bf16=bf16[T] / ms, copy_ceiling_fraction=gbs * 1e9 / COPY)
+                if T <= QM.MAX_T and QM.supports(qt, K):
+                    _mma(qt, name, N, K, T, x, out, copies, nrot, nbytes, ms, bf16[T], args.mma_warps, rec)
             if args.sweep and qt in (L.Q4_K, L.Q6_K, L.Q8_0, L.Q4_0):
                 _sweep(qt, N, K, name, copies, nrot, nbytes, xs[1], outs[1], rec)
             del copies
@@ -251,6 +255,28 @@ def main() -> None:
         from bench.records import write_records
         write_records(records, args.json)
         print("# wrote", args.json)
+
+
+def _mma(qt, name, N, K, T, x, out, copies, nrot, nbytes, ms_dp4a, ms_bf16, warps, rec):
+    """The tensor-core GEMV (kernels_numba.quant_mma): x quantized by its own launch, then the GEMV,
+    for each block size; beside the dp4a GEMV's time (ms_dp4a) and bf16's."""
+    from bench.timing import time_launches
+    from kernels_numba import quant_layout as L
+    from kernels_numba import quant_mma as QM
+    xq, xsc = QM.x_buffers(K)
+    for w in (int(v) for v in warps.split(",")):
+        def launch(i, w=w):
+            QM.quantize_x(x, T, xq, xsc)
+            QM.gemv(xq, xsc, copies[i], out, T, qtype=qt, residual=out, warps=w)
+        ms = time_launches(launch, nrot, ITERS, WARMUP)
+        ms_g = time_launches(lambda i, w=w: QM.gemv(xq, xsc, copies[i], out, T, qtype=qt, residual=out, warps=w),
+                             nrot, ITERS, WARMUP)
+        gbs = nbytes / (ms * 1e-3) / 1e9
+        print(f"{name:8s} {N:6d}x{K:5d} T={T:3d} {L.NAMES[qt]:5s} {ms * 1e3:8.1f} us {gbs:7.0f} GB/s "
+              f"{gbs * 1e9 / HBM:5.0%} of 4.8 TB/s   mma W={w:2d} (gemv alone {ms_g * 1e3:6.1f} us)   "
+              f"{ms_dp4a / ms:4.2f}x dp4a  {ms_bf16 / ms:4.2f}x bf16", flush=True)
+        rec(f"{name} T={T} {L.NAMES[qt]} mma W={w}", gbs, "GB/s", HBM / 1e9, None, None, us=ms * 1e3,
+            gemv_us=ms_g * 1e3, N=N, K=K, T=T, speedup_vs_dp4a=ms_dp4a / ms, speedup_vs_bf16=ms_bf16 / ms)
 
 
 def _fp8(name, N, K, rows, xs, outs, bf16, rng, rec):

@@ -13,6 +13,13 @@
   rni(f)              `cvt.rni.s32.f32`: f rounded to the nearest integer (ties to even) -> int32
   f32_bits(f) / bits_f32(u)   reinterpretation float32 <-> uint32
   shfl_xor_i32(v, m)  `shfl.sync.bfly.b32` of an int32 (all 32 lanes, m in 1..31)
+  ldg_b8(a, r, c)     `ld.global.nc.v2.u32` of a[r, c:c+8] (c % 8 == 0) -> 2 x uint32
+  mma_u8s8(a0, a1, a2, a3, b0, b1) -> (d0, d1, d2, d3)
+                      `mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32` with zero accumulators: A 16 x 32
+                      unsigned bytes, B 32 x 8 signed bytes, D int32 (PTX ISA fragments, g = lane >> 2,
+                      c = lane & 3: a0 = A[g][4c..4c+3], a1 = A[g+8][4c..], a2 = A[g][16+4c..],
+                      a3 = A[g+8][16+4c..]; b0 = B[4c..4c+3][g], b1 = B[16+4c..][g]; d0, d1 = D[g][2c, 2c+1],
+                      d2, d3 = D[g+8][2c, 2c+1])
   e4m3x2_f32(u)       `cvt.rn.f16x2.e4m3x2` of the two fp8 e4m3 bytes in bits 0..15 of u, each then
                       `cvt.f32.f16` -> (float32 of the low byte, float32 of the high byte); exact
 
@@ -25,7 +32,7 @@ import numpy as np
 
 from kernels_numba.ptx import SIM
 
-__all__ = ["ldg_b16", "ldg_b16s", "ldg_b4", "ldg_b2", "stg_u16x8", "stg_f32x4", "dp4a_us", "dp4a_ss", "h2f",
+__all__ = ["ldg_b16", "ldg_b16s", "ldg_b8", "mma_u8s8", "ldg_b4", "ldg_b2", "stg_u16x8", "stg_f32x4", "dp4a_us", "dp4a_ss", "h2f",
            "rni", "f32_bits", "bits_f32", "shfl_xor_i32", "e4m3x2_f32"]
 
 if SIM:
@@ -42,6 +49,27 @@ if SIM:
 
     def ldg_b4(a, r, c):
         return np.uint32(_word(a, r, c))
+
+    def ldg_b8(a, r, c):
+        return np.uint32(_word(a, r, c)), np.uint32(_word(a, r, c + 4))
+
+    def _mma_u8s8_op(slots):
+        A = np.zeros((16, 32), np.int64)
+        B = np.zeros((32, 8), np.int64)
+        for lane, (a, b) in enumerate(slots):
+            g, c = lane >> 2, lane & 3
+            for i, (row, col) in enumerate(((g, 4 * c), (g + 8, 4 * c), (g, 16 + 4 * c), (g + 8, 16 + 4 * c))):
+                A[row, col:col + 4] = _bytes(a[i], False)
+            B[4 * c:4 * c + 4, g] = _bytes(b[0], True)
+            B[16 + 4 * c:20 + 4 * c, g] = _bytes(b[1], True)
+        D = A @ B
+        return [tuple(np.int32(v) for v in (D[lane >> 2, 2 * (lane & 3)], D[lane >> 2, 2 * (lane & 3) + 1],
+                                            D[(lane >> 2) + 8, 2 * (lane & 3)], D[(lane >> 2) + 8, 2 * (lane & 3) + 1]))
+                for lane in range(len(slots))]
+
+    def mma_u8s8(a0, a1, a2, a3, b0, b1):
+        st, lane = _ptx._my_warp()
+        return st.exchange(lane, _mma_u8s8_op, ((a0, a1, a2, a3), (b0, b1)))
 
     def ldg_b2(a, r, c):
         return np.uint32(int(a[r, c]) | (int(a[r, c + 1]) << 8))
@@ -141,6 +169,32 @@ else:
         if not _is_2d(a, types.uint8):
             return None
         return types.UniTuple(types.uint32, 4)(a, r, c), _ldg16("ld.global.nc.L1::no_allocate.L2::256B.v4.u32")
+
+    @intrinsic
+    def ldg_b8(typingctx, a, r, c):
+        if not _is_2d(a, types.uint8):
+            return None
+
+        def gen(context, builder, sig, args):
+            p = _gptr(context, builder, sig, args)
+            sty = ir.LiteralStructType([_i32] * 2)
+            asm = ir.InlineAsm(ir.FunctionType(sty, [p.type]), "ld.global.nc.v2.u32 {$0, $1}, [$2];", "=r,=r,l")
+            res = builder.call(asm, [p])
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(2)])
+        return types.UniTuple(types.uint32, 2)(a, r, c), gen
+
+    @intrinsic
+    def mma_u8s8(typingctx, a0, a1, a2, a3, b0, b1):
+        def gen(context, builder, sig, args):
+            regs = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, sig.args)]
+            sty = ir.LiteralStructType([_i32] * 4)
+            asm = ir.InlineAsm(ir.FunctionType(sty, [_i32] * 7),
+                               "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 "
+                               "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $10, $10, $10};",
+                               "=r,=r,=r,=r,r,r,r,r,r,r,r")
+            res = builder.call(asm, regs + [ir.Constant(_i32, 0)])
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(4)])
+        return types.UniTuple(types.int32, 4)(a0, a1, a2, a3, b0, b1), gen
 
     @intrinsic
     def ldg_b4(typingctx, a, r, c):

@@ -55,6 +55,9 @@ class Levers:
                                          # 8 rows, bf16 dequantized into a scratch beyond; docs/quant.md; native
                                          # becomes the default once its GPU tests have run). Other checkpoints and
                                          # device=cpu (levers.cpu_kernels) unaffected
+    quant_mma_rows: int = 2              # levers.weights=native: Q4_K products of this many rows up to 8 run on the
+                                         # int8 tensor cores (kernels_numba/quant_mma.py), fewer on the dp4a GEMV;
+                                         # 0: never (docs/quant.md)
     prefill_attention_min_tokens: int = 64  # segments this long use the tiled prefill kernel
     prefill_attention_kernel: str = "mma"   # mma (tensor cores, flash_prefill.py) | fma (FP32, attention.py)
     decode_attention_kernel: str = "mma"    # mma (tensor cores, flash_decode.py; H200: 2-2.9x at B>=128) | fma (attention.py)

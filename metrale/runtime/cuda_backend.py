@@ -402,6 +402,7 @@ class CudaBackend(Backend):
         self._init_decode_fusion(levers)
         self.native = _choice("weights", levers.weights, ("native", "bf16")) == "native"
         self.quantized = dict(quantized or {}) if self.native else {}
+        self.quant_mma_rows = int(levers.quant_mma_rows)
         self.max_model_len = min(c.max_position, cfg.scheduler.max_model_len or c.max_position)
         self.max_seqs = self.num_state_slots = int(cfg.scheduler.max_num_seqs)
         self.max_tokens = max(int(cfg.scheduler.max_num_batched_tokens), self.graph_sizes[-1] if self.graph_sizes else 1)

@@ -211,3 +211,26 @@ def test_fp8_dequant_and_linear():
         else:
             xb = from_bf16_bits(to_bf16_bits(x)).astype(np.float64)
             assert _relerr(out, xb @ from_bf16_bits(to_bf16_bits(w)).astype(np.float64).T) < 2e-3
+
+
+MMA_SHAPES = [(4096, 4096), (14336, 4096), (128256, 4096), (4096, 14336)]
+
+
+@pytest.mark.parametrize("T", [1, 2, 8])
+@pytest.mark.parametrize("N,K", MMA_SHAPES, ids=[f"Q4_K-{n}x{k}" for n, k in MMA_SHAPES])
+def test_mma_gemv_q4k(N, K, T):
+    """The tensor-core GEMV (kernels_numba/quant_mma.py) after its x quantization, residual into out."""
+    from kernels_numba import quant_mma as QM
+    data, planes = _weight(L.Q4_K, N, K)
+    rng = np.random.default_rng(N + T + 1)
+    x = (2 * rng.standard_normal((T, K))).astype(np.float32)
+    res = rng.standard_normal((T, N)).astype(np.float32)
+    d_out = cuda.to_device(res)
+    xq, xsc = QM.x_buffers(K)
+    QM.quantize_x(cuda.to_device(x), T, xq, xsc)
+    QM.gemv(xq, xsc, planes, d_out, T, qtype=L.Q4_K, residual=d_out)
+    out = d_out.copy_to_host()
+    assert np.isfinite(out).all()
+    rows = _rows(N, rng)
+    w = _reference(L.Q4_K, N, K) if N <= 16384 else L.gguf_dequantize(L.Q4_K, data[rows])
+    assert _relerr(out[:, rows], L.gemv_ref(x, w, residual=res[:, rows])) < 2e-5

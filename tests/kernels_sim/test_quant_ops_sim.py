@@ -25,8 +25,9 @@ EPS = 1e-5
 class _Backend:
     """What CudaOps and QuantOps read of a CudaBackend."""
 
-    def __init__(self, T, N, scratch_elems, overlap=False):
+    def __init__(self, T, N, scratch_elems, overlap=False, mma_rows=0):
         self.fuse_decode, self.carry_norm_sums, self.overlap = True, False, overlap
+        self.quant_mma_rows = mma_rows
         self.skinny_max_t = 1            # rows > 1: gemm.linear's FMA path (FMA_MAX_T raised below)
         z = lambda *s: cuda.to_device(np.zeros(s, np.float32))  # noqa: E731
         self.act = {"h": z(T, K), "rows": z(T, K), "residual": z(T, K), "act": z(T, 64), f"out{N}": z(T, N),
@@ -44,12 +45,12 @@ class _Backend:
         return self.quant_scratch[:n * k].reshape(n, k)
 
 
-def _ops(T, N, scratch_elems=1 << 16, overlap=False, token_ids=None, token_src=None):
+def _ops(T, N, scratch_elems=1 << 16, overlap=False, token_ids=None, token_src=None, mma_rows=0):
     from metrale.models.families import compose_ops
     from metrale.runtime.cuda.quant import QuantOps
     from metrale.runtime.cuda_backend import CudaOps
     ops = object.__new__(compose_ops(CudaOps, (QuantOps,)))
-    ops.b, ops.s, ops.cfg = _Backend(T, N, scratch_elems, overlap), 0, SimpleNamespace(rms_norm_eps=EPS)
+    ops.b, ops.s, ops.cfg = _Backend(T, N, scratch_elems, overlap, mma_rows), 0, SimpleNamespace(rms_norm_eps=EPS)
     ops.g = SimpleNamespace(tokens=T)
     ops._ss_used, ops._resid_ss, ops.rows_ptr = 0, None, -1
     if token_ids is not None:
@@ -88,16 +89,17 @@ def _sim_patches(monkeypatch):
     monkeypatch.setattr(gemm, "FMA_MAX_T", 16)   # the mma GEMMs are slow here (test_gemm_sim has them)
 
 
-@pytest.mark.parametrize("T", [1, 3, 9])
-def test_norm_linear_gemv_and_bf16_roads(T):
-    """A qkv-like weight (Q4_K rows over Q6_K rows) with a bias: T <= 8 the quant GEMV, T = 9 the
-    scratch's bf16 image and the bf16 GEMM."""
+@pytest.mark.parametrize("T,mma_rows", [(1, 0), (3, 0), (9, 0), (3, 2)])
+def test_norm_linear_gemv_and_bf16_roads(T, mma_rows):
+    """A qkv-like weight (Q4_K rows over Q6_K rows) with a bias: T <= 8 the quant GEMV (with
+    mma_rows 2 at T = 3: the Q4_K part on the tensor-core GEMV, the Q6_K part on the dp4a one), T = 9
+    the scratch's bf16 image and the bf16 GEMM."""
     dq, w = _weight([(L.Q4_K, 64, K), (L.Q6_K, 64, K)], seed=T)
     rng = np.random.default_rng(10 + T)
     x = rng.standard_normal((T, K)).astype(np.float32)
     nw = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
     bias = rng.standard_normal(128).astype(np.float32)
-    ops = _ops(T, 128)
+    ops = _ops(T, 128, mma_rows=mma_rows)
     got = ops.norm_linear(cuda.to_device(x), cuda.to_device(nw), dq, cuda.to_device(bias)).copy_to_host()
     h = _rms(x, nw)
     if T <= 8:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import cuda
 
-from kernels_numba import gemm, quant_dequant, quant_fp8, quant_gemv
+from kernels_numba import gemm, quant_dequant, quant_fp8, quant_gemv, quant_mma
 from kernels_numba.quant_layout import NAMES, PLANES, TYPES
 
 __all__ = ["DevicePart", "DeviceQuantized", "upload_quantized", "quant_linear", "quant_embedding",
@@ -88,6 +88,8 @@ def upload_quantized(tensor, stream=0, arena=None) -> DeviceQuantized:
             raise ValueError(f"no CUDA kernels for ggml type {_type_name(qtype)} (they cover "
                              f"{', '.join(NAMES.values())}); use levers.weights=bf16")
         host = p.repack() if hasattr(p, "repack") else _repack(qtype, p.data, p.cols)
+        if quant_mma.supports(qtype, int(p.cols)):
+            quant_mma.x_buffers(int(p.cols))       # made now, not at a first launch inside a capture
         planes = {k: (filler if host[k] is None else put(host[k])) for k in PLANES}
         nbytes = sum(v.nbytes for v in host.values() if v is not None)
         parts.append(DevicePart(qtype, int(p.rows), int(p.cols), row0, planes, nbytes))
@@ -161,9 +163,11 @@ def _same(a, b) -> bool:
 
 
 def quant_linear(x, dq: DeviceQuantized, out, rows: int, stream=0, residual=None, *, bias=None,
-                 scratch=None, gemv_max_rows: int | None = None) -> None:
+                 scratch=None, gemv_max_rows: int | None = None, mma_rows: int = 0) -> None:
     """out[:rows, :N] = x[:rows] @ W.T (+ bias) (+ residual[:rows]); residual may be out itself
-    (the residual stream: out += x @ W.T). x float32 [>= rows, K], out float32 [>= rows, N]."""
+    (the residual stream: out += x @ W.T). x float32 [>= rows, K], out float32 [>= rows, N].
+    mma_rows: from this many rows (up to quant_mma.MAX_T; 0: never) parts of a type quant_mma
+    covers run on the tensor-core GEMV (x quantized once for all of them)."""
     n, k = dq.shape
     assert x.shape[1] == k, f"quant_linear: x has {x.shape[1]} columns, the weight {dq.shape}"
     assert out.shape[1] == n and out.shape[0] >= rows and x.shape[0] >= rows, \
@@ -171,18 +175,19 @@ def quant_linear(x, dq: DeviceQuantized, out, rows: int, stream=0, residual=None
     if rows <= 0:
         return
     limit = GEMV_MAX_ROWS if gemv_max_rows is None else gemv_max_rows
+    if 0 < mma_rows <= rows <= min(limit, quant_mma.MAX_T) and any(quant_mma.supports(p.qtype, k) for p in dq.parts):
+        xq, xsc = quant_mma.x_buffers(k)
+        quant_mma.quantize_x(x, rows, xq, xsc, stream)
+        for p in dq.parts:
+            if quant_mma.supports(p.qtype, k):
+                quant_mma.gemv(xq, xsc, p.planes, out, rows, qtype=p.qtype, n_off=p.row0, bias=bias,
+                               residual=residual, stream=stream)
+            else:
+                _gemv_part(x, p, out, rows, bias, residual, stream)
+        return
     if rows <= limit:
         for p in dq.parts:
-            step = quant_gemv.max_rows(p.qtype, k)
-            if rows <= step:                # one launch, no slices (each Numba slice costs Python time)
-                quant_gemv.gemv(x, p.planes, out, rows, qtype=p.qtype, n_off=p.row0, bias=bias,
-                                residual=residual, stream=stream)
-                continue
-            for t0 in range(0, rows, step):
-                t = min(step, rows - t0)
-                quant_gemv.gemv(x[t0:t0 + t], p.planes, out[t0:t0 + t], t, qtype=p.qtype, n_off=p.row0,
-                                bias=bias, residual=None if residual is None else residual[t0:t0 + t],
-                                stream=stream)
+            _gemv_part(x, p, out, rows, bias, residual, stream)
         return
     if scratch is None:
         scratch = cuda.device_array(n * k, np.uint16, stream=stream)
@@ -195,6 +200,19 @@ def quant_linear(x, dq: DeviceQuantized, out, rows: int, stream=0, residual=None
         o = os_ if sub is dq else os_[:, n0:n0 + sub.shape[0]]      # a column window (strided rows)
         b = bias if bias is None or sub is dq else bias[n0:n0 + sub.shape[0]]
         (gemm.linear if residual is None else gemm.linear_residual)(xs, w, o, b, s)
+
+
+def _gemv_part(x, p: DevicePart, out, rows: int, bias, residual, stream) -> None:
+    """One part through the dp4a GEMV, in launches of at most what its shared memory holds."""
+    step = quant_gemv.max_rows(p.qtype, x.shape[1])
+    if rows <= step:                # one launch, no slices (each Numba slice costs Python time)
+        quant_gemv.gemv(x, p.planes, out, rows, qtype=p.qtype, n_off=p.row0, bias=bias,
+                        residual=residual, stream=stream)
+        return
+    for t0 in range(0, rows, step):
+        t = min(step, rows - t0)
+        quant_gemv.gemv(x[t0:t0 + t], p.planes, out[t0:t0 + t], t, qtype=p.qtype, n_off=p.row0,
+                        bias=bias, residual=None if residual is None else residual[t0:t0 + t], stream=stream)
 
 
 def row_chunks(dq: DeviceQuantized, max_elems: int) -> tuple:
@@ -318,7 +336,8 @@ class QuantOps:
         return view
 
     def _qlinear(self, x, weight, out, bias=None, residual=None):
-        quant_linear(x, weight, out, x.shape[0], self.s, residual=residual, bias=bias, scratch=self.b.quant_scratch)
+        quant_linear(x, weight, out, x.shape[0], self.s, residual=residual, bias=bias, scratch=self.b.quant_scratch,
+                     mma_rows=self.b.quant_mma_rows)
         return out
 
     def embed(self, weight):

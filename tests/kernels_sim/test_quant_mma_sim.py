@@ -1,0 +1,55 @@
+"""The Q4_K tensor-core GEMV (kernels_numba/quant_mma.py) under the simulator: x's quantization into
+the mma fragments equals quant_layout.q8_quantize (rows past T zero), and the product of 1, 3 and 8
+rows equals gguf's dequantization of the same blocks times the q8-rounded x (float64), with bias,
+residual into the output itself, an output column offset and a row count that is not a multiple
+of the 16-row tile; columns outside the part's window untouched."""
+import numpy as np
+import pytest
+
+from kernels_numba import quant_layout as L
+from kernels_numba.ptx import SIM
+
+pytestmark = pytest.mark.skipif(not SIM, reason="run with NUMBA_ENABLE_CUDASIM=1")
+
+from numba import cuda  # noqa: E402
+
+from kernels_numba import quant_mma as M  # noqa: E402
+
+K = 512
+
+
+def _fragments(x: np.ndarray, T: int, xq: np.ndarray, xsc: np.ndarray) -> None:
+    q, d8 = L.q8_quantize(x)
+    G = K // 32
+    v = np.arange(32)
+    off = ((v & 15) >> 2) * 8 + (v >> 4) * 4 + (v & 3)          # token 0's byte of each value
+    for n in range(8):
+        got = xq[:, n * 32 + off].view(np.int8)                  # [G, 32]
+        want = q[n].reshape(G, 32) if n < T else np.zeros((G, 32), np.int8)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(xsc[:, 2 * n], d8[n] if n < T else 0)
+        s = want.astype(np.int64).sum(-1)
+        np.testing.assert_allclose(xsc[:, 2 * n + 1], (d8[n] if n < T else 0) * s, rtol=1e-6)
+
+
+@pytest.mark.parametrize("T,warps", [(1, 2), (3, 4), (8, 2)])
+def test_q4k_product_equals_reference(T, warps):
+    rng = np.random.default_rng(T)
+    N = 40                                                       # two full tiles and a half one
+    data = L.random_blocks(L.Q4_K, N, K, rng, scale=K ** -0.5 / 0.03)
+    w = L.gguf_dequantize(L.Q4_K, data)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    x[0, :32] *= 50                                              # one group of large values
+    xq, xsc = cuda.to_device(np.zeros((K // 32, 256), np.uint8)), cuda.to_device(np.zeros((K // 32, 16), np.float32))
+    M.quantize_x(cuda.to_device(x), T, xq, xsc)
+    _fragments(x, T, xq.copy_to_host(), xsc.copy_to_host())
+    res = rng.standard_normal((T, N + 8)).astype(np.float32)
+    bias = rng.standard_normal(N + 8).astype(np.float32)
+    out = cuda.to_device(res)
+    planes = {k: cuda.to_device(v) for k, v in L.repack(L.Q4_K, data, K).items() if v is not None}
+    M.gemv(xq, xsc, planes, out, T, qtype=L.Q4_K, n_off=4, bias=cuda.to_device(bias), residual=out, warps=warps)
+    got = out.copy_to_host()
+    want = L.gemv_ref(x, w) + bias[4:4 + N] + res[:, 4:4 + N]
+    assert np.abs(got[:, 4:4 + N] - want).max() <= 1e-5 * np.abs(want).max()
+    np.testing.assert_array_equal(got[:, :4], res[:, :4])
+    np.testing.assert_array_equal(got[:, 4 + N:], res[:, 4 + N:])
