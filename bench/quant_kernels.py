@@ -139,7 +139,8 @@ def main() -> None:
                     help="with --precompile: compile (T = 1 and 8 for the shapes' K) and exit")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--hint", type=int, default=1, help="0: weight loads without the streaming hints")
-    ap.add_argument("--mma-warps", default="4,8,16", help="warps a block of the tensor-core GEMV (quant_mma)")
+    ap.add_argument("--mma-warps", default="8,8:1:4,8:2:2,4:2:4,16:1:2",
+                    help="tensor-core GEMV (quant_mma) variants W[:tiles[:launch-bound blocks]]")
     args = ap.parse_args()
     from kernels_numba import quant_gemv as QG
     QG.STREAM_HINT["on"] = bool(args.hint)
@@ -264,19 +265,23 @@ def _mma(qt, name, N, K, T, x, out, copies, nrot, nbytes, ms_dp4a, ms_bf16, warp
     from kernels_numba import quant_layout as L
     from kernels_numba import quant_mma as QM
     xq, xsc = QM.x_buffers(K)
-    for w in (int(v) for v in warps.split(",")):
-        def launch(i, w=w):
+    ms_q = time_launches(lambda i: QM.quantize_x(x, T, xq, xsc), 1, ITERS, WARMUP)
+    for v in warps.split(","):       # W[:tiles[:blocks]]
+        w, r, b = (list(map(int, v.split(":"))) + [QM.TILES, QM.BLOCKS])[:3]
+        def launch(i, w=w, r=r, b=b):
             QM.quantize_x(x, T, xq, xsc)
-            QM.gemv(xq, xsc, copies[i], out, T, qtype=qt, residual=out, warps=w)
+            QM.gemv(xq, xsc, copies[i], out, T, qtype=qt, residual=out, warps=w, tiles=r, blocks=b)
         ms = time_launches(launch, nrot, ITERS, WARMUP)
-        ms_g = time_launches(lambda i, w=w: QM.gemv(xq, xsc, copies[i], out, T, qtype=qt, residual=out, warps=w),
-                             nrot, ITERS, WARMUP)
+        ms_g = time_launches(lambda i, w=w, r=r, b=b: QM.gemv(xq, xsc, copies[i], out, T, qtype=qt, residual=out,
+                                                              warps=w, tiles=r, blocks=b), nrot, ITERS, WARMUP)
         gbs = nbytes / (ms * 1e-3) / 1e9
+        gbs_g = nbytes / (ms_g * 1e-3) / 1e9
         print(f"{name:8s} {N:6d}x{K:5d} T={T:3d} {L.NAMES[qt]:5s} {ms * 1e3:8.1f} us {gbs:7.0f} GB/s "
-              f"{gbs * 1e9 / HBM:5.0%} of 4.8 TB/s   mma W={w:2d} (gemv alone {ms_g * 1e3:6.1f} us)   "
-              f"{ms_dp4a / ms:4.2f}x dp4a  {ms_bf16 / ms:4.2f}x bf16", flush=True)
-        rec(f"{name} T={T} {L.NAMES[qt]} mma W={w}", gbs, "GB/s", HBM / 1e9, None, None, us=ms * 1e3,
-            gemv_us=ms_g * 1e3, N=N, K=K, T=T, speedup_vs_dp4a=ms_dp4a / ms, speedup_vs_bf16=ms_bf16 / ms)
+              f"{gbs * 1e9 / HBM:5.0%} of 4.8 TB/s   mma {v:7s} (gemv alone {ms_g * 1e3:6.1f} us {gbs_g:5.0f} GB/s,"
+              f" quantize {ms_q * 1e3:4.1f} us)  {ms_dp4a / ms:4.2f}x dp4a  {ms_bf16 / ms:4.2f}x bf16", flush=True)
+        rec(f"{name} T={T} {L.NAMES[qt]} mma {v}", gbs, "GB/s", HBM / 1e9, None, None, us=ms * 1e3,
+            gemv_us=ms_g * 1e3, quantize_us=ms_q * 1e3, N=N, K=K, T=T, speedup_vs_dp4a=ms_dp4a / ms,
+            speedup_vs_bf16=ms_bf16 / ms)
 
 
 def _fp8(name, N, K, rows, xs, outs, bf16, rng, rec):

@@ -34,7 +34,9 @@ __all__ = ["TYPES", "MAX_T", "quantize_x", "gemv", "x_buffers", "supports"]
 
 TYPES = (Q4_K,)
 MAX_T = 8
-WARPS = 8
+WARPS = 8           # a block's warps (each a slice of the super-blocks)
+TILES = 1           # 16-row tiles a warp takes
+BLOCKS = 0          # launch bound: blocks a multiprocessor (0: none)
 M4 = np.uint32(0x0F0F0F0F)
 MASK16 = np.uint32(0xFFFF)
 U4, U16 = np.uint32(4), np.uint32(16)
@@ -108,55 +110,62 @@ _GLOBALS = dict(cuda=cuda, float32=float32, int32=int32, uint32=uint32, min=min,
                 kq_scale_min=kq_scale_min, M4=M4, MASK16=MASK16, U4=U4, U16=U16)
 
 
-def _source(W: int, has_bias: bool, has_res: bool) -> str:
-    """The Q4_K kernel with the 8 groups of a super-block written out (their loads first)."""
+def _source(W: int, has_bias: bool, has_res: bool, R: int = 1) -> str:
+    """The Q4_K kernel with the 8 groups of a super-block written out (their loads first). R: 16-row
+    tiles a warp takes (R = 2: each x fragment load serves two mmas)."""
     L = []
 
     def emit(ind, line):
         L.append("    " * ind + line)
 
+    RT = range(2 * R)                               # fragment rows g + 8 i of the block's 16 R rows
     emit(0, "def gemv(xq, xsc, qs, sc, out, bias, res, n_off, T):")
     for ln in ("N = qs.shape[0]", "NSB = sc.shape[1] >> 4", "tid = cuda.threadIdx.x", "lane = tid & 31",
-               "warp = tid >> 5", "g = lane >> 2", "c = lane & 3", "row0 = cuda.blockIdx.x * 16",
-               "rg = min(row0 + g, N - 1)", "rh = min(row0 + g + 8, N - 1)", "cw = c << 2", "xo = (g * 4 + c) << 3",
-               "acc0 = float32(0.0)", "acc1 = float32(0.0)", "acc2 = float32(0.0)", "acc3 = float32(0.0)",
-               "grid_wait()", f"for s in range(warp, NSB, {W}):"):
+               "warp = tid >> 5", "g = lane >> 2", "c = lane & 3", f"row0 = cuda.blockIdx.x * {16 * R}",
+               "cw = c << 2", "xo = (g * 4 + c) << 3", "grid_wait()"):
         emit(1, ln)
-    emit(2, "hg0, hg1, hg2, hg3 = ldg_b16(sc, rg, s << 4)")
-    emit(2, "hh0, hh1, hh2, hh3 = ldg_b16(sc, rh, s << 4)")
+    for i in RT:
+        emit(1, f"r{i} = min(row0 + g + {8 * i}, N - 1)")
+        emit(1, f"acc{i}_0 = float32(0.0)")
+        emit(1, f"acc{i}_1 = float32(0.0)")
+    emit(1, f"for s in range(warp, NSB, {W}):")
+    for i in RT:
+        emit(2, f"h{i}_0, h{i}_1, h{i}_2, h{i}_3 = ldg_b16(sc, r{i}, s << 4)")
     for j in range(8):
         emit(2, f"o{j} = (({j} * NSB + s) << 4) + cw")
-        emit(2, f"wg{j} = ldg_b4(qs, rg, o{j})")
-        emit(2, f"wh{j} = ldg_b4(qs, rh, o{j})")
+        for i in RT:
+            emit(2, f"w{i}_{j} = ldg_b4(qs, r{i}, o{j})")
     for j in range(8):
         emit(2, f"xa{j}, xb{j} = ldg_b8(xq, 8 * s + {j}, xo)")
         emit(2, f"xs{j} = ldg_f32x4(xsc, 8 * s + {j}, cw)")
-    emit(2, "dg = h2f(hg0 & MASK16)")
-    emit(2, "mg = h2f(hg0 >> U16)")
-    emit(2, "dh = h2f(hh0 & MASK16)")
-    emit(2, "mh = h2f(hh0 >> U16)")
+    for i in RT:
+        emit(2, f"d{i} = h2f(h{i}_0 & MASK16)")
+        emit(2, f"m{i} = h2f(h{i}_0 >> U16)")
     for j in range(8):
-        emit(2, f"d0, d1, d2, d3 = mma_u8s8(wg{j} & M4, wh{j} & M4, (wg{j} >> U4) & M4, (wh{j} >> U4) & M4, xa{j}, xb{j})")
-        emit(2, f"sg, ng = kq_scale_min(hg1, hg2, hg3, {j})")
-        emit(2, f"sh, nh = kq_scale_min(hh1, hh2, hh3, {j})")
-        emit(2, "fsg = dg * float32(sg)")
-        emit(2, "fmg = mg * float32(ng)")
-        emit(2, "fsh = dh * float32(sh)")
-        emit(2, "fmh = mh * float32(nh)")
-        emit(2, f"acc0 += fsg * xs{j}[0] * float32(d0) - fmg * xs{j}[1]")
-        emit(2, f"acc1 += fsg * xs{j}[2] * float32(d1) - fmg * xs{j}[3]")
-        emit(2, f"acc2 += fsh * xs{j}[0] * float32(d2) - fmh * xs{j}[1]")
-        emit(2, f"acc3 += fsh * xs{j}[2] * float32(d3) - fmh * xs{j}[3]")
-    # the warps' sums: [warp][16 rows][8 tokens]
-    for ln in (f"sm = cuda.shared.array({W * 128}, float32)", "b = warp * 128 + g * 8 + 2 * c",
-               "sm[b] = acc0", "sm[b + 1] = acc1", "sm[b + 64] = acc2", "sm[b + 65] = acc3",
-               "cuda.syncthreads()", f"for i in range(tid, 128, {32 * W}):"):
-        emit(1, ln)
-    emit(2, "a = sm[i]")
+        for t in range(R):
+            a, b = 2 * t, 2 * t + 1             # rows g + 16 t and g + 16 t + 8
+            emit(2, f"e0, e1, e2, e3 = mma_u8s8(w{a}_{j} & M4, w{b}_{j} & M4, (w{a}_{j} >> U4) & M4, "
+                    f"(w{b}_{j} >> U4) & M4, xa{j}, xb{j})")
+            for i, (lo, hi) in ((a, ("e0", "e1")), (b, ("e2", "e3"))):
+                emit(2, f"sv, mv = kq_scale_min(h{i}_1, h{i}_2, h{i}_3, {j})")
+                emit(2, f"fs = d{i} * float32(sv)")
+                emit(2, f"fm = m{i} * float32(mv)")
+                emit(2, f"acc{i}_0 += fs * xs{j}[0] * float32({lo}) - fm * xs{j}[1]")
+                emit(2, f"acc{i}_1 += fs * xs{j}[2] * float32({hi}) - fm * xs{j}[3]")
+    # the warps' sums: [warp][16 R rows][8 tokens]; row g + 8 i at (g + 8 i) 8
+    RB = 128 * R
+    emit(1, f"sm = cuda.shared.array({W * RB}, float32)")
+    emit(1, f"b = warp * {RB} + g * 8 + 2 * c")
+    for i in RT:
+        emit(1, f"sm[b + {64 * i}] = acc{i}_0")
+        emit(1, f"sm[b + {64 * i + 1}] = acc{i}_1")
+    emit(1, "cuda.syncthreads()")
+    emit(1, f"for q in range(tid, {RB}, {32 * W}):")
+    emit(2, "a = sm[q]")
     for w in range(1, W):
-        emit(2, f"a += sm[{w * 128} + i]")
-    emit(2, "n = row0 + (i >> 3)")
-    emit(2, "t = i & 7")
+        emit(2, f"a += sm[{w * RB} + q]")
+    emit(2, "n = row0 + (q >> 3)")
+    emit(2, "t = q & 7")
     emit(2, "if t < T and n < N:")
     emit(3, "col = n_off + n")
     emit(3, "out[t, col] = a" + (" + bias[col]" if has_bias else "") + (" + res[t, col]" if has_res else ""))
@@ -172,8 +181,8 @@ _PY: dict = {}
 _KERNELS: dict = {}
 
 
-def py_kernel(W: int, has_bias: bool, has_res: bool):
-    key = (W, has_bias, has_res)
+def py_kernel(W: int, has_bias: bool, has_res: bool, R: int = 1):
+    key = (W, has_bias, has_res, R)
     if key not in _PY:
         src = _source(*key)
         if SIM:
@@ -185,27 +194,29 @@ def py_kernel(W: int, has_bias: bool, has_res: bool):
     return _PY[key]
 
 
-def kernel(W: int, has_bias: bool, has_res: bool):
-    key = (W, has_bias, has_res)
+def kernel(W: int, has_bias: bool, has_res: bool, R: int = 1, blocks: int = 0):
+    """blocks: the launch bound's blocks a multiprocessor (0: none)."""
+    key = (W, has_bias, has_res, R, blocks)
     k = _KERNELS.get(key)
     if k is None:
         if SIM:
-            k = cuda.jit(py_kernel(*key))
+            k = cuda.jit(py_kernel(W, has_bias, has_res, R))
         else:
             from kernels_numba.jit import kernel as cached_kernel
-            k = cached_kernel(py_kernel(*key))
+            opts = {"launch_bounds": (32 * W, blocks)} if blocks else {}
+            k = cached_kernel(py_kernel(W, has_bias, has_res, R), **opts)
         _KERNELS[key] = k
     return k
 
 
 def gemv(xq, xsc, planes: dict, out, T: int, *, qtype: int, n_off: int = 0, bias=None, residual=None,
-         stream=0, warps: int = WARPS) -> None:
+         stream=0, warps: int = WARPS, tiles: int = TILES, blocks: int = BLOCKS) -> None:
     """out[:T, n_off:n_off+N] = x[:T] @ w.T (+ bias[n_off:]) (+ residual[:T, n_off:]) for one part w,
     x already through quantize_x into (xq, xsc). Device arrays in, nothing allocated."""
     assert qtype in TYPES, f"quant mma: type {qtype}"
     qs, sc = planes["qs"], planes["sc"]
     N = qs.shape[0]
     assert 1 <= T <= MAX_T and out.shape[0] >= T and n_off + N <= out.shape[1]
-    k = kernel(warps, bias is not None, residual is not None)
-    k[-(-N // 16), 32 * warps, stream](xq, xsc, qs, sc, out, out if bias is None else bias,
+    k = kernel(warps, bias is not None, residual is not None, tiles, blocks)
+    k[-(-N // (16 * tiles)), 32 * warps, stream](xq, xsc, qs, sc, out, out if bias is None else bias,
                                        out if residual is None else residual, n_off, T)

@@ -2,7 +2,7 @@
 the mma fragments equals quant_layout.q8_quantize (rows past T zero), and the product of 1, 3 and 8
 rows equals gguf's dequantization of the same blocks times the q8-rounded x (float64), with bias,
 residual into the output itself, an output column offset and a row count that is not a multiple
-of the 16-row tile; columns outside the part's window untouched."""
+of the 16-row tile (one or two tiles a warp); columns outside the part's window untouched."""
 import numpy as np
 import pytest
 
@@ -32,8 +32,8 @@ def _fragments(x: np.ndarray, T: int, xq: np.ndarray, xsc: np.ndarray) -> None:
         np.testing.assert_allclose(xsc[:, 2 * n + 1], (d8[n] if n < T else 0) * s, rtol=1e-6)
 
 
-@pytest.mark.parametrize("T,warps", [(1, 2), (3, 4), (8, 2)])
-def test_q4k_product_equals_reference(T, warps):
+@pytest.mark.parametrize("T,warps,tiles", [(1, 2, 1), (3, 4, 1), (8, 2, 1), (3, 2, 2)])
+def test_q4k_product_equals_reference(T, warps, tiles):
     rng = np.random.default_rng(T)
     N = 40                                                       # two full tiles and a half one
     data = L.random_blocks(L.Q4_K, N, K, rng, scale=K ** -0.5 / 0.03)
@@ -47,7 +47,7 @@ def test_q4k_product_equals_reference(T, warps):
     bias = rng.standard_normal(N + 8).astype(np.float32)
     out = cuda.to_device(res)
     planes = {k: cuda.to_device(v) for k, v in L.repack(L.Q4_K, data, K).items() if v is not None}
-    M.gemv(xq, xsc, planes, out, T, qtype=L.Q4_K, n_off=4, bias=cuda.to_device(bias), residual=out, warps=warps)
+    M.gemv(xq, xsc, planes, out, T, qtype=L.Q4_K, n_off=4, bias=cuda.to_device(bias), residual=out, warps=warps, tiles=tiles)
     got = out.copy_to_host()
     want = L.gemv_ref(x, w) + bias[4:4 + N] + res[:, 4:4 + N]
     assert np.abs(got[:, 4:4 + N] - want).max() <= 1e-5 * np.abs(want).max()
