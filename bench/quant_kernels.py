@@ -282,6 +282,28 @@ def _mma(qt, name, N, K, T, x, out, copies, nrot, nbytes, ms_dp4a, ms_bf16, warp
         rec(f"{name} T={T} {L.NAMES[qt]} mma {v}", gbs, "GB/s", HBM / 1e9, None, None, us=ms * 1e3,
             gemv_us=ms_g * 1e3, quantize_us=ms_q * 1e3, N=N, K=K, T=T, speedup_vs_dp4a=ms_dp4a / ms,
             speedup_vs_bf16=ms_bf16 / ms)
+    # the fragment layout (quant_mma.repack_mq): random bytes of its planes' shapes
+    rng = np.random.default_rng(1)
+    tiles, nsb = -(-N // 16), K // 256
+    mqs = [{"mq": cuda.to_device(rng.integers(0, 256, (tiles, nsb * 2048), dtype=np.uint8)),
+            "ms": cuda.to_device(rng.integers(0, 256, (tiles, nsb * 256), dtype=np.uint8))} for _ in range(nrot)]
+    for w in (4, 8, 16):
+        def launch(i, w=w):
+            QM.quantize_x(x, T, xq, xsc)
+            QM.gemv_mq(xq, xsc, mqs[i], out, T, N, residual=out, warps=w)
+        ms = time_launches(launch, nrot, ITERS, WARMUP)
+        ms_g = time_launches(lambda i, w=w: QM.gemv_mq(xq, xsc, mqs[i], out, T, N, residual=out, warps=w),
+                             nrot, ITERS, WARMUP)
+        gbs, gbs_g = nbytes / (ms * 1e-3) / 1e9, nbytes / (ms_g * 1e-3) / 1e9
+        print(f"{name:8s} {N:6d}x{K:5d} T={T:3d} {L.NAMES[qt]:5s} {ms * 1e3:8.1f} us {gbs:7.0f} GB/s "
+              f"{gbs * 1e9 / HBM:5.0%} of 4.8 TB/s   mma-mq W={w:2d} (gemv alone {ms_g * 1e3:6.1f} us {gbs_g:5.0f} GB/s)"
+              f"  {ms_dp4a / ms:4.2f}x dp4a  {ms_bf16 / ms:4.2f}x bf16", flush=True)
+        rec(f"{name} T={T} {L.NAMES[qt]} mma-mq W={w}", gbs, "GB/s", HBM / 1e9, None, None, us=ms * 1e3,
+            gemv_us=ms_g * 1e3, N=N, K=K, T=T, speedup_vs_dp4a=ms_dp4a / ms, speedup_vs_bf16=ms_bf16 / ms)
+    if T == 8:
+        img = cuda.device_array((N, K), np.uint16)
+        ms_d = time_launches(lambda i: QM.dequant_mq_bf16(mqs[i], img, N), nrot, ITERS, WARMUP)
+        print(f"{name:8s} {N:6d}x{K:5d} Q4_K fragment layout dequant to bf16 {ms_d * 1e3:7.1f} us", flush=True)
 
 
 def _fp8(name, N, K, rows, xs, outs, bf16, rng, rec):

@@ -7,30 +7,39 @@ take twice one row's time). Here one `mma.m16n8k32.u8.s8` takes a group of 32 va
 rows against the same 32 values of all 8 rows of x: the decoding is done once for every row of x,
 and x's rows past T are zeros.
 
-Two launches:
   quantize_x(x, T, xq, xsc)   x float32 [>= T, K] -> int8 per group of 32 as quant_layout.q8_quantize
-                              (rows T..7 zero), in the mma's B-fragment order: xq uint8 [G, 256], lane
-                              (g, c) of a warp reads token g's 8 bytes at (4 g + c) 8 (values 4c..4c+3,
-                              then 16+4c..16+4c+3); xsc float32 [G, 16]: (d8, d8 * sum of the int8
-                              values) of token t at 2t, 2t + 1.
-  gemv(...)                   a block of W warps takes 16 weight rows; warp w the super-blocks w, w + W, ...
-                              of the row (one 16-byte header a row and super-block, 8 groups: one 4-byte
-                              word of codes per row of the fragment and group, from quant_layout's planes
-                              as they are); the warps' partial sums meet in shared memory.
-The weights' planes are quant_layout.repack's (the same bytes every other Q4_K kernel reads).
-Group j of super-block s contributes d8 (d sc_j (q . xq) - dmin m_j sum(xq)), as in quant_gemv.
+                              (rows T..7 zero), in the mma's B-fragment order, groups in pairs: xq
+                              uint8 [G / 2, 512], lane (g, c) of a warp reads token g's 8 bytes of group
+                              2p + e at p, 16 lane + 8 e (values 4c..4c+3, then 16+4c..16+4c+3); xsc
+                              float32 [G, 16]: (d8, d8 * sum of the int8 values) of token t at 2t, 2t + 1.
+  gemv(...)                   on quant_layout's planes as they are (the bytes every other Q4_K kernel
+                              reads): a block of W warps takes 16 weight rows (or 16 R), warp w the
+                              super-blocks w, w + W, ... (one 16-byte header a row and super-block, one
+                              4-byte word of codes per row of the fragment and group).
+  gemv_mq(...)                on the fragment layout (repack_mq: the same bytes, reordered so that a
+                              warp's loads are whole 512-byte runs): per super-block four 16-byte code
+                              loads a lane, two of headers, four of x.
+The warps' partial sums meet in shared memory. Group j of super-block s contributes
+d8 (d sc_j (q . xq) - dmin m_j sum(xq)), as in quant_gemv.
+
+Fragment layout (repack_mq), Q4_K rows in tiles of 16 (the last padded with zero rows):
+  mq  uint8 [tiles, NSB 2048]: super-block s, group pair jp (groups 2jp + e), lane l = 4 g + c at
+      ((4 s + jp) 32 + l) 16 + 8 e + 4 h: word c of the group's 16 code bytes (quant_layout's qs
+      order: byte b = value b | value 16 + b << 4) of row 16 tile + g + 8 h.
+  ms  uint8 [tiles, NSB 256]: the 16-byte header of row 16 tile + r, super-block s, at (16 s + r) 16.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from kernels_numba.ptx import SIM, grid_wait, ldg_f32x4, shfl_xor_f32
-from kernels_numba.quant_gemv import _load_generated, kq_scale_min
+from kernels_numba.ptx import SIM, grid_wait, ldg_f32x4, pack_bf16x2, shfl_xor_f32
+from kernels_numba.quant_gemv import _load_generated, kq_scale_min, q4_ops
 from kernels_numba.quant_layout import Q4_K
-from kernels_numba.quant_ptx import h2f, ldg_b4, ldg_b8, ldg_b16, mma_u8s8, rni, shfl_xor_i32
+from kernels_numba.quant_ptx import h2f, ldg_b4, ldg_b8, ldg_b16, mma_u8s8, rni, shfl_xor_i32, stg_u16x8
 
-__all__ = ["TYPES", "MAX_T", "quantize_x", "gemv", "x_buffers", "supports"]
+__all__ = ["TYPES", "MAX_T", "quantize_x", "gemv", "gemv_mq", "x_buffers", "supports", "repack_mq", "mq_nbytes",
+           "dequant_mq_ref", "dequant_mq_bf16"]
 
 TYPES = (Q4_K,)
 MAX_T = 8
@@ -63,7 +72,7 @@ def _quantize(x, T, xq, xsc):
     for off in (1, 2, 4, 8, 16):
         s = int32(s + shfl_xor_i32(s, off))
     c = (v & 15) >> 2
-    xq[gi, ((n * 4 + c) << 3) + ((v >> 4) << 2) + (v & 3)] = uint32(q) & uint32(255)
+    xq[gi >> 1, ((n * 4 + c) << 4) + ((gi & 1) << 3) + ((v >> 4) << 2) + (v & 3)] = uint32(q) & uint32(255)
     if v == 0:
         d8 = a / float32(127.0)
         xsc[gi, 2 * n] = d8
@@ -86,7 +95,7 @@ def _quantize_kernel():
 def quantize_x(x, T: int, xq, xsc, stream=0) -> None:
     """xq / xsc as the module docstring says, for the K = 32 G columns of x's first T rows."""
     G = x.shape[1] // 32
-    assert 1 <= T <= MAX_T and x.shape[0] >= T and xq.shape[0] >= G and xsc.shape[0] >= G
+    assert 1 <= T <= MAX_T and x.shape[0] >= T and 2 * xq.shape[0] >= G and xsc.shape[0] >= G
     _quantize_kernel()[G, 256, stream](x, T, xq, xsc)
 
 
@@ -100,7 +109,7 @@ def x_buffers(K: int):
     have = _XBUF.get("K", 0)
     if K > have:
         G = K // 32
-        _XBUF.update(K=K, xq=cuda.device_array((G, 256), np.uint8), xsc=cuda.device_array((G, 16), np.float32))
+        _XBUF.update(K=K, xq=cuda.device_array((G // 2, 512), np.uint8), xsc=cuda.device_array((G, 16), np.float32))
     return _XBUF["xq"], _XBUF["xsc"]
 
 
@@ -122,7 +131,7 @@ def _source(W: int, has_bias: bool, has_res: bool, R: int = 1) -> str:
     emit(0, "def gemv(xq, xsc, qs, sc, out, bias, res, n_off, T):")
     for ln in ("N = qs.shape[0]", "NSB = sc.shape[1] >> 4", "tid = cuda.threadIdx.x", "lane = tid & 31",
                "warp = tid >> 5", "g = lane >> 2", "c = lane & 3", f"row0 = cuda.blockIdx.x * {16 * R}",
-               "cw = c << 2", "xo = (g * 4 + c) << 3", "grid_wait()"):
+               "cw = c << 2", "xo = lane << 4", "grid_wait()"):
         emit(1, ln)
     for i in RT:
         emit(1, f"r{i} = min(row0 + g + {8 * i}, N - 1)")
@@ -136,7 +145,7 @@ def _source(W: int, has_bias: bool, has_res: bool, R: int = 1) -> str:
         for i in RT:
             emit(2, f"w{i}_{j} = ldg_b4(qs, r{i}, o{j})")
     for j in range(8):
-        emit(2, f"xa{j}, xb{j} = ldg_b8(xq, 8 * s + {j}, xo)")
+        emit(2, f"xa{j}, xb{j} = ldg_b8(xq, 4 * s + {j >> 1}, xo + {8 * (j & 1)})")
         emit(2, f"xs{j} = ldg_f32x4(xsc, 8 * s + {j}, cw)")
     for i in RT:
         emit(2, f"d{i} = h2f(h{i}_0 & MASK16)")
@@ -172,6 +181,60 @@ def _source(W: int, has_bias: bool, has_res: bool, R: int = 1) -> str:
     return "\n".join(L) + "\n"
 
 
+def _source_mq(W: int, has_bias: bool, has_res: bool) -> str:
+    """The kernel on the fragment layout, a super-block's loads first, its 8 groups written out."""
+    L = []
+
+    def emit(ind, line):
+        L.append("    " * ind + line)
+
+    emit(0, "def gemv(xq, xsc, mq, ms, out, bias, res, n_off, T, N):")
+    for ln in ("NSB = ms.shape[1] >> 8", "tid = cuda.threadIdx.x", "lane = tid & 31", "warp = tid >> 5",
+               "g = lane >> 2", "c = lane & 3", "tile = cuda.blockIdx.x", "row0 = tile * 16", "cw = c << 2",
+               "lo = lane << 4", "acc0 = float32(0.0)", "acc1 = float32(0.0)", "acc2 = float32(0.0)",
+               "acc3 = float32(0.0)", "grid_wait()", f"for s in range(warp, NSB, {W}):"):
+        emit(1, ln)
+    emit(2, "hg0, hg1, hg2, hg3 = ldg_b16(ms, tile, (s << 8) + (g << 4))")
+    emit(2, "hh0, hh1, hh2, hh3 = ldg_b16(ms, tile, (s << 8) + ((g + 8) << 4))")
+    for jp in range(4):
+        emit(2, f"q{jp}_0, q{jp}_1, q{jp}_2, q{jp}_3 = ldg_b16(mq, tile, ((((s << 2) + {jp}) << 9)) + lo)")
+    for jp in range(4):
+        emit(2, f"x{jp}_0, x{jp}_1, x{jp}_2, x{jp}_3 = ldg_b16(xq, (s << 2) + {jp}, lo)")
+    for j in range(8):
+        emit(2, f"xs{j} = ldg_f32x4(xsc, 8 * s + {j}, cw)")
+    emit(2, "dg = h2f(hg0 & MASK16)")
+    emit(2, "mg = h2f(hg0 >> U16)")
+    emit(2, "dh = h2f(hh0 & MASK16)")
+    emit(2, "mh = h2f(hh0 >> U16)")
+    for j in range(8):
+        jp, e = j >> 1, 2 * (j & 1)
+        wg, wh, xa, xb = f"q{jp}_{e}", f"q{jp}_{e + 1}", f"x{jp}_{e}", f"x{jp}_{e + 1}"
+        emit(2, f"d0, d1, d2, d3 = mma_u8s8({wg} & M4, {wh} & M4, ({wg} >> U4) & M4, ({wh} >> U4) & M4, {xa}, {xb})")
+        emit(2, f"sg, ng = kq_scale_min(hg1, hg2, hg3, {j})")
+        emit(2, f"sh, nh = kq_scale_min(hh1, hh2, hh3, {j})")
+        emit(2, "fsg = dg * float32(sg)")
+        emit(2, "fmg = mg * float32(ng)")
+        emit(2, "fsh = dh * float32(sh)")
+        emit(2, "fmh = mh * float32(nh)")
+        emit(2, f"acc0 += fsg * xs{j}[0] * float32(d0) - fmg * xs{j}[1]")
+        emit(2, f"acc1 += fsg * xs{j}[2] * float32(d1) - fmg * xs{j}[3]")
+        emit(2, f"acc2 += fsh * xs{j}[0] * float32(d2) - fmh * xs{j}[1]")
+        emit(2, f"acc3 += fsh * xs{j}[2] * float32(d3) - fmh * xs{j}[3]")
+    for ln in (f"sm = cuda.shared.array({W * 128}, float32)", "b = warp * 128 + g * 8 + 2 * c",
+               "sm[b] = acc0", "sm[b + 1] = acc1", "sm[b + 64] = acc2", "sm[b + 65] = acc3",
+               "cuda.syncthreads()", f"for q in range(tid, 128, {32 * W}):"):
+        emit(1, ln)
+    emit(2, "a = sm[q]")
+    for w in range(1, W):
+        emit(2, f"a += sm[{w * 128} + q]")
+    emit(2, "n = row0 + (q >> 3)")
+    emit(2, "t = q & 7")
+    emit(2, "if t < T and n < N:")
+    emit(3, "col = n_off + n")
+    emit(3, "out[t, col] = a" + (" + bias[col]" if has_bias else "") + (" + res[t, col]" if has_res else ""))
+    return "\n".join(L) + "\n"
+
+
 _HEADER = """# generated by kernels_numba.quant_mma._source: {cfg}
 from kernels_numba.quant_mma import _GLOBALS
 globals().update(_GLOBALS)
@@ -182,9 +245,10 @@ _KERNELS: dict = {}
 
 
 def py_kernel(W: int, has_bias: bool, has_res: bool, R: int = 1):
+    """R = 0: the fragment layout's kernel (gemv_mq)."""
     key = (W, has_bias, has_res, R)
     if key not in _PY:
-        src = _source(*key)
+        src = _source(*key) if R else _source_mq(W, has_bias, has_res)
         if SIM:
             ns = dict(_GLOBALS)
             exec(compile(src, f"<quant_mma {key}>", "exec"), ns)
@@ -220,3 +284,101 @@ def gemv(xq, xsc, planes: dict, out, T: int, *, qtype: int, n_off: int = 0, bias
     k = kernel(warps, bias is not None, residual is not None, tiles, blocks)
     k[-(-N // (16 * tiles)), 32 * warps, stream](xq, xsc, qs, sc, out, out if bias is None else bias,
                                        out if residual is None else residual, n_off, T)
+
+
+def gemv_mq(xq, xsc, planes: dict, out, T: int, N: int, *, n_off: int = 0, bias=None, residual=None,
+            stream=0, warps: int = WARPS, blocks: int = BLOCKS) -> None:
+    """gemv on a part in the fragment layout (planes 'mq', 'ms' of repack_mq; N its rows)."""
+    mq, ms = planes["mq"], planes["ms"]
+    assert 1 <= T <= MAX_T and out.shape[0] >= T and n_off + N <= out.shape[1] and mq.shape[0] * 16 >= N
+    k = kernel(warps, bias is not None, residual is not None, 0, blocks)
+    k[-(-N // 16), 32 * warps, stream](xq, xsc, mq, ms, out, out if bias is None else bias,
+                                       out if residual is None else residual, n_off, T, N)
+
+
+# ----------------------------------------------------------------------------- the fragment layout
+def repack_mq(data: np.ndarray, cols: int) -> dict:
+    """A Q4_K tensor's file bytes uint8 [rows, cols / 256 * 144] -> {'mq', 'ms'} (module docstring)."""
+    from kernels_numba.quant_layout import repack
+    rows = data.shape[0]
+    nsb = cols // 256
+    tiles = -(-rows // 16)
+    planes = repack(Q4_K, data, cols)
+    # qs is in K-quant position order (group 8s + j at j NSB + s); back to natural groups
+    qs = np.ascontiguousarray(planes["qs"].reshape(rows, 8, nsb, 16).swapaxes(1, 2)).reshape(rows, nsb * 8, 16)
+    pad = np.zeros((tiles * 16, nsb * 8, 16), np.uint8)
+    pad[:rows] = qs
+    # [tile, h, g, s, jp, e, c, byte] -> [tile, s, jp, g, c, e, h, byte]
+    v = pad.reshape(tiles, 2, 8, nsb, 4, 2, 4, 4).transpose(0, 3, 4, 2, 6, 5, 1, 7)
+    hdr = np.zeros((tiles * 16, nsb, 16), np.uint8)
+    hdr[:rows] = planes["sc"].reshape(rows, nsb, 16)
+    return {"mq": np.ascontiguousarray(v).reshape(tiles, nsb * 2048),
+            "ms": np.ascontiguousarray(hdr.reshape(tiles, 16, nsb, 16).transpose(0, 2, 1, 3)).reshape(tiles, nsb * 256)}
+
+
+def mq_nbytes(rows: int, cols: int) -> int:
+    """Bytes of repack_mq's planes: the file's, rows rounded up to 16."""
+    return -(-rows // 16) * 16 * (cols // 256) * 144
+
+
+def dequant_mq_ref(planes: dict, rows: int, cols: int) -> np.ndarray:
+    """float32 [rows, cols] decoded from the fragment layout (the NumPy inverse of repack_mq)."""
+    from kernels_numba.quant_layout import _f16, kq_scale_min
+    mq, ms = planes["mq"], planes["ms"]
+    tiles, nsb = mq.shape[0], cols // 256
+    v = mq.reshape(tiles, nsb, 4, 8, 4, 2, 2, 4).transpose(0, 6, 3, 1, 2, 5, 4, 7)   # -> [tile, h, g, s, jp, e, c, b]
+    qs = np.ascontiguousarray(v).reshape(tiles * 16, nsb * 8, 16)[:rows]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float32)             # [rows, G, 32]
+    hd = np.ascontiguousarray(ms.reshape(tiles, nsb, 16, 16).transpose(0, 2, 1, 3)).reshape(tiles * 16, nsb, 16)[:rows]
+    d, dmin = _f16(hd[..., 0:2]), _f16(hd[..., 2:4])
+    sc, mn = kq_scale_min(hd)
+    dl = (d * sc.astype(np.float32)).reshape(rows, nsb * 8, 1)
+    ml = (dmin * mn.astype(np.float32)).reshape(rows, nsb * 8, 1)
+    return (dl * q - ml).reshape(rows, cols)
+
+
+def _dequant_mq(mq, ms, out, n_off, N):
+    """One thread a (row, group): its 4 code words gathered from the fragments, 32 bf16 stored."""
+    grid_wait()
+    K = out.shape[1]
+    G = K >> 5
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    m = i // G
+    if m >= N:
+        return
+    gi = i - m * G
+    s = gi >> 3
+    j = gi & 7
+    tile = m >> 4
+    rt = m & 15
+    base = ((((s << 2) + (j >> 1)) << 9) + (((rt & 7) * 4) << 4) + ((j & 1) << 3) + ((rt >> 3) << 2))
+    w0 = ldg_b4(mq, tile, base)
+    w1 = ldg_b4(mq, tile, base + 16)
+    w2 = ldg_b4(mq, tile, base + 32)
+    w3 = ldg_b4(mq, tile, base + 48)
+    hd = ldg_b16(ms, tile, (s << 8) + (rt << 4))
+    scj, mnj = kq_scale_min(hd[1], hd[2], hd[3], j)
+    dl = h2f(hd[0] & MASK16) * float32(scj)
+    ml = h2f(hd[0] >> U16) * float32(mnj)
+    ops = q4_ops(w0, w1, w2, w3)
+    vals = cuda.local.array(32, float32)
+    for w in range(8):
+        for bb in range(4):
+            vals[4 * w + bb] = dl * float32((ops[w] >> uint32(8 * bb)) & uint32(255)) - ml
+    for e in range(4):
+        o = 8 * e
+        stg_u16x8(out, n_off + m, 32 * gi + o, pack_bf16x2(vals[o], vals[o + 1]), pack_bf16x2(vals[o + 2], vals[o + 3]),
+                  pack_bf16x2(vals[o + 4], vals[o + 5]), pack_bf16x2(vals[o + 6], vals[o + 7]))
+
+
+_DEQ: list = []
+
+
+def dequant_mq_bf16(planes: dict, out, N: int, n_off: int = 0, stream=0) -> None:
+    """out[n_off + n, :] = bf16(w[n, :]) for the N rows of a part in the fragment layout (out uint16
+    [N_total, K]): the many-rows road's scratch image."""
+    if not _DEQ:
+        _DEQ.append(cuda.jit(_dequant_mq) if SIM else __import__("kernels_numba.jit", fromlist=["kernel"]).kernel(_dequant_mq))
+    G = out.shape[1] // 32
+    threads = 128
+    _DEQ[0][-(-N * G // threads), threads, stream](planes["mq"], planes["ms"], out, n_off, N)

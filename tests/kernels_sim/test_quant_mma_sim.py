@@ -22,9 +22,9 @@ def _fragments(x: np.ndarray, T: int, xq: np.ndarray, xsc: np.ndarray) -> None:
     q, d8 = L.q8_quantize(x)
     G = K // 32
     v = np.arange(32)
-    off = ((v & 15) >> 2) * 8 + (v >> 4) * 4 + (v & 3)          # token 0's byte of each value
+    off = ((v & 15) >> 2) * 16 + (v >> 4) * 4 + (v & 3)         # token 0's byte of each value, even group
     for n in range(8):
-        got = xq[:, n * 32 + off].view(np.int8)                  # [G, 32]
+        got = np.stack([xq[:, n * 64 + off], xq[:, n * 64 + off + 8]], axis=1).reshape(G, 32).view(np.int8)
         want = q[n].reshape(G, 32) if n < T else np.zeros((G, 32), np.int8)
         np.testing.assert_array_equal(got, want)
         np.testing.assert_array_equal(xsc[:, 2 * n], d8[n] if n < T else 0)
@@ -40,7 +40,7 @@ def test_q4k_product_equals_reference(T, warps, tiles):
     w = L.gguf_dequantize(L.Q4_K, data)
     x = rng.standard_normal((T, K)).astype(np.float32)
     x[0, :32] *= 50                                              # one group of large values
-    xq, xsc = cuda.to_device(np.zeros((K // 32, 256), np.uint8)), cuda.to_device(np.zeros((K // 32, 16), np.float32))
+    xq, xsc = cuda.to_device(np.zeros((K // 64, 512), np.uint8)), cuda.to_device(np.zeros((K // 32, 16), np.float32))
     M.quantize_x(cuda.to_device(x), T, xq, xsc)
     _fragments(x, T, xq.copy_to_host(), xsc.copy_to_host())
     res = rng.standard_normal((T, N + 8)).astype(np.float32)
@@ -53,3 +53,34 @@ def test_q4k_product_equals_reference(T, warps, tiles):
     assert np.abs(got[:, 4:4 + N] - want).max() <= 1e-5 * np.abs(want).max()
     np.testing.assert_array_equal(got[:, :4], res[:, :4])
     np.testing.assert_array_equal(got[:, 4 + N:], res[:, 4 + N:])
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_q4k_fragment_layout_product_and_dequant(T):
+    """gemv_mq on repack_mq's planes (N = 24: a padded tile) and dequant_mq_bf16 into a column
+    window of a wider bf16 image, against gguf's dequantization."""
+    from kernels_numba.bf16 import from_bf16_bits, to_bf16_bits
+    rng = np.random.default_rng(20 + T)
+    N = 24
+    data = L.random_blocks(L.Q4_K, N, K, rng, scale=K ** -0.5 / 0.03)
+    w = L.gguf_dequantize(L.Q4_K, data)
+    host = M.repack_mq(data, K)
+    np.testing.assert_array_equal(M.dequant_mq_ref(host, N, K), w)
+    assert sum(v.nbytes for v in host.values()) == M.mq_nbytes(N, K)
+    planes = {k: cuda.to_device(v) for k, v in host.items()}
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    xq, xsc = cuda.to_device(np.zeros((K // 64, 512), np.uint8)), cuda.to_device(np.zeros((K // 32, 16), np.float32))
+    M.quantize_x(cuda.to_device(x), T, xq, xsc)
+    res = rng.standard_normal((T, N + 4)).astype(np.float32)
+    out = cuda.to_device(res)
+    M.gemv_mq(xq, xsc, planes, out, T, N, n_off=2, residual=out, warps=2)
+    got = out.copy_to_host()
+    want = L.gemv_ref(x, w) + res[:, 2:2 + N]
+    assert np.abs(got[:, 2:2 + N] - want).max() <= 1e-5 * np.abs(want).max()
+    np.testing.assert_array_equal(got[:, :2], res[:, :2])
+    img = cuda.to_device(np.zeros((N + 8, K), np.uint16))
+    M.dequant_mq_bf16(planes, img, N, n_off=8)
+    h = img.copy_to_host()
+    np.testing.assert_array_equal(h[8:], to_bf16_bits(w))
+    assert not h[:8].any()
+    assert np.array_equal(from_bf16_bits(h[8:]), from_bf16_bits(to_bf16_bits(w)))
