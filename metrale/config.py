@@ -57,6 +57,7 @@ class Levers:
                                          # device=cpu (levers.cpu_kernels) unaffected
     quant_mma_rows: int = 2              # levers.weights=native: Q4_K products of this many rows up to 8 run on the
                                          # int8 tensor cores (kernels_numba/quant_mma.py), fewer on the dp4a GEMV;
+                                         # 1: linear Q4_K weights in the mma's own layout, every product on it;
                                          # 0: never (docs/quant.md)
     prefill_attention_min_tokens: int = 64  # segments this long use the tiled prefill kernel
     prefill_attention_kernel: str = "mma"   # mma (tensor cores, flash_prefill.py) | fma (FP32, attention.py)

@@ -169,7 +169,7 @@ def roads(monkeypatch):
     from metrale.models.families import compose_ops
     from metrale.runtime.cuda import quant as Q
     log = []
-    monkeypatch.setattr(Q, "quant_linear", lambda x, dq, out, rows, s, residual=None, bias=None, scratch=None:
+    monkeypatch.setattr(Q, "quant_linear", lambda x, dq, out, rows, s, residual=None, bias=None, scratch=None, mma_rows=0:
                         log.append(("quant_linear", dq.shape, rows, residual is not None)))
     monkeypatch.setattr(Q, "dequantize_into", lambda dq, view, s: log.append(("dequantize", dq.shape)))
     monkeypatch.setattr(Q, "quant_embedding", lambda ids, dq, out, s: log.append(("quant_embedding", ids)))
@@ -178,7 +178,7 @@ def roads(monkeypatch):
 
     def make(rows, scratch=1 << 20, overlap=False):
         ops = cls(rows)
-        ops.b = SimpleNamespace(quant_scratch=SimpleNamespace(size=scratch), overlap=overlap, act={"argmax": "prev"},
+        ops.b = SimpleNamespace(quant_scratch=SimpleNamespace(size=scratch), overlap=overlap, quant_mma_rows=0, act={"argmax": "prev"},
                                 view=lambda name, n: SimpleNamespace(shape=(n, int(name[3:]))),
                                 quant_scratch_view=lambda n, k: SimpleNamespace(tag=f"scratch{n}x{k}"))
         return ops

@@ -691,7 +691,8 @@ class CudaBackend(Backend):
             if not isinstance(array, QuantizedTensor):
                 out[name] = arena.upload(array)
             elif name in self.quantized:
-                out[name] = upload_quantized(array, arena=arena)
+                # levers.quant_mma_rows = 1: linear Q4_K weights in the tensor-core GEMV's own layout
+                out[name] = upload_quantized(array, arena=arena, fragments=self.quant_mma_rows == 1 and name != "embed")
             else:
                 raise ValueError(f"weight {name} streams quantized but was not announced (pass its parts as "
                                  "quantized=, e.g. through metrale.models.quantized.QuantizedStream)")

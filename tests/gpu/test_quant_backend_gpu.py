@@ -8,6 +8,8 @@ Engine.generate end to end (the host a step ahead: fed ids into the quantized em
 memory report (device weights ~ the file's blocks). Greedy tokens are compared where it is fair:
 each native token must be within a tolerance of the twin's teacher-forced maximum (bf16 activations
 and q8 GEMV inputs move these logits by ~3% on both roads: a near tie may go either way)."""
+import os
+
 import numpy as np
 import pytest
 
@@ -22,7 +24,9 @@ TYPES = [{"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "
 TYPES = [TYPES[0], {**TYPES[1], "attn_output": "F16"}]
 # few graph sizes and no mixed-step warm-up: every quant GEMV variant compiles once (5-10 s each)
 ENGINE = dict(device="cuda", cache={"num_blocks": 256}, scheduler={"max_model_len": 1024, "max_num_seqs": 128})
-LEVERS = {"graph_batch_sizes": [1, 2, 16], "warm_mixed": False}
+# METRALE_TEST_QUANT_MMA_ROWS=1 runs the module with the Q4_K matrices in the tensor-core GEMV's layout
+LEVERS = {"graph_batch_sizes": [1, 2, 16], "warm_mixed": False,
+          "quant_mma_rows": int(os.environ.get("METRALE_TEST_QUANT_MMA_ROWS", "2"))}
 
 
 @pytest.fixture(scope="module")

@@ -110,9 +110,11 @@ def test_dequant_and_gather(qt):
             assert not out[i].any()
 
 
-def test_quant_linear_many_rows_and_parts():
+@pytest.mark.parametrize("fragments,mma_rows", [(False, 0), (False, 2), (True, 1)])
+def test_quant_linear_many_rows_and_parts(fragments, mma_rows):
     """quant_linear on a qkv-like weight (Q4_K q|k over Q6_K v, Llama-3-8B's 6144 x 4096): T = 1
-    and 8 through the GEMV, T = 32 and 512 through dequantize + the bf16 GEMM, residual in out."""
+    and 8 through the GEMV, T = 32 and 512 through dequantize + the bf16 GEMM, residual in out; the
+    Q4_K part on the dp4a GEMV, on the tensor-core one from 2 rows, or in the fragment layout."""
     import gguf
 
     from metrale.models.quantized import QuantizedPart, QuantizedTensor
@@ -122,7 +124,7 @@ def test_quant_linear_many_rows_and_parts():
     b, _ = _weight(L.Q6_K, 1024, K)
     qt = QuantizedTensor((QuantizedPart(gguf.GGMLQuantizationType.Q4_K, 5120, K, a),
                           QuantizedPart(gguf.GGMLQuantizationType.Q6_K, 1024, K, b)))
-    dq = Q.upload_quantized(qt)
+    dq = Q.upload_quantized(qt, fragments=fragments)
     w = np.concatenate([L.gguf_dequantize(L.Q4_K, a), L.gguf_dequantize(L.Q6_K, b)])
     wb = from_bf16_bits(to_bf16_bits(w)).astype(np.float64)
     scratch = cuda.device_array(Q.scratch_elems(dq), np.uint16)
@@ -131,7 +133,7 @@ def test_quant_linear_many_rows_and_parts():
         x = rng.standard_normal((T, K)).astype(np.float32)
         r = rng.standard_normal((T, 6144)).astype(np.float32)
         d_out = cuda.to_device(r)
-        Q.quant_linear(cuda.to_device(x), dq, d_out, T, residual=d_out, scratch=scratch)
+        Q.quant_linear(cuda.to_device(x), dq, d_out, T, residual=d_out, scratch=scratch, mma_rows=mma_rows)
         out = d_out.copy_to_host()
         if T <= Q.GEMV_MAX_ROWS:
             assert _relerr(out, L.gemv_ref(x, w, residual=r)) < 2e-5, T

@@ -58,7 +58,7 @@ def _ops(T, N, scratch_elems=1 << 16, overlap=False, token_ids=None, token_src=N
     return ops
 
 
-def _weight(parts, seed):
+def _weight(parts, seed, fragments=False):
     """(DeviceQuantized, float64 reference [N, K]) of row-stacked random parts (type, rows, cols)."""
     import gguf
     from metrale.models.quantized import QuantizedPart, QuantizedTensor
@@ -69,7 +69,7 @@ def _weight(parts, seed):
         data = L.random_blocks(qt, rows, cols, rng, scale=0.3)
         qparts.append(QuantizedPart(gguf.GGMLQuantizationType(qt), rows, cols, data))
     t = QuantizedTensor(tuple(qparts))
-    return upload_quantized(t), t.dequantize().astype(np.float64)
+    return upload_quantized(t, fragments=fragments), t.dequantize().astype(np.float64)
 
 
 def _rms(x, w):
@@ -89,12 +89,14 @@ def _sim_patches(monkeypatch):
     monkeypatch.setattr(gemm, "FMA_MAX_T", 16)   # the mma GEMMs are slow here (test_gemm_sim has them)
 
 
-@pytest.mark.parametrize("T,mma_rows", [(1, 0), (3, 0), (9, 0), (3, 2)])
+@pytest.mark.parametrize("T,mma_rows", [(1, 0), (3, 0), (9, 0), (3, 2), (1, 1), (9, 1)])
 def test_norm_linear_gemv_and_bf16_roads(T, mma_rows):
     """A qkv-like weight (Q4_K rows over Q6_K rows) with a bias: T <= 8 the quant GEMV (with
-    mma_rows 2 at T = 3: the Q4_K part on the tensor-core GEMV, the Q6_K part on the dp4a one), T = 9
-    the scratch's bf16 image and the bf16 GEMM."""
-    dq, w = _weight([(L.Q4_K, 64, K), (L.Q6_K, 64, K)], seed=T)
+    mma_rows 2 at T = 3: the Q4_K part on the tensor-core GEMV, the Q6_K part on the dp4a one; with 1,
+    the Q4_K part in the fragment layout), T = 9 the scratch's bf16 image and the bf16 GEMM (with 1:
+    the fragment layout's dequantization)."""
+    dq, w = _weight([(L.Q4_K, 64, K), (L.Q6_K, 64, K)], seed=T, fragments=mma_rows == 1)
+    assert dq.parts[0].fragments == (mma_rows == 1) and not dq.parts[1].fragments
     rng = np.random.default_rng(10 + T)
     x = rng.standard_normal((T, K)).astype(np.float32)
     nw = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
@@ -108,6 +110,20 @@ def test_norm_linear_gemv_and_bf16_roads(T, mma_rows):
     else:
         wb = from_bf16_bits(to_bf16_bits(w.astype(np.float32))).astype(np.float64)
         assert _relerr(got, h @ wb.T + bias) < 1e-5
+
+
+def test_chunks_road_on_fragment_tiles():
+    """T = 9 on a Q4_K weight of 128 rows in the fragment layout, scratch of 64 rows: two chunks of
+    four 16-row tiles each, into a residual."""
+    dq, w = _weight([(L.Q4_K, 128, K)], seed=11, fragments=True)
+    wb = from_bf16_bits(to_bf16_bits(w.astype(np.float32))).astype(np.float64)
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((9, K)).astype(np.float32)
+    ops = _ops(9, 128, scratch_elems=64 * K)
+    res = rng.standard_normal((9, 128)).astype(np.float32)
+    d_res = cuda.to_device(res)
+    ops.linear_residual(cuda.to_device(x), dq, d_res)
+    assert _relerr(d_res.copy_to_host(), x.astype(np.float64) @ wb.T + res) < 1e-5
 
 
 def test_chunks_road_across_parts_and_into_a_residual():

@@ -50,6 +50,11 @@ class DevicePart:
     planes: dict
     nbytes: int
 
+    @property
+    def fragments(self) -> bool:
+        """Q4_K in quant_mma's fragment layout (planes 'mq', 'ms'; read by its kernels only)."""
+        return "mq" in self.planes
+
 
 @dataclass(frozen=True)
 class DeviceQuantized:
@@ -72,12 +77,13 @@ class DeviceQuantized:
         return tuple(NAMES[p.qtype] for p in self.parts)
 
 
-def upload_quantized(tensor, stream=0, arena=None) -> DeviceQuantized:
+def upload_quantized(tensor, stream=0, arena=None, fragments: bool = False) -> DeviceQuantized:
     """A QuantizedTensor (or anything with .parts of ggml_type / rows / cols / data) repacked and
     copied to the device: into `arena` (a DevicePool region: at most device_bytes_bound(tensor)
     bytes of it) or, without one, fresh device arrays. The copies are queued on `stream`; the host
     planes are kept alive by the returned value's device arrays only until the copies complete
-    (synchronize before freeing)."""
+    (synchronize before freeing). fragments: Q4_K parts in quant_mma's fragment layout (for a
+    linear weight: its GEMV is then the tensor-core one at every row count; not for an embedding)."""
     put = (lambda a: cuda.to_device(a, stream=stream)) if arena is None else (lambda a: arena.upload(a, stream))
     filler = put(np.zeros((1, 16), np.uint8))
     quant_dequant.ids_filler()              # made now, not at a first launch inside a capture
@@ -87,10 +93,15 @@ def upload_quantized(tensor, stream=0, arena=None) -> DeviceQuantized:
         if qtype not in TYPES:
             raise ValueError(f"no CUDA kernels for ggml type {_type_name(qtype)} (they cover "
                              f"{', '.join(NAMES.values())}); use levers.weights=bf16")
-        host = p.repack() if hasattr(p, "repack") else _repack(qtype, p.data, p.cols)
-        if quant_mma.supports(qtype, int(p.cols)):
+        mma = quant_mma.supports(qtype, int(p.cols))
+        if mma:
             quant_mma.x_buffers(int(p.cols))       # made now, not at a first launch inside a capture
-        planes = {k: (filler if host[k] is None else put(host[k])) for k in PLANES}
+        if fragments and mma:
+            host = quant_mma.repack_mq(np.asarray(p.data), int(p.cols))
+            planes = {k: put(v) for k, v in host.items()}
+        else:
+            host = p.repack() if hasattr(p, "repack") else _repack(qtype, p.data, p.cols)
+            planes = {k: (filler if host[k] is None else put(host[k])) for k in PLANES}
         nbytes = sum(v.nbytes for v in host.values() if v is not None)
         parts.append(DevicePart(qtype, int(p.rows), int(p.cols), row0, planes, nbytes))
         row0 += int(p.rows)
@@ -114,6 +125,7 @@ def device_bytes_bound(parts) -> int:
         if qtype not in BLOCK:
             raise ValueError(f"no CUDA kernels for ggml type {_type_name(qtype)}; use levers.weights=bf16")
         block, nbytes = BLOCK[qtype]
+        rows = -(-rows // 16) * 16          # the fragment layout pads to whole tiles
         n += rows * (cols // block) * nbytes + len(PLANES) * ALIGN
     return n
 
@@ -149,7 +161,10 @@ def dequantize_into(dq: DeviceQuantized, scratch, stream=0):
     w = scratch.reshape(scratch.size)[:n * k].reshape(n, k) if scratch.ndim != 2 or tuple(scratch.shape) != (n, k) \
         else scratch
     for p in dq.parts:
-        quant_dequant.dequant_bf16(p.planes, w, p.qtype, n_off=p.row0, stream=stream)
+        if p.fragments:
+            quant_mma.dequant_mq_bf16(p.planes, w, p.rows, n_off=p.row0, stream=stream)
+        else:
+            quant_dequant.dequant_bf16(p.planes, w, p.qtype, n_off=p.row0, stream=stream)
     return w
 
 
@@ -175,11 +190,16 @@ def quant_linear(x, dq: DeviceQuantized, out, rows: int, stream=0, residual=None
     if rows <= 0:
         return
     limit = GEMV_MAX_ROWS if gemv_max_rows is None else gemv_max_rows
-    if 0 < mma_rows <= rows <= min(limit, quant_mma.MAX_T) and any(quant_mma.supports(p.qtype, k) for p in dq.parts):
+    few = rows <= min(limit, quant_mma.MAX_T)
+    planes_mma = 0 < mma_rows <= rows and few
+    if few and any(p.fragments or (planes_mma and quant_mma.supports(p.qtype, k)) for p in dq.parts):
         xq, xsc = quant_mma.x_buffers(k)
         quant_mma.quantize_x(x, rows, xq, xsc, stream)
         for p in dq.parts:
-            if quant_mma.supports(p.qtype, k):
+            if p.fragments:
+                quant_mma.gemv_mq(xq, xsc, p.planes, out, rows, p.rows, n_off=p.row0, bias=bias,
+                                  residual=residual, stream=stream)
+            elif planes_mma and quant_mma.supports(p.qtype, k):
                 quant_mma.gemv(xq, xsc, p.planes, out, rows, qtype=p.qtype, n_off=p.row0, bias=bias,
                                residual=residual, stream=stream)
             else:
@@ -237,8 +257,13 @@ def _rows_of(dq: DeviceQuantized, r0: int, r1: int) -> DeviceQuantized:
         a, b = max(r0, p.row0), min(r1, p.row0 + p.rows)
         if a >= b:
             continue
-        planes = {name: (v[a - p.row0:b - p.row0] if v.shape[0] == p.rows else v)   # not the 1-row filler
-                  for name, v in p.planes.items()}
+        if p.fragments:                     # planes of 16-row tiles
+            if (a - p.row0) % 16:
+                raise ValueError(f"a row chunk at row {a - p.row0} of a part in 16-row tiles")
+            planes = {name: v[(a - p.row0) // 16:-(-(b - p.row0) // 16)] for name, v in p.planes.items()}
+        else:
+            planes = {name: (v[a - p.row0:b - p.row0] if v.shape[0] == p.rows else v)   # not the 1-row filler
+                      for name, v in p.planes.items()}
         parts.append(DevicePart(p.qtype, b - a, p.cols, a - r0, planes, p.nbytes * (b - a) // p.rows))
     return DeviceQuantized(tuple(parts))
 
