@@ -282,6 +282,8 @@ def _mma(qt, name, N, K, T, x, out, copies, nrot, nbytes, ms_dp4a, ms_bf16, warp
         rec(f"{name} T={T} {L.NAMES[qt]} mma {v}", gbs, "GB/s", HBM / 1e9, None, None, us=ms * 1e3,
             gemv_us=ms_g * 1e3, quantize_us=ms_q * 1e3, N=N, K=K, T=T, speedup_vs_dp4a=ms_dp4a / ms,
             speedup_vs_bf16=ms_bf16 / ms)
+    if qt != L.Q4_K:
+        return
     # the fragment layout (quant_mma.repack_mq): random bytes of its planes' shapes
     rng = np.random.default_rng(1)
     tiles, nsb = -(-N // 16), K // 256

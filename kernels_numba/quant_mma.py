@@ -11,7 +11,8 @@ and x's rows past T are zeros.
                               (rows T..7 zero), in the mma's B-fragment order, groups in pairs: xq
                               uint8 [G / 2, 512], lane (g, c) of a warp reads token g's 8 bytes of group
                               2p + e at p, 16 lane + 8 e (values 4c..4c+3, then 16+4c..16+4c+3); xsc
-                              float32 [G, 16]: (d8, d8 * sum of the int8 values) of token t at 2t, 2t + 1.
+                              float32 [G, 24]: (d8, d8 * sum of the int8 values) of token t at 2t, 2t + 1,
+                              d8 * the sum of values 0..15 at 16 + t (Q6_K's halves).
   gemv(...)                   on quant_layout's planes as they are (the bytes every other Q4_K kernel
                               reads): a block of W warps takes 16 weight rows (or 16 R), warp w the
                               super-blocks w, w + W, ... (one 16-byte header a row and super-block, one
@@ -34,19 +35,20 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from kernels_numba.ptx import SIM, grid_wait, ldg_f32x4, pack_bf16x2, shfl_xor_f32
-from kernels_numba.quant_gemv import _load_generated, kq_scale_min, q4_ops
-from kernels_numba.quant_layout import Q4_K
-from kernels_numba.quant_ptx import h2f, ldg_b4, ldg_b8, ldg_b16, mma_u8s8, rni, shfl_xor_i32, stg_u16x8
+from kernels_numba.quant_gemv import _load_generated, kq_scale_min, q4_ops, sbyte
+from kernels_numba.quant_layout import Q4_K, Q6_K
+from kernels_numba.quant_ptx import h2f, ldg_b2, ldg_b4, ldg_b8, ldg_b16, mma_u8s8, rni, shfl_xor_i32, stg_u16x8
 
 __all__ = ["TYPES", "MAX_T", "quantize_x", "gemv", "gemv_mq", "x_buffers", "supports", "repack_mq", "mq_nbytes",
            "dequant_mq_ref", "dequant_mq_bf16"]
 
-TYPES = (Q4_K,)
+TYPES = (Q4_K, Q6_K)
 MAX_T = 8
 WARPS = 8           # a block's warps (each a slice of the super-blocks)
 TILES = 1           # 16-row tiles a warp takes
 BLOCKS = 0          # launch bound: blocks a multiprocessor (0: none)
 M4 = np.uint32(0x0F0F0F0F)
+M3 = np.uint32(0x03030303)
 MASK16 = np.uint32(0xFFFF)
 U4, U16 = np.uint32(4), np.uint32(16)
 
@@ -69,14 +71,17 @@ def _quantize(x, T, xq, xsc):
     inv = float32(127.0) / a if a > float32(0.0) else float32(0.0)
     q = rni(val * inv)
     s = q
-    for off in (1, 2, 4, 8, 16):
+    for off in (1, 2, 4, 8):
         s = int32(s + shfl_xor_i32(s, off))
+    s0 = s                          # lane 0: the sum of values 0..15 (Q6_K's first half)
+    s = int32(s + shfl_xor_i32(s, 16))
     c = (v & 15) >> 2
     xq[gi >> 1, ((n * 4 + c) << 4) + ((gi & 1) << 3) + ((v >> 4) << 2) + (v & 3)] = uint32(q) & uint32(255)
     if v == 0:
         d8 = a / float32(127.0)
         xsc[gi, 2 * n] = d8
         xsc[gi, 2 * n + 1] = d8 * float32(s)
+        xsc[gi, 16 + n] = d8 * float32(s0)
 
 
 _QUANTIZE: list = []
@@ -109,14 +114,14 @@ def x_buffers(K: int):
     have = _XBUF.get("K", 0)
     if K > have:
         G = K // 32
-        _XBUF.update(K=K, xq=cuda.device_array((G // 2, 512), np.uint8), xsc=cuda.device_array((G, 16), np.float32))
+        _XBUF.update(K=K, xq=cuda.device_array((G // 2, 512), np.uint8), xsc=cuda.device_array((G, 24), np.float32))
     return _XBUF["xq"], _XBUF["xsc"]
 
 
 # ----------------------------------------------------------------------------- the GEMV
 _GLOBALS = dict(cuda=cuda, float32=float32, int32=int32, uint32=uint32, min=min, grid_wait=grid_wait,
                 ldg_f32x4=ldg_f32x4, h2f=h2f, ldg_b4=ldg_b4, ldg_b8=ldg_b8, ldg_b16=ldg_b16, mma_u8s8=mma_u8s8,
-                kq_scale_min=kq_scale_min, M4=M4, MASK16=MASK16, U4=U4, U16=U16)
+                kq_scale_min=kq_scale_min, sbyte=sbyte, ldg_b2=ldg_b2, M3=M3, M4=M4, MASK16=MASK16, U4=U4, U16=U16)
 
 
 def _source(W: int, has_bias: bool, has_res: bool, R: int = 1) -> str:
@@ -235,6 +240,68 @@ def _source_mq(W: int, has_bias: bool, has_res: bool) -> str:
     return "\n".join(L) + "\n"
 
 
+def _source_q6(W: int, has_bias: bool, has_res: bool) -> str:
+    """Q6_K on quant_layout's planes: a group's two 16-value halves have their own scales, so each
+    takes its own mma (x's other half zero); codes 0..63 as u8 and the -32 offset through x's half
+    sums."""
+    L = []
+
+    def emit(ind, line):
+        L.append("    " * ind + line)
+
+    emit(0, "def gemv(xq, xsc, qs, qh, sc, dm, out, bias, res, n_off, T):")
+    for ln in ("N = qs.shape[0]", "NSB = dm.shape[1] >> 1", "tid = cuda.threadIdx.x", "lane = tid & 31",
+               "warp = tid >> 5", "g = lane >> 2", "c = lane & 3", "row0 = cuda.blockIdx.x * 16",
+               "r0 = min(row0 + g, N - 1)", "r1 = min(row0 + g + 8, N - 1)", "cw = c << 2", "xo = lane << 4",
+               "sh = uint32(2 * c)", "acc0_0 = float32(0.0)", "acc0_1 = float32(0.0)", "acc1_0 = float32(0.0)",
+               "acc1_1 = float32(0.0)", "z = uint32(0)", "grid_wait()", f"for s in range(warp, NSB, {W}):"):
+        emit(1, ln)
+    for i in range(2):
+        emit(2, f"v{i}_0, v{i}_1, v{i}_2, v{i}_3 = ldg_b16(sc, r{i}, s << 4)")
+        emit(2, f"dd{i} = h2f(ldg_b2(dm, r{i}, s << 1))")
+    for j in range(8):
+        emit(2, f"o{j} = (({j} * NSB + s) << 4) + cw")
+        emit(2, f"p{j} = ((({j >> 1} * NSB + s) << 4) + {8 * (j & 1)})")
+        for i in range(2):
+            emit(2, f"w{i}_{j} = ldg_b4(qs, r{i}, o{j})")
+            emit(2, f"ha{i}_{j} = ldg_b4(qh, r{i}, p{j})")
+            emit(2, f"hb{i}_{j} = ldg_b4(qh, r{i}, p{j} + 4)")
+    for j in range(8):
+        emit(2, f"xa{j}, xb{j} = ldg_b8(xq, 4 * s + {j >> 1}, xo + {8 * (j & 1)})")
+        emit(2, f"xs{j} = ldg_f32x4(xsc, 8 * s + {j}, cw)")
+        emit(2, f"xh{j}_0 = xsc[8 * s + {j}, 16 + 2 * c]")
+        emit(2, f"xh{j}_1 = xsc[8 * s + {j}, 17 + 2 * c]")
+    for j in range(8):
+        for i in range(2):
+            emit(2, f"lo{i} = (w{i}_{j} & M4) | (((ha{i}_{j} >> sh) & M3) << U4)")
+            emit(2, f"hi{i} = ((w{i}_{j} >> U4) & M4) | (((hb{i}_{j} >> sh) & M3) << U4)")
+        emit(2, f"a0, a1, a2, a3 = mma_u8s8(lo0, lo1, hi0, hi1, xa{j}, z)")
+        emit(2, f"b0, b1, b2, b3 = mma_u8s8(lo0, lo1, hi0, hi1, z, xb{j})")
+        # row g: token 2c (a0 | b0), 2c + 1 (a1 | b1); row g + 8: a2 | b2, a3 | b3
+        for i, outs in ((0, (("a0", "b0"), ("a1", "b1"))), (1, (("a2", "b2"), ("a3", "b3")))):
+            wv = f"v{i}_{j >> 1}"
+            emit(2, f"fa = dd{i} * float32(sbyte({wv}, {2 * (j & 1)}))")
+            emit(2, f"fb = dd{i} * float32(sbyte({wv}, {2 * (j & 1) + 1}))")
+            for t, (lo_v, hi_v) in enumerate(outs):
+                d8, xs = f"xs{j}[{2 * t}]", f"xs{j}[{2 * t + 1}]"
+                xh = f"xh{j}_{t}"
+                emit(2, f"acc{i}_{t} += fa * ({d8} * float32({lo_v}) - float32(32.0) * {xh}) + "
+                        f"fb * ({d8} * float32({hi_v}) - float32(32.0) * ({xs} - {xh}))")
+    for ln in (f"sm = cuda.shared.array({W * 128}, float32)", "b = warp * 128 + g * 8 + 2 * c",
+               "sm[b] = acc0_0", "sm[b + 1] = acc0_1", "sm[b + 64] = acc1_0", "sm[b + 65] = acc1_1",
+               "cuda.syncthreads()", f"for q in range(tid, 128, {32 * W}):"):
+        emit(1, ln)
+    emit(2, "a = sm[q]")
+    for w in range(1, W):
+        emit(2, f"a += sm[{w * 128} + q]")
+    emit(2, "n = row0 + (q >> 3)")
+    emit(2, "t = q & 7")
+    emit(2, "if t < T and n < N:")
+    emit(3, "col = n_off + n")
+    emit(3, "out[t, col] = a" + (" + bias[col]" if has_bias else "") + (" + res[t, col]" if has_res else ""))
+    return "\n".join(L) + "\n"
+
+
 _HEADER = """# generated by kernels_numba.quant_mma._source: {cfg}
 from kernels_numba.quant_mma import _GLOBALS
 globals().update(_GLOBALS)
@@ -245,10 +312,11 @@ _KERNELS: dict = {}
 
 
 def py_kernel(W: int, has_bias: bool, has_res: bool, R: int = 1):
-    """R = 0: the fragment layout's kernel (gemv_mq)."""
+    """R = 0: the fragment layout's kernel (gemv_mq); R = -1: Q6_K's."""
     key = (W, has_bias, has_res, R)
     if key not in _PY:
-        src = _source(*key) if R else _source_mq(W, has_bias, has_res)
+        src = (_source(*key) if R > 0 else _source_mq(W, has_bias, has_res) if R == 0
+               else _source_q6(W, has_bias, has_res))
         if SIM:
             ns = dict(_GLOBALS)
             exec(compile(src, f"<quant_mma {key}>", "exec"), ns)
@@ -281,9 +349,13 @@ def gemv(xq, xsc, planes: dict, out, T: int, *, qtype: int, n_off: int = 0, bias
     qs, sc = planes["qs"], planes["sc"]
     N = qs.shape[0]
     assert 1 <= T <= MAX_T and out.shape[0] >= T and n_off + N <= out.shape[1]
+    b, r = out if bias is None else bias, out if residual is None else residual
+    if qtype == Q6_K:
+        k = kernel(warps, bias is not None, residual is not None, -1, blocks)
+        k[-(-N // 16), 32 * warps, stream](xq, xsc, qs, planes["qh"], sc, planes["dm"], out, b, r, n_off, T)
+        return
     k = kernel(warps, bias is not None, residual is not None, tiles, blocks)
-    k[-(-N // (16 * tiles)), 32 * warps, stream](xq, xsc, qs, sc, out, out if bias is None else bias,
-                                       out if residual is None else residual, n_off, T)
+    k[-(-N // (16 * tiles)), 32 * warps, stream](xq, xsc, qs, sc, out, b, r, n_off, T)
 
 
 def gemv_mq(xq, xsc, planes: dict, out, T: int, N: int, *, n_off: int = 0, bias=None, residual=None,

@@ -61,3 +61,14 @@ def test_fragment_dequant_compiles():
     sig = (U8, U8, types.Array(types.uint16, 2, "C"), types.int64, types.int64)
     ptx, _ = cuda.compile_ptx(QM._dequant_mq, sig, cc=(9, 0))
     _body(ptx)
+
+
+def test_q6k_gemv_compiles_to_two_mmas_a_group():
+    sig = (U8, F2, U8, U8, U8, U8, F2, F2, F2, types.int64, types.int64)
+    ptx, _ = cuda.compile_ptx(QM.py_kernel(QM.WARPS, False, True, -1), sig, cc=(9, 0))
+    body = _body(ptx)
+    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.s32\.u8\.s8\.s32", body)) == 16
+    info = sass_info(ptx)
+    if info is not None:
+        regs, spills = info
+        assert spills == 0 and regs <= 168, f"ptxas: {regs} registers, {spills} bytes spilled"

@@ -5,6 +5,6 @@
 source "$(dirname "$0")/common.sh"
 stamp "mma variants"
 timeout 300 python3 -m bench.quant_kernels --types Q4_K,Q6_K --rows 1,8 --no-torch --precompile 14 \
-    --mma-warps 8,8:1:4,8:2:2 --json $OUT/quant_mma_variants.json > $OUT/quant_mma_variants.txt 2>&1
+    --mma-warps 4,8,8:1:4,8:2:2 --json $OUT/quant_mma_variants.json > $OUT/quant_mma_variants.txt 2>&1
 grep -E "Q4_K|Q6_K|layout|Error|error" $OUT/quant_mma_variants.txt | grep -v "bf16 gemm" | cut -c1-190 | head -80
 stamp done

@@ -1,4 +1,4 @@
-"""The Q4_K tensor-core GEMV (kernels_numba/quant_mma.py) under the simulator: x's quantization into
+"""The Q4_K / Q6_K tensor-core GEMV (kernels_numba/quant_mma.py) under the simulator: x's quantization into
 the mma fragments equals quant_layout.q8_quantize (rows past T zero), and the product of 1, 3 and 8
 rows equals gguf's dequantization of the same blocks times the q8-rounded x (float64), with bias,
 residual into the output itself, an output column offset and a row count that is not a multiple
@@ -30,24 +30,27 @@ def _fragments(x: np.ndarray, T: int, xq: np.ndarray, xsc: np.ndarray) -> None:
         np.testing.assert_array_equal(xsc[:, 2 * n], d8[n] if n < T else 0)
         s = want.astype(np.int64).sum(-1)
         np.testing.assert_allclose(xsc[:, 2 * n + 1], (d8[n] if n < T else 0) * s, rtol=1e-6)
+        np.testing.assert_allclose(xsc[:, 16 + n], (d8[n] if n < T else 0) * want[:, :16].astype(np.int64).sum(-1),
+                                   rtol=1e-6)
 
 
-@pytest.mark.parametrize("T,warps,tiles", [(1, 2, 1), (3, 4, 1), (8, 2, 1), (3, 2, 2)])
-def test_q4k_product_equals_reference(T, warps, tiles):
+@pytest.mark.parametrize("qt,T,warps,tiles", [(L.Q4_K, 1, 2, 1), (L.Q4_K, 3, 4, 1), (L.Q4_K, 8, 2, 1),
+                                              (L.Q4_K, 3, 2, 2), (L.Q6_K, 1, 2, 1), (L.Q6_K, 8, 2, 1)])
+def test_product_equals_reference(qt, T, warps, tiles):
     rng = np.random.default_rng(T)
     N = 40                                                       # two full tiles and a half one
-    data = L.random_blocks(L.Q4_K, N, K, rng, scale=K ** -0.5 / 0.03)
-    w = L.gguf_dequantize(L.Q4_K, data)
+    data = L.random_blocks(qt, N, K, rng, scale=K ** -0.5 / 0.03)
+    w = L.gguf_dequantize(qt, data)
     x = rng.standard_normal((T, K)).astype(np.float32)
     x[0, :32] *= 50                                              # one group of large values
-    xq, xsc = cuda.to_device(np.zeros((K // 64, 512), np.uint8)), cuda.to_device(np.zeros((K // 32, 16), np.float32))
+    xq, xsc = cuda.to_device(np.zeros((K // 64, 512), np.uint8)), cuda.to_device(np.zeros((K // 32, 24), np.float32))
     M.quantize_x(cuda.to_device(x), T, xq, xsc)
     _fragments(x, T, xq.copy_to_host(), xsc.copy_to_host())
     res = rng.standard_normal((T, N + 8)).astype(np.float32)
     bias = rng.standard_normal(N + 8).astype(np.float32)
     out = cuda.to_device(res)
-    planes = {k: cuda.to_device(v) for k, v in L.repack(L.Q4_K, data, K).items() if v is not None}
-    M.gemv(xq, xsc, planes, out, T, qtype=L.Q4_K, n_off=4, bias=cuda.to_device(bias), residual=out, warps=warps, tiles=tiles)
+    planes = {k: cuda.to_device(v) for k, v in L.repack(qt, data, K).items() if v is not None}
+    M.gemv(xq, xsc, planes, out, T, qtype=qt, n_off=4, bias=cuda.to_device(bias), residual=out, warps=warps, tiles=tiles)
     got = out.copy_to_host()
     want = L.gemv_ref(x, w) + bias[4:4 + N] + res[:, 4:4 + N]
     assert np.abs(got[:, 4:4 + N] - want).max() <= 1e-5 * np.abs(want).max()
@@ -69,7 +72,7 @@ def test_q4k_fragment_layout_product_and_dequant(T):
     assert sum(v.nbytes for v in host.values()) == M.mq_nbytes(N, K)
     planes = {k: cuda.to_device(v) for k, v in host.items()}
     x = rng.standard_normal((T, K)).astype(np.float32)
-    xq, xsc = cuda.to_device(np.zeros((K // 64, 512), np.uint8)), cuda.to_device(np.zeros((K // 32, 16), np.float32))
+    xq, xsc = cuda.to_device(np.zeros((K // 64, 512), np.uint8)), cuda.to_device(np.zeros((K // 32, 24), np.float32))
     M.quantize_x(cuda.to_device(x), T, xq, xsc)
     res = rng.standard_normal((T, N + 4)).astype(np.float32)
     out = cuda.to_device(res)

@@ -96,7 +96,7 @@ def upload_quantized(tensor, stream=0, arena=None, fragments: bool = False) -> D
         mma = quant_mma.supports(qtype, int(p.cols))
         if mma:
             quant_mma.x_buffers(int(p.cols))       # made now, not at a first launch inside a capture
-        if fragments and mma:
+        if fragments and mma and qtype == quant_mma.Q4_K:
             host = quant_mma.repack_mq(np.asarray(p.data), int(p.cols))
             planes = {k: put(v) for k, v in host.items()}
         else:
