@@ -34,6 +34,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
+from kernels_numba.bf16 import device_function
 from kernels_numba.ptx import SIM, grid_wait, ldg_f32x4, pack_bf16x2, shfl_xor_f32
 from kernels_numba.quant_gemv import _load_generated, kq_scale_min, q4_ops, sbyte
 from kernels_numba.quant_layout import Q4_K, Q6_K
@@ -49,8 +50,18 @@ TILES = 1           # 16-row tiles a warp takes
 BLOCKS = 0          # launch bound: blocks a multiprocessor (0: none)
 M4 = np.uint32(0x0F0F0F0F)
 M3 = np.uint32(0x03030303)
+B63 = np.uint32(0x3F3F3F3F)
+B30 = np.uint32(0x30303030)
+U2 = np.uint32(2)
 MASK16 = np.uint32(0xFFFF)
 U4, U16 = np.uint32(4), np.uint32(16)
+
+
+@device_function
+def kq_scale_words(s1, s2, s3):
+    """The 8 6-bit scales and mins of a Q4_K header's words 1..3, a byte each: (scales of groups
+    0..3, of 4..7, mins of 0..3, of 4..7) (quant_gemv.kq_scale_min for all groups at once)."""
+    return (s1 & B63, (s3 & M4) | ((s1 >> U2) & B30), s2 & B63, ((s3 >> U4) & M4) | ((s2 >> U2) & B30))
 
 
 def supports(qtype: int, K: int) -> bool:
@@ -121,7 +132,7 @@ def x_buffers(K: int):
 # ----------------------------------------------------------------------------- the GEMV
 _GLOBALS = dict(cuda=cuda, float32=float32, int32=int32, uint32=uint32, min=min, grid_wait=grid_wait,
                 ldg_f32x4=ldg_f32x4, h2f=h2f, ldg_b4=ldg_b4, ldg_b8=ldg_b8, ldg_b16=ldg_b16, mma_u8s8=mma_u8s8,
-                kq_scale_min=kq_scale_min, sbyte=sbyte, ldg_b2=ldg_b2, M3=M3, M4=M4, MASK16=MASK16, U4=U4, U16=U16)
+                kq_scale_min=kq_scale_min, kq_scale_words=kq_scale_words, sbyte=sbyte, ldg_b2=ldg_b2, M3=M3, M4=M4, MASK16=MASK16, U4=U4, U16=U16)
 
 
 def _source(W: int, has_bias: bool, has_res: bool, R: int = 1) -> str:
@@ -211,16 +222,17 @@ def _source_mq(W: int, has_bias: bool, has_res: bool) -> str:
     emit(2, "mg = h2f(hg0 >> U16)")
     emit(2, "dh = h2f(hh0 & MASK16)")
     emit(2, "mh = h2f(hh0 >> U16)")
+    emit(2, "sg0, sg1, ng0, ng1 = kq_scale_words(hg1, hg2, hg3)")
+    emit(2, "sh0, sh1, nh0, nh1 = kq_scale_words(hh1, hh2, hh3)")
     for j in range(8):
         jp, e = j >> 1, 2 * (j & 1)
         wg, wh, xa, xb = f"q{jp}_{e}", f"q{jp}_{e + 1}", f"x{jp}_{e}", f"x{jp}_{e + 1}"
         emit(2, f"d0, d1, d2, d3 = mma_u8s8({wg} & M4, {wh} & M4, ({wg} >> U4) & M4, ({wh} >> U4) & M4, {xa}, {xb})")
-        emit(2, f"sg, ng = kq_scale_min(hg1, hg2, hg3, {j})")
-        emit(2, f"sh, nh = kq_scale_min(hh1, hh2, hh3, {j})")
-        emit(2, "fsg = dg * float32(sg)")
-        emit(2, "fmg = mg * float32(ng)")
-        emit(2, "fsh = dh * float32(sh)")
-        emit(2, "fmh = mh * float32(nh)")
+        byte = lambda w: f"float32(({w}{j >> 2} >> uint32({8 * (j & 3)})) & uint32(255))"  # noqa: E731
+        emit(2, f"fsg = dg * {byte('sg')}")
+        emit(2, f"fmg = mg * {byte('ng')}")
+        emit(2, f"fsh = dh * {byte('sh')}")
+        emit(2, f"fmh = mh * {byte('nh')}")
         emit(2, f"acc0 += fsg * xs{j}[0] * float32(d0) - fmg * xs{j}[1]")
         emit(2, f"acc1 += fsg * xs{j}[2] * float32(d1) - fmg * xs{j}[3]")
         emit(2, f"acc2 += fsh * xs{j}[0] * float32(d2) - fmh * xs{j}[1]")
