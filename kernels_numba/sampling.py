@@ -7,9 +7,15 @@ Per row r of logits [R, V] (float32), two kernels, one 1024-thread block per row
                    top-n raw logprobs (n <= 20; ties to the lower id);
                 2. sparse adjustments, in place: for each entry e of the row's list
                    (adj_token, adj_rep, adj_add): x = logits[r, t]; raw_saved[e] = x;
-                   if adj_rep: x = x / rep if x > 0 else x * rep;  x += adj_add.
-                   (adj_add = logit_bias - frequency * count - presence * [count > 0], or -inf to ban
-                   a token: min_tokens.) Token ids of a row's list are distinct.
+                   if bit 0 of adj_rep: x = x / rep if x > 0 else x * rep;  x += adj_add, and with
+                   c = adj_rep >> 1 > 0 (the token's count): x -= frequency * c + presence.
+                   (adj_add = logit_bias, or -inf to ban a token: min_tokens.) Token ids of a row's
+                   list are distinct. A row with a pending token t (I_PENDING: the previous step's
+                   drawn token, which the host had not counted when it packed the row; the loop a
+                   step ahead) counts it first: its entry's c + 1 and repetition flag set, or a new
+                   entry (c = 1, adj_add 0) when t is not listed; the tool-call END token
+                   (I_WINDOW_END) instead empties the penalty window: no entry's flag or count
+                   applies this step (bias and bans do). sampling_ref.with_pending_ref.
   sample_rows   x_i = adjusted logit, -inf where the row's packed bitmask bit i is 0 (use_mask);
                 m = max x. Greedy rows (inv_temp == 0): argmax x. Others: z_i = (x_i - m) * inv_temp;
                 keep z_i >= max(top-k threshold, top-p threshold, log_min_p); sample by Gumbel-max:
@@ -102,11 +108,12 @@ COMPACT_CAP = 64 if SIMULATOR else 2048
 
 
 from kernels_numba.sampling_ref import (  # noqa: E402,F401  (NumPy references, CUDA-free: sampling_ref.py)
-    F_INV_TEMP, F_LOG_MIN_P, F_REP, F_TOP_P, I_ADJ_END, I_ADJ_START, I_NUM_LOGPROBS,
-    I_SEED_HI, I_SEED_LO, I_STEP, I_TOP_K, I_USE_MASK, MASS_SCALE_BITS, MAX_TOP_LOGPROBS,
+    F_FREQ, F_INV_TEMP, F_LOG_MIN_P, F_PRES, F_REP, F_TOP_P, I_ADJ_END, I_ADJ_START, I_NUM_LOGPROBS, I_PENDING,
+    I_SEED_HI, I_SEED_LO, I_STEP, I_TOP_K, I_USE_MASK, I_WINDOW_END, MASS_SCALE_BITS, MAX_TOP_LOGPROBS,
     NF, NI, _KEY_TOP, _MASS_SCALE, _ONE64, _P_SCALE, _S9,
-    _TWO_M24, _key1, apply_adjustments_ref, bitmask_allows_ref, f32_key_ref, gumbel_ref, logprob_stats_ref,
-    mass_units_ref, sample_row_ref, sample_rows_ref, top_k_key_ref, top_p_key_ref, top_p_units_ref, uniforms_ref)
+    _TWO_M24, _key1, adj_word, adjusted_row_ref, apply_adjustments_ref, bitmask_allows_ref, f32_key_ref, gumbel_ref,
+    logprob_stats_ref, mass_units_ref, pending_token_ref, sample_row_ref, sample_rows_ref, top_k_key_ref,
+    top_p_key_ref, top_p_units_ref, uniforms_ref, with_pending_ref)
 from kernels_numba.philox import M32 as _M32, S32 as _S32, PHILOX_M0 as _PHILOX_M0, PHILOX_M1 as _PHILOX_M1  # noqa: E402
 from kernels_numba.philox import PHILOX_W0 as _PHILOX_W0, PHILOX_W1 as _PHILOX_W1, philox4x32_ref  # noqa: E402,F401
 
@@ -537,12 +544,29 @@ def _list_sample(buf, n, thr, k_list, p_list, p_target, kmin, k0, k1, step, cnt,
 # ---------------------------------------------------------------- kernels
 
 
+@device_function
+def _adjusted(x, w, rep, freq, pres, a):
+    """Logit x after one entry: the repetition penalty if bit 0 of w is set, then + a and, for a
+    count c = w >> 1 > 0, - (freq * c + pres) (sampling_ref.apply_adjustments_ref)."""
+    if w & 1:
+        if x > 0:
+            x = x / rep
+        else:
+            x = x * rep
+    c = w >> 1
+    if c > 0:
+        a = (-(freq * np.float32(c)) - pres) + a
+    return x + a
+
+
 @_row_kernel
-def _prepare_rows_kernel(logits, fparams, iparams, adj_token, adj_rep, adj_add, raw_saved, lse, top_ids, top_lps):
+def _prepare_rows_kernel(logits, fparams, iparams, adj_token, adj_rep, adj_add, raw_saved, lse, top_ids, top_lps,
+                         pend_src, pend_tok, pend_raw):
     grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
     grid_trigger()
     scratch = cuda.shared.array(SCRATCH, np.float32)
     iscratch = cuda.shared.array(SCRATCH, np.int32)
+    hit = cuda.shared.array(1, np.int32)
     r = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
@@ -579,16 +603,44 @@ def _prepare_rows_kernel(logits, fparams, iparams, adj_token, adj_rep, adj_add, 
             pi = bi
         cuda.syncthreads()      # every read of the raw row is done before the row is adjusted
     rep = fparams[r, F_REP]
+    freq = fparams[r, F_FREQ]
+    pres = fparams[r, F_PRES]
+    ps = iparams[r, I_PENDING]
+    has = ps > 0 and ps <= pend_src.shape[0] and r < pend_tok.shape[0]
+    pt = np.int32(-1)                   # the pending token: drawn by the previous step, not in the counts
+    if has:
+        pt = np.int32(pend_src[ps - 1])
+        if pt >= V:
+            pt = np.int32(-1)
+    reset = pt >= 0 and pt == iparams[r, I_WINDOW_END] - 1     # the tool-call END token: the window restarts
+    if reset:
+        pt = np.int32(-1)
+    if pt >= 0:
+        if tid == 0:
+            hit[0] = 0
+        cuda.syncthreads()
+    flag = np.int32(1) if rep != np.float32(1.0) else np.int32(0)
     for e in range(iparams[r, I_ADJ_START] + tid, iparams[r, I_ADJ_END], nt):
         t = adj_token[e]
         x = logits[r, t]
         raw_saved[e] = x
-        if adj_rep[e] != 0:
-            if x > 0:
-                x = x / rep
-            else:
-                x = x * rep
-        logits[r, t] = x + adj_add[e]
+        w = adj_rep[e]
+        if reset:
+            w = 0
+        elif t == pt:                   # one more occurrence of a listed token
+            hit[0] = 1
+            w = (((w >> 1) + 1) << 1) | flag
+        logits[r, t] = _adjusted(x, w, rep, freq, pres, adj_add[e])
+    if has:
+        if pt >= 0:
+            cuda.syncthreads()          # every entry is done: hit says whether pt was listed
+        if tid == 0:
+            miss = pt >= 0 and hit[0] == 0
+            pend_tok[r] = pt if miss else np.int32(-1)
+            if miss:                    # a new entry: count 1 (its raw logit kept for the logprob)
+                x = logits[r, pt]
+                pend_raw[r] = x
+                logits[r, pt] = _adjusted(x, np.int32(2) | flag, rep, freq, pres, np.float32(0.0))
 
 
 @device_function
@@ -813,7 +865,7 @@ def split_chunks(rows: int, V: int) -> int:
 
 @_row_kernel
 def _sample_rows_kernel(logits, mask, fparams, iparams, adj_token, raw_saved, lse, out_tokens, out_lps,
-                        part_v, part_i, chunks, top_p_on):
+                        part_v, part_i, chunks, top_p_on, pend_tok, pend_raw):
     grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
     grid_trigger()
     scratch = cuda.shared.array(SCRATCH, np.float32)
@@ -839,7 +891,7 @@ def _sample_rows_kernel(logits, mask, fparams, iparams, adj_token, raw_saved, ls
                 if _argmax_better(part_v[r, c], part_i[r, c], bv, bi):
                     bv = part_v[r, c]
                     bi = part_i[r, c]
-            _write_draw(logits, iparams, adj_token, raw_saved, lse, out_tokens, out_lps, r, bi)
+            _write_draw(logits, iparams, adj_token, raw_saved, lse, out_tokens, out_lps, r, bi, pend_tok, pend_raw)
         return
     top_k_on = inv_t != 0 and k > 0 and k < V
     if top_k_on:                                # the first digit of top-k's key(x) histogram: in pass 1
@@ -909,11 +961,11 @@ def _sample_rows_kernel(logits, mask, fparams, iparams, adj_token, raw_saved, ls
             bv, bi = _gumbel_groups(logits, mask, r, use_mask, m, inv_t, thr, k0, k1, step, tid, (V + 3) // 4, nt)
             bv, bi = block_argmax(bv, bi, scratch, iscratch)
     if tid == 0:
-        _write_draw(logits, iparams, adj_token, raw_saved, lse, out_tokens, out_lps, r, bi)
+        _write_draw(logits, iparams, adj_token, raw_saved, lse, out_tokens, out_lps, r, bi, pend_tok, pend_raw)
 
 
 @device_function
-def _write_draw(logits, iparams, adj_token, raw_saved, lse, out_tokens, out_lps, r, bi):
+def _write_draw(logits, iparams, adj_token, raw_saved, lse, out_tokens, out_lps, r, bi, pend_tok, pend_raw):
     """Row r's token and (if asked for) its raw logprob."""
     out_tokens[r] = bi
     lp = np.float32(np.nan)
@@ -922,6 +974,8 @@ def _write_draw(logits, iparams, adj_token, raw_saved, lse, out_tokens, out_lps,
         for e in range(iparams[r, I_ADJ_START], iparams[r, I_ADJ_END]):
             if adj_token[e] == bi:
                 raw = raw_saved[e]
+        if iparams[r, I_PENDING] > 0 and r < pend_tok.shape[0] and pend_tok[r] == bi:     # the pending token's new entry
+            raw = pend_raw[r]
         lp = raw - lse[r]
     out_lps[r] = lp
 
@@ -930,25 +984,29 @@ def _write_draw(logits, iparams, adj_token, raw_saved, lse, out_tokens, out_lps,
 
 
 def prepare_rows(logits, fparams, iparams, adj_token, adj_rep, adj_add, raw_saved, lse, top_ids, top_lps,
-                 stream=0) -> None:
+                 pending=None, stream=0) -> None:
     """Logprob statistics of the raw rows, then penalties / bias in place (see the module docstring).
     logits float32 [R, V] (modified); fparams float32 [R, NF]; iparams int32 [R, NI]; adj_token /
     adj_rep int32 [N]; adj_add float32 [N]; raw_saved float32 [N] (out); lse float32 [R] (out);
-    top_ids int32 / top_lps float32 [R, MAX_TOP_LOGPROBS] (out)."""
+    top_ids int32 / top_lps float32 [R, MAX_TOP_LOGPROBS] (out). pending: (the previous step's
+    tokens int32, pend_tok int32 [R] (out), pend_raw float32 [R] (out)), needed when a row has
+    I_PENDING (pending_buffers; sample_rows takes the same)."""
     if logits.shape[0] == 0:
         return
+    src, tok, raw = pending if pending is not None else _no_pending()
     _prepare_rows_kernel[logits.shape[0], THREADS, stream](logits, fparams, iparams, adj_token, adj_rep, adj_add,
-                                                            raw_saved, lse, top_ids, top_lps)
+                                                            raw_saved, lse, top_ids, top_lps, src, tok, raw)
 
 
 def sample_rows(logits, mask, fparams, iparams, adj_token, raw_saved, lse, out_tokens, out_lps, parts=None,
-                chunks: int | None = None, top_p: bool = False, stream=0) -> None:
+                chunks: int | None = None, top_p: bool = False, pending=None, stream=0) -> None:
     """Mask, temperature, top-k / top-p / min-p, Gumbel-max sampling (argmax for greedy rows) and the
     sampled token's raw logprob. mask uint32 [R, ceil(V/32)]; out_tokens int32 [R]; out_lps float32 [R]
     (NaN where the row asked for no logprobs). parts: split_parts' span partials and top-p search
     buffers (None: every row in one block); chunks: the spans a row is cut into (default
     split_chunks); top_p: top-p rows without top-k are split too (three more span passes and scans;
-    the caller knows whether the step has such rows)."""
+    the caller knows whether the step has such rows); pending: prepare_rows' (a pending token's raw
+    logprob)."""
     R, V = logits.shape
     if R == 0:
         return
@@ -968,8 +1026,9 @@ def sample_rows(logits, mask, fparams, iparams, adj_token, raw_saved, lse, out_t
                 _split_find_kernel[R, THREADS, stream](fparams, iparams, hist, state, V, level)
         _split_gumbel_kernel[(R, chunks), SPLIT_THREADS, stream](logits, mask, fparams, iparams, part_max, part_v,
                                                                  part_i, state, chunks, p_on)
+    _, pend_tok, pend_raw = pending if pending is not None else _no_pending()
     _sample_rows_kernel[R, THREADS, stream](logits, mask, fparams, iparams, adj_token, raw_saved, lse,
-                                            out_tokens, out_lps, part_v, part_i, chunks, p_on)
+                                            out_tokens, out_lps, part_v, part_i, chunks, p_on, pend_tok, pend_raw)
 
 
 _NO_PARTS: list = []
@@ -981,6 +1040,23 @@ def _no_parts():
     if not _NO_PARTS:
         _NO_PARTS.extend([cuda.device_array((1, 1), np.float32), cuda.device_array((1, 1), np.int32)])
     return _NO_PARTS[0], _NO_PARTS[1]
+
+
+_NO_PENDING: list = []
+
+
+def _no_pending():
+    """1-element placeholders for the pending arguments of a step without pending rows (made once)."""
+    if not _NO_PENDING:
+        _NO_PENDING.extend([cuda.to_device(np.full(1, -1, np.int32)), cuda.device_array(1, np.int32),
+                            cuda.device_array(1, np.float32)])
+    return tuple(_NO_PENDING)
+
+
+def pending_buffers(tokens, rows: int):
+    """prepare_rows' / sample_rows' `pending` for steps up to `rows` rows whose pending tokens are
+    read from `tokens` (device int32: the previous step's drawn tokens)."""
+    return tokens, cuda.device_array(rows, np.int32), cuda.device_array(rows, np.float32)
 
 
 def split_parts(rows: int):

@@ -13,11 +13,12 @@ NEG_INF = np.float32(-np.inf)
 
 MAX_TOP_LOGPROBS = 20
 # fparams columns
-F_INV_TEMP, F_TOP_P, F_LOG_MIN_P, F_REP = range(4)
-NF = 4
-# iparams columns
-I_TOP_K, I_USE_MASK, I_NUM_LOGPROBS, I_SEED_LO, I_SEED_HI, I_STEP, I_ADJ_START, I_ADJ_END = range(8)
-NI = 8
+F_INV_TEMP, F_TOP_P, F_LOG_MIN_P, F_REP, F_FREQ, F_PRES = range(6)
+NF = 6
+# iparams columns (I_PENDING, I_WINDOW_END: 0 = none, else the value + 1, so zeroed rows have neither)
+(I_TOP_K, I_USE_MASK, I_NUM_LOGPROBS, I_SEED_LO, I_SEED_HI, I_STEP, I_ADJ_START, I_ADJ_END, I_PENDING,
+ I_WINDOW_END) = range(10)
+NI = 10
 _S9 = np.uint64(9)
 _ONE64 = np.uint64(1)
 _TWO_M24 = np.float32(2.0 ** -24)
@@ -63,17 +64,61 @@ def bitmask_allows_ref(mask_row: np.ndarray, V: int) -> np.ndarray:
     bits = np.unpackbits(np.ascontiguousarray(mask_row, dtype=np.uint32).view(np.uint8), bitorder="little")
     return bits[:V].astype(bool)
 
-def apply_adjustments_ref(row: np.ndarray, rep: float, tokens, reps, adds) -> np.ndarray:
-    """Penalties and bias of one row (a new float32 array)."""
+def adj_word(rep_flag: bool, count: int) -> int:
+    """An adj_rep entry: bit 0 the repetition flag (the token is in the penalty window), the bits
+    above it the token's count among the window's generated tokens (frequency / presence)."""
+    return int(count) << 1 | int(bool(rep_flag))
+
+def with_pending_ref(tokens, reps, adds, rep: float, pending: int, window_end: int = -1):
+    """A row's list (tokens, reps, adds) after one more token `pending` (>= 0) in the window: its count
+    + 1 and its repetition flag set (a new entry when it had none); the tool-call END token
+    `window_end` instead empties the window (every entry's flag and count cleared: bias and bans stay)."""
+    t = np.asarray(tokens, dtype=np.int64)
+    w = np.array(reps, dtype=np.int64)
+    a = np.asarray(adds, dtype=np.float32)
+    if pending == window_end:
+        return t, np.zeros_like(w), a
+    flag = int(np.float32(rep) != 1)
+    hit = np.flatnonzero(t == pending)
+    if hit.size:
+        w[hit] = (((w[hit] >> 1) + 1) << 1) | flag
+        return t, w, a
+    return np.append(t, pending), np.append(w, adj_word(flag, 1)), np.append(a, np.float32(0.0))
+
+def apply_adjustments_ref(row: np.ndarray, rep: float, tokens, reps, adds, freq: float = 0.0, pres: float = 0.0,
+                          pending: int = -1, window_end: int = -1) -> np.ndarray:
+    """Penalties and bias of one row (a new float32 array): per entry, the repetition penalty where
+    its flag is set, then + adds - (freq * count + pres) where its count > 0 (reps: adj_word).
+    pending >= 0: a token drawn after the counts were made (with_pending_ref)."""
     x = np.array(row, dtype=np.float32)
+    if pending >= 0:
+        tokens, reps, adds = with_pending_ref(tokens, reps, adds, rep, pending, window_end)
     t = np.asarray(tokens, dtype=np.int64)
     if t.size:
+        w = np.asarray(reps, dtype=np.int64)
         v = x[t]
         rp = np.float32(rep)
         pen = np.where(v > 0, v / rp, v * rp).astype(np.float32)
-        v = np.where(np.asarray(reps) != 0, pen, v)
-        x[t] = v + np.asarray(adds, dtype=np.float32)
+        v = np.where(w & 1 != 0, pen, v)
+        c = (w >> 1).astype(np.float32)
+        a = np.asarray(adds, dtype=np.float32)
+        a = np.where(c > 0, (-(np.float32(freq) * c) - np.float32(pres)) + a, a).astype(np.float32)
+        x[t] = v + a
     return x
+
+def pending_token_ref(p: np.ndarray, pending) -> int:
+    """Row p's (iparams) pending token: the previous step's token it has not counted yet, or -1."""
+    src = int(p[I_PENDING]) - 1
+    if src < 0 or pending is None or src >= len(pending):
+        return -1
+    return int(pending[src])
+
+def adjusted_row_ref(raw: np.ndarray, f: np.ndarray, p: np.ndarray, adj_token, adj_rep, adj_add, pending=None):
+    """Row (fparams f, iparams p) after its adjustments: its slice of the lists, and its pending
+    token from `pending` (the previous step's tokens) where it has one."""
+    a, b = int(p[I_ADJ_START]), int(p[I_ADJ_END])
+    return apply_adjustments_ref(raw, f[F_REP], adj_token[a:b], adj_rep[a:b], adj_add[a:b], f[F_FREQ], f[F_PRES],
+                                 pending_token_ref(p, pending), int(p[I_WINDOW_END]) - 1)
 
 def top_k_key_ref(keys: np.ndarray, k: int) -> np.uint64:
     """The k-th largest key (the top-k threshold), 0 when top-k is off."""
@@ -124,8 +169,9 @@ def logprob_stats_ref(row: np.ndarray, n: int) -> tuple[np.float32, np.ndarray, 
         ids = np.zeros(0, np.int64)
     return lse, ids.astype(np.int32), (x[ids] - lse).astype(np.float32)
 
-def sample_rows_ref(logits, mask, fparams, iparams, adj_token, adj_rep, adj_add):
-    """The whole pipeline (prepare_rows + sample_rows) without touching `logits`.
+def sample_rows_ref(logits, mask, fparams, iparams, adj_token, adj_rep, adj_add, pending=None):
+    """The whole pipeline (prepare_rows + sample_rows) without touching `logits`; pending: the
+    previous step's tokens, which rows with I_PENDING read (adjusted_row_ref).
     Returns tokens int32 [R], logprobs float32 [R] (NaN: not asked), top_ids int32 [R, 20] (-1 pad),
     top_lps float32 [R, 20] (NaN pad)."""
     logits = np.asarray(logits, dtype=np.float32)
@@ -137,8 +183,7 @@ def sample_rows_ref(logits, mask, fparams, iparams, adj_token, adj_rep, adj_add)
     for r in range(R):
         f, p = fparams[r], iparams[r]
         raw = logits[r]
-        a, b = int(p[I_ADJ_START]), int(p[I_ADJ_END])
-        x = apply_adjustments_ref(raw, f[F_REP], adj_token[a:b], adj_rep[a:b], adj_add[a:b])
+        x = adjusted_row_ref(raw, f, p, adj_token, adj_rep, adj_add, pending)
         allowed = bitmask_allows_ref(mask[r], V) if p[I_USE_MASK] else None
         tok = sample_row_ref(x, allowed, f[F_INV_TEMP], int(p[I_TOP_K]), float(f[F_TOP_P]), f[F_LOG_MIN_P],
                              int(np.uint32(p[I_SEED_LO])), int(np.uint32(p[I_SEED_HI])), int(np.uint32(p[I_STEP])))

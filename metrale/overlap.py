@@ -9,11 +9,14 @@ token computed at N+1: it is never emitted, and its KV write lands past the sequ
 blocks (a freed block is reused only by later steps of the same stream).
 
 Decode steps whose rows the device alone can draw run ahead: plain greedy rows (the argmax) and
-sampled rows whose sampling reads nothing the last token changes (temperature, top-k/p, min-p,
-a logit bias; `SamplingState.device_only`), drawn by the device pipeline with the seeded draw
-counter one step further, their tokens copied where the next embedding reads them. Not ahead:
-speculation, recurrent state, penalties, grammars, logprobs, a min_tokens ban, anything waiting
-for admission. Any other step first reads the one in flight and runs synchronously.
+sampled rows whose sampling reads nothing the last token changes but the penalty counts
+(temperature, top-k/p, min-p, a logit bias, repetition / presence / frequency penalties;
+`SamplingState.device_only`), drawn by the device pipeline with the seeded draw counter one step
+further, their tokens copied where the next embedding reads them. A penalized row's counts are
+packed one token short: the pipeline counts the pending token itself, read from the step before's
+drawn tokens (`Sampler.launch_ahead(prev=...)`). Not ahead: speculation, recurrent state, grammars,
+logprobs, a min_tokens ban, anything waiting for admission. Any other step first reads the one in
+flight and runs synchronously.
 """
 from __future__ import annotations
 
@@ -124,10 +127,12 @@ class AheadLoop:
 
     def _launch_rows(self, batch, states, prev, token_src, step_ahead: int):
         """The argmax step when every row is plain greedy, else the logits and the device pipeline
-        (step_ahead 1: the rows' last token is not accepted yet)."""
+        (step_ahead 1: the rows' last token, prev's row token_src, is not accepted yet)."""
         e = self.engine
         backend = e.runner.backend
         if e.sampler.plain_greedy(states):
             return backend.launch_greedy(batch, prev, token_src)
         logits = backend.launch_logits(batch, prev, token_src)
-        return SampledStep(e.sampler, e.sampler.launch_ahead(logits, states, step_ahead, backend.feed_buffer))
+        drawn_before = prev.handle if isinstance(prev, SampledStep) else None    # penalized rows count its tokens
+        return SampledStep(e.sampler, e.sampler.launch_ahead(logits, states, step_ahead, backend.feed_buffer,
+                                                             drawn_before, token_src))

@@ -4,14 +4,19 @@ and the loop really runs ahead."""
 import numpy as np
 import pytest
 
-from fake_model import EOS, fake_engine
-from metrale import SamplingParams
+from fake_model import EOS, VOCAB, FakeBackend, FakeTokenizer, fake_engine
+from metrale import Engine, SamplingParams
 from metrale.overlap import AheadLoop
+from metrale.settings import compose
 
 
 def _params(i: int, mode: str, max_tokens: int, stop) -> SamplingParams:
-    """greedy: every request; sampled: greedy, seeded top-p sampling (device-only rows, ahead) and
-    penalized sampling (rows that need the host: synchronous steps) in turn."""
+    """greedy: every request; sampled: greedy, seeded top-p sampling and penalized sampling (all
+    device-only rows, ahead; the penalized ones count their pending token on the device) in turn;
+    penalized: a penalty mix on every request, greedy or seeded."""
+    if mode == "penalized":
+        kw = PENALIZED[i % len(PENALIZED)]
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0 if i % 2 else 1.1, seed=i, stop_token_ids=stop, **kw)
     if mode == "greedy" or i % 3 == 0:
         return SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=stop)
     if i % 3 == 1:
@@ -22,7 +27,10 @@ def _params(i: int, mode: str, max_tokens: int, stop) -> SamplingParams:
 def _run(overlap: bool, seed: int, num_blocks: int = 256, mode: str = "greedy"):
     """A random workload stepped by hand: requests arrive between steps, a few are aborted."""
     rng = np.random.default_rng(seed)
-    e = fake_engine(num_blocks=num_blocks, **{"levers.overlap": overlap, "scheduler.max_num_seqs": 8})
+    if mode == "penalized":
+        e = _noisy_engine(overlap, ToolTokenizer(), num_blocks)
+    else:
+        e = fake_engine(num_blocks=num_blocks, **{"levers.overlap": overlap, "scheduler.max_num_seqs": 8})
     prompts = [[int(t) for t in rng.integers(1, 60, rng.integers(2, 12))] for _ in range(12)]
     lens = [int(x) for x in rng.integers(1, 40, len(prompts))]
     stop = {i: [int(rng.integers(1, 60))] for i in range(len(prompts)) if i % 3 == 0}
@@ -69,7 +77,7 @@ def test_same_tokens_as_the_synchronous_loop(seed):
 @pytest.mark.parametrize("seed", range(3))
 def test_sampled_rows_same_tokens_as_the_synchronous_loop(seed):
     """Seeded sampling: the rows drawn ahead on the device pipeline (their draw counter one step
-    further) give the synchronous loop's tokens; penalized rows make steps synchronous between."""
+    further, penalized rows counting their pending token) give the synchronous loop's tokens."""
     sync, _, aborted = _run(False, seed, mode="sampled")
     ahead, e, _ = _run(True, seed, mode="sampled")
     _same(ahead, sync, aborted)
@@ -78,11 +86,14 @@ def test_sampled_rows_same_tokens_as_the_synchronous_loop(seed):
 
 def test_only_device_sampled_rows_run_ahead():
     e = fake_engine(num_blocks=64, **{"levers.overlap": True})
-    e.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0.8, top_k=20, seed=3))
-    assert e.ahead.steps_ahead > 0
+    for sp in (SamplingParams(max_tokens=12, temperature=0.8, top_k=20, seed=3),
+               SamplingParams(max_tokens=12, temperature=0.8, repetition_penalty=1.2, seed=3)):
+        e.ahead.steps_ahead = 0
+        e.generate([[5, 6, 7]], sp)
+        assert e.ahead.steps_ahead > 0
     e.ahead.steps_ahead = 0
-    e.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0.8, repetition_penalty=1.2, seed=3))
     e.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0.8, logprobs=2, seed=3))
+    e.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0.8, presence_penalty=0.5, min_tokens=12, seed=3))
     assert e.ahead.steps_ahead == 0
 
 
@@ -114,3 +125,77 @@ def test_real_model_greedy_equal(smollm2):
     finally:
         smollm2.ahead = None
     assert got == want
+
+
+# ---------------------------------------------------------------------- penalized rows ahead
+
+
+class NoisyBackend(FakeBackend):
+    """The fake model with every logit spread (noise seeded by the context's next token and the
+    position), so that penalties change which token is drawn."""
+
+    def forward(self, batch, num_layers=None, return_hidden=False):
+        peak = np.argmax(super().forward(batch), axis=-1)
+        pos = batch.positions[batch.logits_indices]
+        out = np.stack([np.random.default_rng(int(p) * 4099 + int(q)).standard_normal(VOCAB) for p, q in zip(peak, pos)])
+        out[np.arange(peak.size), peak] += 2.0
+        return out.astype(np.float32)
+
+
+class ToolTokenizer(FakeTokenizer):
+    """FakeTokenizer with tool-call markers: 91 (END) empties the penalty window."""
+    ids = {"<tool_call>": 90, "</tool_call>": 91}
+
+    def token_to_id(self, text):
+        return self.ids.get(text)
+
+
+def _noisy_engine(overlap: bool, tokenizer, num_blocks: int = 256):
+    backend = NoisyBackend(num_blocks, 4)
+    cfg = compose(["cache.block_size=4", f"levers.overlap={overlap}", "scheduler.max_num_seqs=8"])
+    return Engine(cfg=cfg, parts=(backend.config, tokenizer, backend))
+
+
+PENALIZED = [dict(repetition_penalty=1.5), dict(frequency_penalty=0.7), dict(presence_penalty=1.2),
+             dict(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5, logit_bias={91: 1.5, 4: 0.5}),
+             dict(repetition_penalty=0.8, frequency_penalty=-0.2, presence_penalty=0.4)]
+
+
+def _penalized_params(max_tokens: int) -> list[SamplingParams]:
+    """Each penalty mix greedy and seeded-sampled, beside an unpenalized greedy and top-p row."""
+    out = [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+           SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=0.9, seed=1, ignore_eos=True)]
+    for j, kw in enumerate(PENALIZED):
+        out.append(SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw))
+        out.append(SamplingParams(max_tokens=max_tokens, temperature=1.2, seed=10 + j, top_k=40, ignore_eos=True, **kw))
+    return out
+
+
+@pytest.mark.parametrize("tokenizer", [FakeTokenizer, ToolTokenizer], ids=["plain", "tool_call_end"])
+def test_penalized_rows_ahead_same_tokens(tokenizer):
+    """Penalized greedy and seeded rows run ahead (their counts one token short, the pending token
+    counted by the pipeline) and give the synchronous loop's tokens; with a tool-call END token drawn
+    now and then, the window restarts at the same step in both."""
+    params = _penalized_params(40)
+    prompts = [[int(t) for t in np.random.default_rng(i).integers(1, 90, 3 + i % 5)] for i in range(len(params))]
+    got = {}
+    for overlap in (False, True):
+        e = _noisy_engine(overlap, tokenizer())
+        got[overlap] = [o.token_ids.tolist() for o in e.generate(prompts, params, use_tqdm=False)]
+        if overlap:
+            assert e.ahead.steps_ahead > 30
+    assert got[True] == got[False]
+    plain = _noisy_engine(False, tokenizer()).generate(
+        prompts, [SamplingParams(**{**p.__dict__, "repetition_penalty": 1.0, "frequency_penalty": 0.0,
+                                    "presence_penalty": 0.0}) for p in params], use_tqdm=False)
+    assert sum(a != o.token_ids.tolist() for a, o in zip(got[False][2:], plain[2:])) >= len(PENALIZED)   # penalties bite
+    if tokenizer is ToolTokenizer:
+        assert sum(91 in ids for ids in got[True][2:]) >= 2          # the window did restart
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_penalized_rows_through_arrivals_and_aborts(seed):
+    sync, _, aborted = _run(False, seed, mode="penalized")
+    ahead, e, _ = _run(True, seed, mode="penalized")
+    _same(ahead, sync, aborted)
+    assert e.ahead.steps_ahead > 0

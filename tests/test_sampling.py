@@ -11,6 +11,7 @@ from kernels_numba import sampling as K
 from metrale import SamplingParams
 from metrale.sampling.fanout import derive_seed, expand, select
 from metrale.sampling.params import InvalidRequestError
+from metrale.sampling.sampler import Sampler
 from metrale.sampling.state import SamplingState, SpecialTokens
 from tests.fake_model import EOS, VOCAB, FakeBackend, FakeTokenizer, fake_engine, next_token
 
@@ -246,8 +247,71 @@ def test_tool_call_end_resets_penalty_window():
     for x in (9, 9, 91, 10):
         st.accept(x)
     t, rep, add = st.adjustments({EOS})
-    assert dict(zip(t.tolist(), add.tolist())) == {10: -0.5, EOS: -np.inf}
-    assert rep.tolist() == [1, 0]
+    assert dict(zip(t.tolist(), add.tolist())) == {10: 0.0, EOS: -np.inf}
+    assert rep.tolist() == [K.adj_word(1, 1), 0]          # 10: in the window, counted once
+    row = np.full(VOCAB, 2.0, np.float32)
+    x = K.apply_adjustments_ref(row, 1.2, t, rep, add, 0.0, 0.5)
+    assert x[10] == np.float32(np.float32(2.0) / np.float32(1.2)) - np.float32(0.5) and x[EOS] == -np.inf
+    assert (np.delete(x, [10, EOS]) == 2.0).all()
+
+
+class _Row:
+    """What the sampler reads of a RequestState."""
+
+    def __init__(self, sampling: SamplingState):
+        self.params, self.sampling, self.eos_masked, self.stop_ids = sampling.params, sampling, False, {EOS}
+
+
+PENDING_PARAMS = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.4), dict(presence_penalty=0.6),
+                  dict(repetition_penalty=0.9, frequency_penalty=-0.3, presence_penalty=0.7, logit_bias={12: 1.0, 40: -2.0, 91: 0.5}),
+                  dict(repetition_penalty=1.2, presence_penalty=0.2, temperature=1.0, seed=3, logit_bias={60: 0.25})]
+# a token counted twice, counted once with a bias, in the prompt's window only, with a bias only, new,
+# the tool-call END token (the window restarts), a think marker
+PENDING_TOKENS = [13, 40, 7, 60, 50, 91, 92]
+
+
+def test_pending_token_reference_equals_the_state_after_it():
+    """A penalized row packed a step ahead (its counts lack the previous step's token, which the
+    pipeline counts: I_PENDING) gives the adjusted logits and the token of the row packed from the
+    state that accepted that token."""
+    tok = SpecialTokenizer()
+    rng = np.random.default_rng(4)
+    ahead, after, want_pending = [], [], []
+    for kw in PENDING_PARAMS:
+        p = SamplingParams(**{"temperature": 0.0, **kw})
+        for t in PENDING_TOKENS:
+            st = SamplingState(p, [5, 6, 91, 7, 8, 7, 30], tok, (EOS,))
+            for x in (12, 13, 13, 40, 8):
+                st.accept(x)
+            full = st.fork()
+            full.accept(t)
+            ahead.append(_Row(st))
+            after.append(_Row(full))
+            want_pending.append(t)
+    R = len(ahead)
+    src = rng.permutation(R + 2)[:R].astype(np.int32)          # each row's row in the previous step
+    prev = rng.integers(0, VOCAB, R + 2).astype(np.int32)
+    prev[src] = want_pending
+    sampler = Sampler(None, VOCAB)
+    a = sampler.pack(ahead, None, step_ahead=1, src=src)
+    b = sampler.pack(after, None)
+    assert a.pending and (a.iparams[:, K.I_PENDING] == src + 1).all() and not b.pending
+    np.testing.assert_array_equal(a.iparams[:, K.I_STEP], b.iparams[:, K.I_STEP])
+    logits = (rng.standard_normal((R, VOCAB)) * 2).astype(np.float32)
+    for r in range(R):
+        x = K.adjusted_row_ref(logits[r], a.fparams[r], a.iparams[r], a.adj_token, a.adj_rep, a.adj_add, prev)
+        y = K.adjusted_row_ref(logits[r], b.fparams[r], b.iparams[r], b.adj_token, b.adj_rep, b.adj_add)
+        np.testing.assert_array_equal(x, y, err_msg=f"row {r}")
+        stale = K.adjusted_row_ref(logits[r], a.fparams[r], a.iparams[r], a.adj_token, a.adj_rep, a.adj_add)
+        p, t = after[r].params, want_pending[r]
+        # the pending token matters, but where a token already penalized gets no frequency term
+        same = p.frequency_penalty == 0 and (t in (13, 40) or (t == 7 and p.presence_penalty == 0))
+        assert np.array_equal(stale, y) == same, f"row {r}"
+    mask = np.zeros((R, 1), np.uint32)
+    got = K.sample_rows_ref(logits, mask, a.fparams, a.iparams, a.adj_token, a.adj_rep, a.adj_add, prev)
+    want = K.sample_rows_ref(logits, mask, b.fparams, b.iparams, b.adj_token, b.adj_rep, b.adj_add)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
 
 
 def test_n_best_of_helpers():

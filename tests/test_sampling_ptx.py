@@ -21,7 +21,9 @@ F32_2, I32_2, U32_2 = (types.Array(types.float32, 2, "C"), types.Array(types.int
 from ptx_util import no_gpu_needed, ptx_of  # noqa: E402,F401  (autouse fixture)
 
 
-SAMPLE_SIG = (F32_2, U32_2, F32_2, I32_2, I32_1, F32_1, F32_1, I32_1, F32_1, F32_2, I32_2, types.int64, types.int64)
+SAMPLE_SIG = (F32_2, U32_2, F32_2, I32_2, I32_1, F32_1, F32_1, I32_1, F32_1, F32_2, I32_2, types.int64, types.int64,
+              I32_1, F32_1)
+PREPARE_SIG = (F32_2, F32_2, I32_2, I32_1, I32_1, F32_1, F32_1, F32_1, I32_2, F32_2, I32_1, I32_1, F32_1)
 U64_2, I64_2 = types.Array(types.uint64, 2, "C"), types.Array(types.int64, 2, "C")
 
 
@@ -43,7 +45,7 @@ def sample_rows_ptx():
 
 def test_prepare_rows_compiles():
     from kernels_numba import sampling as S
-    body = _body(S._prepare_rows_kernel, (F32_2, F32_2, I32_2, I32_1, I32_1, F32_1, F32_1, F32_1, I32_2, F32_2))
+    body = _body(S._prepare_rows_kernel, PREPARE_SIG)
     assert "shfl.sync.bfly.b32" in body
     assert "lg2.approx" in body or "ex2.approx" in body     # libdevice exp/log
 
@@ -88,7 +90,7 @@ def test_row_kernels_fit_a_1024_thread_block():
     from ptx_util import registers_with_bound
     from kernels_numba import sampling as S
     for k, sig in [(S._sample_rows_kernel, SAMPLE_SIG),
-                   (S._prepare_rows_kernel, (F32_2, F32_2, I32_2, I32_1, I32_1, F32_1, F32_1, F32_1, I32_2, F32_2))]:
+                   (S._prepare_rows_kernel, PREPARE_SIG)]:
         ptx, regs = registers_with_bound(k, sig, S.THREADS)
         assert ".maxntid 1024" in ptx
         assert regs is None or regs <= 64, regs

@@ -7,10 +7,16 @@ prefix a step uses, and one output buffer (tokens | logprobs | top ids | top log
 with one transfer. The kernels themselves allocate nothing.
 
 A step's layout depends only on (rows, list length, mask words, logits buffer, whether top-p rows
-are split): the device views of that layout are built once, and with `graphs` the kernels of a
-layout without adjustments are captured once as a CUDA graph and replayed (two Numba launches and their argument marshalling
-cost more host time than a small model's decode step leaves; a layout with adjustments runs eagerly,
-since a capture's warm-up would apply them to the logits twice).
+are split, whether a row has a pending token): the device views of that layout are built once, and
+with `graphs` the kernels of a layout without adjustments are captured once as a CUDA graph and
+replayed (two Numba launches and their argument marshalling cost more host time than a small
+model's decode step leaves; a layout with adjustments or pending tokens runs eagerly, since a
+capture's warm-up would apply them to the logits twice).
+
+Pending tokens (the loop a step ahead, metrale/overlap.py): a penalized row packed before the
+previous step's token was read names that step's row (iparams I_PENDING); prepare_rows reads the
+token from this pipeline's own output (the previous launch's tokens, which the next sample_rows
+overwrites only after prepare_rows has read them) and counts it (kernels_numba/sampling.py).
 """
 from __future__ import annotations
 
@@ -27,10 +33,17 @@ log = logging.getLogger("metrale.sampling")
 
 TOP = K.MAX_TOP_LOGPROBS
 MAX_ADJ_LAYOUTS = 64    # layouts with adjustments kept (their list length changes nearly every step)
+ADJ_SLOTS = 256         # a layout's list spans hold a multiple of this (a penalized row's list grows each step)
 
 
 def _ptr(array) -> int:
     return array.__cuda_array_interface__["data"][0]
+
+
+def list_slots(n: int) -> int:
+    """The entries a layout's list spans hold for a step of n (the rows read only their slices, so
+    the slots past n are never read: a growing list keeps its layout for ADJ_SLOTS entries)."""
+    return -(-n // ADJ_SLOTS) * ADJ_SLOTS
 
 
 def device_logits(backend, batch):
@@ -83,12 +96,21 @@ class _Layout:
         self.graph: CudaGraph | None = None
 
 
+def _pack_inputs(h: np.ndarray, spans: dict, rows, mask: np.ndarray) -> None:
+    """The step's inputs into the staging buffer h at the layout's spans (the lists: their prefix)."""
+    for name, values in (("i", rows.iparams.ravel()), ("f", rows.fparams.ravel().view(np.int32)),
+                         ("tok", rows.adj_token), ("rep", rows.adj_rep), ("add", rows.adj_add.view(np.int32)),
+                         ("mask", np.ascontiguousarray(mask, np.uint32).ravel().view(np.int32))):
+        a = spans[name][0]
+        h[a:a + values.size] = values
+
+
 class DevicePipeline:
     def __init__(self, backend, vocab_size: int, graphs: bool = True, split: bool = True):
         self.stream = backend.stream
         self.graphs = graphs
         self._layouts: dict[tuple, _Layout] = {}
-        self._adj_layouts = 0           # how many of them have adjustments (N > 0: never captured)
+        self._adj_layouts = 0           # how many of them run eagerly (adjustments or pending tokens)
         self.words = -(-vocab_size // 32)
         self.max_rows = int(backend.max_rows)
         self.capacity = 0
@@ -100,6 +122,8 @@ class DevicePipeline:
         self.events = [Event(timing=False) for _ in range(2)]
         self.lse = cuda.device_array(R, np.float32)
         self.parts = K.split_parts(R) if split else None       # the split rows' span partials
+        self.pending = K.pending_buffers(self.out_dev[:R], R)  # pending tokens: the last launch's
+        self._last: PendingDraw | None = None
 
     def _alloc(self, capacity: int) -> None:
         """Two pinned staging buffers: a step queued ahead packs into one while the other's copy
@@ -120,38 +144,37 @@ class DevicePipeline:
     def run(self, logits, mask: np.ndarray, rows):
         return self.launch(logits, mask, rows).result()
 
-    def launch(self, logits, mask: np.ndarray, rows, feed=None) -> PendingDraw:
+    def launch(self, logits, mask: np.ndarray, rows, feed=None, after: PendingDraw | None = None) -> PendingDraw:
         """Queues the pipeline over `logits` on the backend's stream; feed: a device int32 array the
-        drawn tokens are copied into as well (the next step's embedding reads them there)."""
-        R, N = rows.fparams.shape[0], rows.adj_token.size
+        drawn tokens are copied into as well (the next step's embedding reads them there); after:
+        the step whose tokens rows with a pending token name (it must be the last one launched)."""
+        R, N = rows.fparams.shape[0], list_slots(rows.adj_token.size)
         if R > self.max_rows:
             raise ValueError(f"{R} sampling rows exceed the device sampler's {self.max_rows}")
+        if rows.pending and (after is None or after is not self._last):
+            raise RuntimeError("pending tokens are read from the step launched just before")
         if N > self.capacity:
             self._alloc(max(N, 2 * self.capacity))
         turn = self._turn
         self._turn ^= 1
         W = mask.shape[1]
         top_p = self.parts is not None and K.top_p_split_rows(rows.fparams, rows.iparams, logits.shape[1])
-        key = (R, N, W, _ptr(logits), logits.shape[0], top_p)
+        eager = bool(N or rows.pending)      # never captured: its adjustments change the logits
+        key = (R, N, W, _ptr(logits), logits.shape[0], top_p, rows.pending)
         lay = self._layouts.get(key)
         if lay is None:
-            if N and self._adj_layouts >= MAX_ADJ_LAYOUTS:
+            if eager and self._adj_layouts >= MAX_ADJ_LAYOUTS:
                 # penalty / bias lists change length nearly every step: without a bound the cache
                 # would keep a layout per (rows, length) seen, for the process's life
-                self._layouts = {k: v for k, v in self._layouts.items() if k[1] == 0}
+                self._layouts = {k: v for k, v in self._layouts.items() if k[1] == 0 and not k[-1]}
                 self._adj_layouts = 0
             lay = self._layouts[key] = _Layout(self, logits, R, N, W, top_p)
-            self._adj_layouts += N > 0
-        h, sp = self.in_hosts[turn], lay.spans
-        h[slice(*sp["i"])] = rows.iparams.ravel()
-        h[slice(*sp["f"])] = rows.fparams.ravel().view(np.int32)
-        h[slice(*sp["tok"])] = rows.adj_token
-        h[slice(*sp["rep"])] = rows.adj_rep
-        h[slice(*sp["add"])] = rows.adj_add.view(np.int32)
-        h[slice(*sp["mask"])] = np.ascontiguousarray(mask, np.uint32).ravel().view(np.int32)
+            self._adj_layouts += eager
+        h = self.in_hosts[turn]
+        _pack_inputs(h, lay.spans, rows, mask)
         s = self.stream
         cu("cuMemcpyHtoDAsync", _ptr(self.in_dev), h.ctypes.data, lay.words * 4, s.handle)
-        if self.graphs and N == 0 and lay.graph is None:
+        if self.graphs and not eager and lay.graph is None:
             lay.graph = self._capture(lay)
         if lay.graph is not None:
             lay.graph.replay()
@@ -164,7 +187,8 @@ class DevicePipeline:
         host = self.out_hosts[turn]
         cu("cuMemcpyDtoHAsync", host.ctypes.data, _ptr(o), n_out * 4, s.handle)
         self.events[turn].record(s)
-        return PendingDraw(host, self.events[turn], R)
+        self._last = PendingDraw(host, self.events[turn], R)
+        return self._last
 
     def _capture(self, lay: _Layout) -> CudaGraph | None:
         """The layout's two kernels as a graph; None (and eager from now on) if the capture fails,
@@ -179,5 +203,5 @@ class DevicePipeline:
 
     def _kernels(self, lay: _Layout) -> None:
         st = self.stream.numba
-        K.prepare_rows(*lay.prepare_args, stream=st)
-        K.sample_rows(*lay.sample_args, parts=self.parts, top_p=lay.top_p, stream=st)
+        K.prepare_rows(*lay.prepare_args, pending=self.pending, stream=st)
+        K.sample_rows(*lay.sample_args, parts=self.parts, top_p=lay.top_p, pending=self.pending, stream=st)

@@ -43,6 +43,7 @@ class PackedRows:
         self.adj_token = self.adj_rep = np.zeros(0, np.int32)
         self.adj_add = np.zeros(0, np.float32)
         self.forced: list[int | None] = [None] * R
+        self.pending = False        # a row counts a token of the previous step (iparams I_PENDING)
 
     def mask_rows(self) -> np.ndarray:
         if self.mask is None:
@@ -123,9 +124,11 @@ class Sampler:
             st.sampling.accept(int(t))
         return tokens
 
-    def pack(self, states, grammar_masks: np.ndarray | None, step_ahead: int = 0) -> PackedRows:
+    def pack(self, states, grammar_masks: np.ndarray | None, step_ahead: int = 0,
+             src: np.ndarray | None = None) -> PackedRows:
         """The rows' sampling inputs; step_ahead 1 packs the step after the one whose token is not
-        accepted yet (the loop ahead: the seeded draw counter one further)."""
+        accepted yet (the loop ahead: the seeded draw counter one further), src[r] the row of that
+        step holding row r's token, which its penalty counts lack (I_PENDING: the pipeline counts it)."""
         R = len(states)
         rows = PackedRows(R, self.words)
         f, i = rows.fparams, rows.iparams
@@ -138,6 +141,13 @@ class Sampler:
             min_p = max(p.min_p, self.min_p_floor)
             f[r, K.F_LOG_MIN_P] = math.log(min_p) if min_p > 0 else -np.inf
             f[r, K.F_REP] = p.repetition_penalty
+            f[r, K.F_FREQ] = p.frequency_penalty
+            f[r, K.F_PRES] = p.presence_penalty
+            if ss.penalized:
+                i[r, K.I_WINDOW_END] = ss.window_end() + 1
+                if src is not None:
+                    i[r, K.I_PENDING] = int(src[r]) + 1
+                    rows.pending = True
             i[r, K.I_TOP_K] = p.top_k
             i[r, K.I_NUM_LOGPROBS] = min(int(p.logprobs), K.MAX_TOP_LOGPROBS) if ss.want_logprobs else -1
             i[r, K.I_SEED_LO] = np.uint32(ss.seed_lo).view(np.int32)
@@ -188,23 +198,29 @@ class Sampler:
         return all(st.always_device_drawn or st.sampling.plain_greedy(st.eos_masked)
                    or st.sampling.device_only(st.eos_masked) for st in states)
 
-    def launch_ahead(self, logits, states, step_ahead: int, feed=None):
+    def launch_ahead(self, logits, states, step_ahead: int, feed=None, prev=None, src: np.ndarray | None = None):
         """The pipeline over device-only rows, queued without waiting; `ahead_drawn(handle)` gives
-        their Drawn. feed: where the drawn tokens are copied on the device for the next step."""
-        rows = self.pack(states, None, step_ahead)
-        return states, rows, self._launch(logits, rows, feed)
+        their Drawn. feed: where the drawn tokens are copied on the device for the next step. prev:
+        the handle (launch_ahead's) of the step launched just before, whose tokens (its rows src[r])
+        the states have not accepted yet: penalized rows count them in the pipeline."""
+        if src is not None and prev is None and any(st.sampling.penalized for st in states):
+            raise ValueError("penalized rows a step ahead need the step before drawn by this sampler")
+        rows = self.pack(states, None, step_ahead, src if prev is not None else None)
+        return states, rows, self._launch(logits, rows, feed, prev[2] if prev is not None else None)
 
     def ahead_drawn(self, handle) -> list["Drawn"]:
         states, rows, pending = handle
         return self.drawn(states, rows, pending.result())
 
-    def _launch(self, logits, rows: PackedRows, feed):
+    def _launch(self, logits, rows: PackedRows, feed, after=None):
+        """The pipeline over the packed rows; after: the launched step whose tokens pending rows count."""
         R = rows.fparams.shape[0]
         mask = rows.mask if rows.mask is not None else np.zeros((R, 1), np.uint32)
         if self.device is not None:
-            return self.device.launch(logits, mask, rows, feed)
+            return self.device.launch(logits, mask, rows, feed, after)
+        pending = after.result()[0] if rows.pending else None
         out = K.sample_rows_ref(np.asarray(logits)[:R], mask, rows.fparams, rows.iparams, rows.adj_token,
-                                rows.adj_rep, rows.adj_add)
+                                rows.adj_rep, rows.adj_add, pending)
         return _Computed(out)
 
     def drawn(self, states, rows: PackedRows, outputs) -> list["Drawn"]:
@@ -235,8 +251,7 @@ class Sampler:
         row = logits[r:r + 1]
         raw = np.asarray(row.copy_to_host() if hasattr(row, "copy_to_host") else row, dtype=np.float32)[0]
         f, i = rows.fparams[r], rows.iparams[r]
-        a, b = int(i[K.I_ADJ_START]), int(i[K.I_ADJ_END])
-        x = K.apply_adjustments_ref(raw, f[K.F_REP], rows.adj_token[a:b], rows.adj_rep[a:b], rows.adj_add[a:b])
+        x = K.adjusted_row_ref(raw, f, i, rows.adj_token, rows.adj_rep, rows.adj_add)
         if i[K.I_USE_MASK]:
             x = np.where(K.bitmask_allows_ref(rows.mask[r], x.size), x, K.NEG_INF)
         probs = filtered_probs_ref(x, float(f[K.F_INV_TEMP]), int(i[K.I_TOP_K]), float(f[K.F_TOP_P]),

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kernels_numba.sampling_ref import adj_word
 from metrale.sampling.params import SamplingParams
 
 TOOL_CALL_TOKENS = (("<tool_call>", "</tool_call>"), ("<|tool_call_start|>", "<|tool_call_end|>"),
@@ -133,25 +134,30 @@ class SamplingState:
 
     def device_only(self, eos_masked: bool) -> bool:
         """The device pipeline alone draws this row's next tokens: nothing it reads changes with the
-        tokens drawn (no penalty counts, min_tokens ban, grammar, forced token or logprobs), so a
-        step may be queued before the last one's token is read (metrale/overlap.py)."""
+        tokens drawn but the penalty counts, which the pipeline brings up to date itself with the
+        one token not yet accepted (kernels_numba/sampling.py, pending tokens); no min_tokens ban,
+        grammar, forced token or logprobs. So a step may be queued before the last one's token is
+        read (metrale/overlap.py)."""
         p = self.params
-        return (not self.penalized and not eos_masked and self.grammar is None and not p.require_tool_call
+        return (not eos_masked and self.grammar is None and not p.require_tool_call
                 and not self.want_logprobs and not self.wants_prompt_logprobs)
 
     def adjustments(self, banned: set[int] | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(token ids, repetition flags, additive terms) of this row's sparse adjustments."""
+        """(token ids, adj_rep words, additive terms) of this row's sparse adjustments: a word holds
+        the repetition flag and the token's count in the window (sampling_ref.adj_word; the device
+        subtracts frequency * count + presence), an additive term the logit_bias or -inf for a ban."""
         p = self.params
         add: dict[int, float] = {}
         rep: dict[int, int] = {}
         if self.penalized:
-            if p.repetition_penalty != 1.0:
+            flag = int(p.repetition_penalty != 1.0)
+            if flag:
                 for t in self.window_prompt.tolist():
                     rep[t] = 1
                     add[t] = 0.0
             for t, c in self.counts.items():
-                rep[t] = 1 if p.repetition_penalty != 1.0 else 0
-                add[t] = -(np.float32(p.frequency_penalty) * np.float32(c)) - np.float32(p.presence_penalty)
+                rep[t] = adj_word(flag, c)
+                add[t] = 0.0
         for t, b in (p.logit_bias or {}).items():
             add[int(t)] = add.get(int(t), 0.0) + float(b)
             rep.setdefault(int(t), 0)
@@ -163,6 +169,11 @@ class SamplingState:
         toks = np.fromiter(add.keys(), dtype=np.int32, count=len(add))
         return (toks, np.fromiter((rep[t] for t in add), dtype=np.int32, count=len(add)),
                 np.fromiter(add.values(), dtype=np.float32, count=len(add)))
+
+    def window_end(self) -> int:
+        """The token that empties the penalty window (the tool-call END token), -1 if none."""
+        t = self.special.tool_call_end_token_id
+        return -1 if t is None else int(t)
 
     def fork(self) -> "SamplingState":
         """A look-ahead copy: accept() on it leaves this state as it is (penalty counts copied, the

@@ -155,7 +155,7 @@ def _rows(rng, V, specs, dist="normal"):
     f = np.zeros((R, S.NF), np.float32)
     i = np.zeros((R, S.NI), np.int32)
     for r, (inv_t, k, p, lmp, um) in enumerate(specs):
-        f[r] = inv_t, p, lmp, 1.0
+        f[r, :4] = inv_t, p, lmp, 1.0              # F_INV_TEMP, F_TOP_P, F_LOG_MIN_P, F_REP
         i[r, S.I_TOP_K], i[r, S.I_USE_MASK], i[r, S.I_NUM_LOGPROBS] = k, um, -1
     i[:, S.I_SEED_LO] = rng.integers(-2**31, 2**31, R)
     i[:, S.I_SEED_HI] = rng.integers(-2**31, 2**31, R)
