@@ -40,11 +40,12 @@ from kernels_numba.quant_gemv import _load_generated, kq_scale_min, q4_ops, sbyt
 from kernels_numba.quant_layout import Q4_K, Q6_K
 from kernels_numba.quant_ptx import h2f, ldg_b2, ldg_b4, ldg_b8, ldg_b16, mma_u8s8, rni, shfl_xor_i32, stg_u16x8
 
-__all__ = ["TYPES", "MAX_T", "quantize_x", "gemv", "gemv_mq", "x_buffers", "supports", "repack_mq", "mq_nbytes",
+__all__ = ["TYPES", "MAX_T", "MAX_TILED_T", "n_tiles", "quantize_x", "gemv", "gemv_mq", "x_buffers", "supports", "repack_mq", "mq_nbytes",
            "dequant_mq_ref", "dequant_mq_bf16"]
 
 TYPES = (Q4_K, Q6_K)
-MAX_T = 8
+MAX_T = 8           # rows of the planes' Q4_K kernel
+MAX_TILED_T = 64    # rows of the fragment layout's and Q6_K's kernels (8 n-tiles of 8 rows)
 WARPS = 8           # a block's warps (each a slice of the super-blocks)
 TILES = 1           # 16-row tiles a warp takes
 BLOCKS = 0          # launch bound: blocks a multiprocessor (0: none)
@@ -71,11 +72,12 @@ def supports(qtype: int, K: int) -> bool:
 # ----------------------------------------------------------------------------- x -> int8 fragments
 def _quantize(x, T, xq, xsc):
     gi = cuda.blockIdx.x
+    u = cuda.blockIdx.y             # n-tile
     tid = cuda.threadIdx.x
-    n = tid >> 5                    # token (row of x)
+    n = tid >> 5                    # token (row of x) in the n-tile
     v = tid & 31                    # value of the group
     grid_wait()
-    val = x[n, gi * 32 + v] if n < T else float32(0.0)
+    val = x[8 * u + n, gi * 32 + v] if 8 * u + n < T else float32(0.0)
     a = abs(val)
     for off in (1, 2, 4, 8, 16):
         a = max(a, shfl_xor_f32(a, off))
@@ -87,12 +89,12 @@ def _quantize(x, T, xq, xsc):
     s0 = s                          # lane 0: the sum of values 0..15 (Q6_K's first half)
     s = int32(s + shfl_xor_i32(s, 16))
     c = (v & 15) >> 2
-    xq[gi >> 1, ((n * 4 + c) << 4) + ((gi & 1) << 3) + ((v >> 4) << 2) + (v & 3)] = uint32(q) & uint32(255)
+    xq[gi >> 1, 512 * u + ((n * 4 + c) << 4) + ((gi & 1) << 3) + ((v >> 4) << 2) + (v & 3)] = uint32(q) & uint32(255)
     if v == 0:
         d8 = a / float32(127.0)
-        xsc[gi, 2 * n] = d8
-        xsc[gi, 2 * n + 1] = d8 * float32(s)
-        xsc[gi, 16 + n] = d8 * float32(s0)
+        xsc[gi, 24 * u + 2 * n] = d8
+        xsc[gi, 24 * u + 2 * n + 1] = d8 * float32(s)
+        xsc[gi, 24 * u + 16 + n] = d8 * float32(s0)
 
 
 _QUANTIZE: list = []
@@ -108,11 +110,13 @@ def _quantize_kernel():
     return _QUANTIZE[0]
 
 
-def quantize_x(x, T: int, xq, xsc, stream=0) -> None:
-    """xq / xsc as the module docstring says, for the K = 32 G columns of x's first T rows."""
+def quantize_x(x, T: int, xq, xsc, stream=0, tiles: int = 1) -> None:
+    """xq / xsc as the module docstring says, for the K = 32 G columns of x's first T rows, in
+    `tiles` n-tiles of 8 rows (n-tile u at xq columns 512 u.., xsc columns 24 u..)."""
     G = x.shape[1] // 32
-    assert 1 <= T <= MAX_T and x.shape[0] >= T and 2 * xq.shape[0] >= G and xsc.shape[0] >= G
-    _quantize_kernel()[G, 256, stream](x, T, xq, xsc)
+    assert 1 <= T <= 8 * tiles and x.shape[0] >= T and 2 * xq.shape[0] >= G and xsc.shape[0] >= G
+    assert xq.shape[1] >= 512 * tiles and xsc.shape[1] >= 24 * tiles
+    _quantize_kernel()[(G, tiles), 256, stream](x, T, xq, xsc)
 
 
 _XBUF: dict = {}
@@ -125,7 +129,9 @@ def x_buffers(K: int):
     have = _XBUF.get("K", 0)
     if K > have:
         G = K // 32
-        _XBUF.update(K=K, xq=cuda.device_array((G // 2, 512), np.uint8), xsc=cuda.device_array((G, 24), np.float32))
+        T8 = MAX_TILED_T // 8
+        _XBUF.update(K=K, xq=cuda.device_array((G // 2, 512 * T8), np.uint8),
+                     xsc=cuda.device_array((G, 24 * T8), np.float32))
     return _XBUF["xq"], _XBUF["xsc"]
 
 
@@ -197,77 +203,101 @@ def _source(W: int, has_bias: bool, has_res: bool, R: int = 1) -> str:
     return "\n".join(L) + "\n"
 
 
-def _source_mq(W: int, has_bias: bool, has_res: bool) -> str:
-    """The kernel on the fragment layout, a super-block's loads first, its 8 groups written out."""
+def _epilogue(emit, W: int, NT: int, accs: list, has_bias: bool, has_res: bool) -> None:
+    """The warps' sums through shared memory [warp][16 rows][8 NT tokens], then out. accs[u]: the
+    lane's (row g token 2c, row g token 2c + 1, row g + 8 token 2c, row g + 8 token 2c + 1) of n-tile u."""
+    RB, TW = 128 * NT, 8 * NT
+    emit(1, f"sm = cuda.shared.array({W * RB}, float32)")
+    emit(1, f"b = warp * {RB} + g * {TW} + 2 * c")
+    for u, (a0, a1, a2, a3) in enumerate(accs):
+        for off, v in ((0, a0), (1, a1), (8 * TW, a2), (8 * TW + 1, a3)):
+            emit(1, f"sm[b + {off + 8 * u}] = {v}")
+    emit(1, "cuda.syncthreads()")
+    emit(1, f"for q in range(tid, {RB}, {32 * W}):")
+    emit(2, "a = sm[q]")
+    for w in range(1, W):
+        emit(2, f"a += sm[{w * RB} + q]")
+    emit(2, f"n = row0 + q // {TW}")
+    emit(2, f"t = q % {TW}")
+    emit(2, "if t < T and n < N:")
+    emit(3, "col = n_off + n")
+    emit(3, "out[t, col] = a" + (" + bias[col]" if has_bias else "") + (" + res[t, col]" if has_res else ""))
+
+
+def _source_mq(W: int, has_bias: bool, has_res: bool, NT: int = 1) -> str:
+    """The kernel on the fragment layout, a super-block's weight loads first, its 8 groups written
+    out; NT n-tiles of 8 rows of x (up to 8 NT rows), each group's codes decoded once for all."""
     L = []
 
     def emit(ind, line):
         L.append("    " * ind + line)
 
+    UU = range(NT)
     emit(0, "def gemv(xq, xsc, mq, ms, out, bias, res, n_off, T, N):")
     for ln in ("NSB = ms.shape[1] >> 8", "tid = cuda.threadIdx.x", "lane = tid & 31", "warp = tid >> 5",
                "g = lane >> 2", "c = lane & 3", "tile = cuda.blockIdx.x", "row0 = tile * 16", "cw = c << 2",
-               "lo = lane << 4", "acc0 = float32(0.0)", "acc1 = float32(0.0)", "acc2 = float32(0.0)",
-               "acc3 = float32(0.0)", "grid_wait()", f"for s in range(warp, NSB, {W}):"):
+               "lo = lane << 4", "grid_wait()"):
         emit(1, ln)
+    for u in UU:
+        for k in range(4):
+            emit(1, f"acc{u}_{k} = float32(0.0)")
+    emit(1, f"for s in range(warp, NSB, {W}):")
     emit(2, "hg0, hg1, hg2, hg3 = ldg_b16(ms, tile, (s << 8) + (g << 4))")
     emit(2, "hh0, hh1, hh2, hh3 = ldg_b16(ms, tile, (s << 8) + ((g + 8) << 4))")
     for jp in range(4):
         emit(2, f"q{jp}_0, q{jp}_1, q{jp}_2, q{jp}_3 = ldg_b16(mq, tile, ((((s << 2) + {jp}) << 9)) + lo)")
-    for jp in range(4):
-        emit(2, f"x{jp}_0, x{jp}_1, x{jp}_2, x{jp}_3 = ldg_b16(xq, (s << 2) + {jp}, lo)")
-    for j in range(8):
-        emit(2, f"xs{j} = ldg_f32x4(xsc, 8 * s + {j}, cw)")
     emit(2, "dg = h2f(hg0 & MASK16)")
     emit(2, "mg = h2f(hg0 >> U16)")
     emit(2, "dh = h2f(hh0 & MASK16)")
     emit(2, "mh = h2f(hh0 >> U16)")
     emit(2, "sg0, sg1, ng0, ng1 = kq_scale_words(hg1, hg2, hg3)")
     emit(2, "sh0, sh1, nh0, nh1 = kq_scale_words(hh1, hh2, hh3)")
-    for j in range(8):
-        jp, e = j >> 1, 2 * (j & 1)
-        wg, wh, xa, xb = f"q{jp}_{e}", f"q{jp}_{e + 1}", f"x{jp}_{e}", f"x{jp}_{e + 1}"
-        emit(2, f"d0, d1, d2, d3 = mma_u8s8({wg} & M4, {wh} & M4, ({wg} >> U4) & M4, ({wh} >> U4) & M4, {xa}, {xb})")
-        byte = lambda w: f"float32(({w}{j >> 2} >> uint32({8 * (j & 3)})) & uint32(255))"  # noqa: E731
-        emit(2, f"fsg = dg * {byte('sg')}")
-        emit(2, f"fmg = mg * {byte('ng')}")
-        emit(2, f"fsh = dh * {byte('sh')}")
-        emit(2, f"fmh = mh * {byte('nh')}")
-        emit(2, f"acc0 += fsg * xs{j}[0] * float32(d0) - fmg * xs{j}[1]")
-        emit(2, f"acc1 += fsg * xs{j}[2] * float32(d1) - fmg * xs{j}[3]")
-        emit(2, f"acc2 += fsh * xs{j}[0] * float32(d2) - fmh * xs{j}[1]")
-        emit(2, f"acc3 += fsh * xs{j}[2] * float32(d3) - fmh * xs{j}[3]")
-    for ln in (f"sm = cuda.shared.array({W * 128}, float32)", "b = warp * 128 + g * 8 + 2 * c",
-               "sm[b] = acc0", "sm[b + 1] = acc1", "sm[b + 64] = acc2", "sm[b + 65] = acc3",
-               "cuda.syncthreads()", f"for q in range(tid, 128, {32 * W}):"):
-        emit(1, ln)
-    emit(2, "a = sm[q]")
-    for w in range(1, W):
-        emit(2, f"a += sm[{w * 128} + q]")
-    emit(2, "n = row0 + (q >> 3)")
-    emit(2, "t = q & 7")
-    emit(2, "if t < T and n < N:")
-    emit(3, "col = n_off + n")
-    emit(3, "out[t, col] = a" + (" + bias[col]" if has_bias else "") + (" + res[t, col]" if has_res else ""))
+    for jp in range(4):
+        for u in UU:
+            emit(2, f"x{u}_0, x{u}_1, x{u}_2, x{u}_3 = ldg_b16(xq, (s << 2) + {jp}, {512 * u} + lo)")
+        for e in (0, 2):
+            j = 2 * jp + e // 2
+            wg, wh = f"q{jp}_{e}", f"q{jp}_{e + 1}"
+            emit(2, f"a0 = {wg} & M4")
+            emit(2, f"a1 = {wh} & M4")
+            emit(2, f"a2 = ({wg} >> U4) & M4")
+            emit(2, f"a3 = ({wh} >> U4) & M4")
+            byte = lambda w: f"float32(({w}{j >> 2} >> uint32({8 * (j & 3)})) & uint32(255))"  # noqa: E731
+            emit(2, f"fsg = dg * {byte('sg')}")
+            emit(2, f"fmg = mg * {byte('ng')}")
+            emit(2, f"fsh = dh * {byte('sh')}")
+            emit(2, f"fmh = mh * {byte('nh')}")
+            for u in UU:
+                emit(2, f"xs = ldg_f32x4(xsc, 8 * s + {j}, {24 * u} + cw)")
+                emit(2, f"d0, d1, d2, d3 = mma_u8s8(a0, a1, a2, a3, x{u}_{e}, x{u}_{e + 1})")
+                emit(2, f"acc{u}_0 += fsg * xs[0] * float32(d0) - fmg * xs[1]")
+                emit(2, f"acc{u}_1 += fsg * xs[2] * float32(d1) - fmg * xs[3]")
+                emit(2, f"acc{u}_2 += fsh * xs[0] * float32(d2) - fmh * xs[1]")
+                emit(2, f"acc{u}_3 += fsh * xs[2] * float32(d3) - fmh * xs[3]")
+    _epilogue(emit, W, NT, [tuple(f"acc{u}_{k}" for k in range(4)) for u in UU], has_bias, has_res)
     return "\n".join(L) + "\n"
 
 
-def _source_q6(W: int, has_bias: bool, has_res: bool) -> str:
+def _source_q6(W: int, has_bias: bool, has_res: bool, NT: int = 1) -> str:
     """Q6_K on quant_layout's planes: a group's two 16-value halves have their own scales, so each
     takes its own mma (x's other half zero); codes 0..63 as u8 and the -32 offset through x's half
-    sums."""
+    sums. NT n-tiles of 8 rows of x."""
     L = []
 
     def emit(ind, line):
         L.append("    " * ind + line)
 
+    UU = range(NT)
     emit(0, "def gemv(xq, xsc, qs, qh, sc, dm, out, bias, res, n_off, T):")
     for ln in ("N = qs.shape[0]", "NSB = dm.shape[1] >> 1", "tid = cuda.threadIdx.x", "lane = tid & 31",
                "warp = tid >> 5", "g = lane >> 2", "c = lane & 3", "row0 = cuda.blockIdx.x * 16",
                "r0 = min(row0 + g, N - 1)", "r1 = min(row0 + g + 8, N - 1)", "cw = c << 2", "xo = lane << 4",
-               "sh = uint32(2 * c)", "acc0_0 = float32(0.0)", "acc0_1 = float32(0.0)", "acc1_0 = float32(0.0)",
-               "acc1_1 = float32(0.0)", "z = uint32(0)", "grid_wait()", f"for s in range(warp, NSB, {W}):"):
+               "sh = uint32(2 * c)", "z = uint32(0)", "grid_wait()"):
         emit(1, ln)
+    for u in UU:
+        for k in range(4):
+            emit(1, f"acc{u}_{k} = float32(0.0)")
+    emit(1, f"for s in range(warp, NSB, {W}):")
     for i in range(2):
         emit(2, f"v{i}_0, v{i}_1, v{i}_2, v{i}_3 = ldg_b16(sc, r{i}, s << 4)")
         emit(2, f"dd{i} = h2f(ldg_b2(dm, r{i}, s << 1))")
@@ -279,38 +309,26 @@ def _source_q6(W: int, has_bias: bool, has_res: bool) -> str:
             emit(2, f"ha{i}_{j} = ldg_b4(qh, r{i}, p{j})")
             emit(2, f"hb{i}_{j} = ldg_b4(qh, r{i}, p{j} + 4)")
     for j in range(8):
-        emit(2, f"xa{j}, xb{j} = ldg_b8(xq, 4 * s + {j >> 1}, xo + {8 * (j & 1)})")
-        emit(2, f"xs{j} = ldg_f32x4(xsc, 8 * s + {j}, cw)")
-        emit(2, f"xh{j}_0 = xsc[8 * s + {j}, 16 + 2 * c]")
-        emit(2, f"xh{j}_1 = xsc[8 * s + {j}, 17 + 2 * c]")
-    for j in range(8):
         for i in range(2):
             emit(2, f"lo{i} = (w{i}_{j} & M4) | (((ha{i}_{j} >> sh) & M3) << U4)")
             emit(2, f"hi{i} = ((w{i}_{j} >> U4) & M4) | (((hb{i}_{j} >> sh) & M3) << U4)")
-        emit(2, f"a0, a1, a2, a3 = mma_u8s8(lo0, lo1, hi0, hi1, xa{j}, z)")
-        emit(2, f"b0, b1, b2, b3 = mma_u8s8(lo0, lo1, hi0, hi1, z, xb{j})")
-        # row g: token 2c (a0 | b0), 2c + 1 (a1 | b1); row g + 8: a2 | b2, a3 | b3
-        for i, outs in ((0, (("a0", "b0"), ("a1", "b1"))), (1, (("a2", "b2"), ("a3", "b3")))):
             wv = f"v{i}_{j >> 1}"
-            emit(2, f"fa = dd{i} * float32(sbyte({wv}, {2 * (j & 1)}))")
-            emit(2, f"fb = dd{i} * float32(sbyte({wv}, {2 * (j & 1) + 1}))")
-            for t, (lo_v, hi_v) in enumerate(outs):
-                d8, xs = f"xs{j}[{2 * t}]", f"xs{j}[{2 * t + 1}]"
-                xh = f"xh{j}_{t}"
-                emit(2, f"acc{i}_{t} += fa * ({d8} * float32({lo_v}) - float32(32.0) * {xh}) + "
-                        f"fb * ({d8} * float32({hi_v}) - float32(32.0) * ({xs} - {xh}))")
-    for ln in (f"sm = cuda.shared.array({W * 128}, float32)", "b = warp * 128 + g * 8 + 2 * c",
-               "sm[b] = acc0_0", "sm[b + 1] = acc0_1", "sm[b + 64] = acc1_0", "sm[b + 65] = acc1_1",
-               "cuda.syncthreads()", f"for q in range(tid, 128, {32 * W}):"):
-        emit(1, ln)
-    emit(2, "a = sm[q]")
-    for w in range(1, W):
-        emit(2, f"a += sm[{w * 128} + q]")
-    emit(2, "n = row0 + (q >> 3)")
-    emit(2, "t = q & 7")
-    emit(2, "if t < T and n < N:")
-    emit(3, "col = n_off + n")
-    emit(3, "out[t, col] = a" + (" + bias[col]" if has_bias else "") + (" + res[t, col]" if has_res else ""))
+            emit(2, f"fa{i} = dd{i} * float32(sbyte({wv}, {2 * (j & 1)}))")
+            emit(2, f"fb{i} = dd{i} * float32(sbyte({wv}, {2 * (j & 1) + 1}))")
+        for u in UU:
+            emit(2, f"xa, xb = ldg_b8(xq, 4 * s + {j >> 1}, {512 * u} + xo + {8 * (j & 1)})")
+            emit(2, f"xs = ldg_f32x4(xsc, 8 * s + {j}, {24 * u} + cw)")
+            emit(2, f"xh0 = xsc[8 * s + {j}, {24 * u + 16} + 2 * c]")
+            emit(2, f"xh1 = xsc[8 * s + {j}, {24 * u + 17} + 2 * c]")
+            emit(2, "a0, a1, a2, a3 = mma_u8s8(lo0, lo1, hi0, hi1, xa, z)")
+            emit(2, "b0, b1, b2, b3 = mma_u8s8(lo0, lo1, hi0, hi1, z, xb)")
+            # row g: token 2c (a0 | b0), 2c + 1 (a1 | b1); row g + 8: a2 | b2, a3 | b3
+            for k, (i, t, lo_v, hi_v) in enumerate(((0, 0, "a0", "b0"), (0, 1, "a1", "b1"), (1, 0, "a2", "b2"),
+                                                    (1, 1, "a3", "b3"))):
+                d8, xs, xh = f"xs[{2 * t}]", f"xs[{2 * t + 1}]", f"xh{t}"
+                emit(2, f"acc{u}_{k} += fa{i} * ({d8} * float32({lo_v}) - float32(32.0) * {xh}) + "
+                        f"fb{i} * ({d8} * float32({hi_v}) - float32(32.0) * ({xs} - {xh}))")
+    _epilogue(emit, W, NT, [tuple(f"acc{u}_{k}" for k in range(4)) for u in UU], has_bias, has_res)
     return "\n".join(L) + "\n"
 
 
@@ -323,12 +341,12 @@ _PY: dict = {}
 _KERNELS: dict = {}
 
 
-def py_kernel(W: int, has_bias: bool, has_res: bool, R: int = 1):
-    """R = 0: the fragment layout's kernel (gemv_mq); R = -1: Q6_K's."""
-    key = (W, has_bias, has_res, R)
+def py_kernel(W: int, has_bias: bool, has_res: bool, R: int = 1, NT: int = 1):
+    """R = 0: the fragment layout's kernel (gemv_mq); R = -1: Q6_K's; NT: their n-tiles of 8 rows."""
+    key = (W, has_bias, has_res, R, NT)
     if key not in _PY:
-        src = (_source(*key) if R > 0 else _source_mq(W, has_bias, has_res) if R == 0
-               else _source_q6(W, has_bias, has_res))
+        src = (_source(W, has_bias, has_res, R) if R > 0 else _source_mq(W, has_bias, has_res, NT) if R == 0
+               else _source_q6(W, has_bias, has_res, NT))
         if SIM:
             ns = dict(_GLOBALS)
             exec(compile(src, f"<quant_mma {key}>", "exec"), ns)
@@ -338,19 +356,25 @@ def py_kernel(W: int, has_bias: bool, has_res: bool, R: int = 1):
     return _PY[key]
 
 
-def kernel(W: int, has_bias: bool, has_res: bool, R: int = 1, blocks: int = 0):
+def kernel(W: int, has_bias: bool, has_res: bool, R: int = 1, blocks: int = 0, NT: int = 1):
     """blocks: the launch bound's blocks a multiprocessor (0: none)."""
-    key = (W, has_bias, has_res, R, blocks)
+    key = (W, has_bias, has_res, R, blocks, NT)
     k = _KERNELS.get(key)
     if k is None:
         if SIM:
-            k = cuda.jit(py_kernel(W, has_bias, has_res, R))
+            k = cuda.jit(py_kernel(W, has_bias, has_res, R, NT))
         else:
             from kernels_numba.jit import kernel as cached_kernel
             opts = {"launch_bounds": (32 * W, blocks)} if blocks else {}
-            k = cached_kernel(py_kernel(W, has_bias, has_res, R), **opts)
+            k = cached_kernel(py_kernel(W, has_bias, has_res, R, NT), **opts)
         _KERNELS[key] = k
     return k
+
+
+def n_tiles(T: int) -> int:
+    """n-tiles of 8 rows a launch of T rows takes (1, 2, 4 or 8: few kernel variants)."""
+    t = -(-T // 8)
+    return 1 if t <= 1 else 2 if t <= 2 else 4 if t <= 4 else 8
 
 
 def gemv(xq, xsc, planes: dict, out, T: int, *, qtype: int, n_off: int = 0, bias=None, residual=None,
@@ -360,12 +384,13 @@ def gemv(xq, xsc, planes: dict, out, T: int, *, qtype: int, n_off: int = 0, bias
     assert qtype in TYPES, f"quant mma: type {qtype}"
     qs, sc = planes["qs"], planes["sc"]
     N = qs.shape[0]
-    assert 1 <= T <= MAX_T and out.shape[0] >= T and n_off + N <= out.shape[1]
     b, r = out if bias is None else bias, out if residual is None else residual
     if qtype == Q6_K:
-        k = kernel(warps, bias is not None, residual is not None, -1, blocks)
+        assert 1 <= T <= MAX_TILED_T and out.shape[0] >= T and n_off + N <= out.shape[1]
+        k = kernel(warps, bias is not None, residual is not None, -1, blocks, n_tiles(T))
         k[-(-N // 16), 32 * warps, stream](xq, xsc, qs, planes["qh"], sc, planes["dm"], out, b, r, n_off, T)
         return
+    assert 1 <= T <= MAX_T and out.shape[0] >= T and n_off + N <= out.shape[1]
     k = kernel(warps, bias is not None, residual is not None, tiles, blocks)
     k[-(-N // (16 * tiles)), 32 * warps, stream](xq, xsc, qs, sc, out, b, r, n_off, T)
 
@@ -374,8 +399,8 @@ def gemv_mq(xq, xsc, planes: dict, out, T: int, N: int, *, n_off: int = 0, bias=
             stream=0, warps: int = WARPS, blocks: int = BLOCKS) -> None:
     """gemv on a part in the fragment layout (planes 'mq', 'ms' of repack_mq; N its rows)."""
     mq, ms = planes["mq"], planes["ms"]
-    assert 1 <= T <= MAX_T and out.shape[0] >= T and n_off + N <= out.shape[1] and mq.shape[0] * 16 >= N
-    k = kernel(warps, bias is not None, residual is not None, 0, blocks)
+    assert 1 <= T <= MAX_TILED_T and out.shape[0] >= T and n_off + N <= out.shape[1] and mq.shape[0] * 16 >= N
+    k = kernel(warps, bias is not None, residual is not None, 0, blocks, n_tiles(T))
     k[-(-N // 16), 32 * warps, stream](xq, xsc, mq, ms, out, out if bias is None else bias,
                                        out if residual is None else residual, n_off, T, N)
 

@@ -35,7 +35,8 @@ def _fragments(x: np.ndarray, T: int, xq: np.ndarray, xsc: np.ndarray) -> None:
 
 
 @pytest.mark.parametrize("qt,T,warps,tiles", [(L.Q4_K, 1, 2, 1), (L.Q4_K, 3, 4, 1), (L.Q4_K, 8, 2, 1),
-                                              (L.Q4_K, 3, 2, 2), (L.Q6_K, 1, 2, 1), (L.Q6_K, 8, 2, 1)])
+                                              (L.Q4_K, 3, 2, 2), (L.Q6_K, 1, 2, 1), (L.Q6_K, 8, 2, 1),
+                                              (L.Q6_K, 13, 2, 1)])
 def test_product_equals_reference(qt, T, warps, tiles):
     rng = np.random.default_rng(T)
     N = 40                                                       # two full tiles and a half one
@@ -43,9 +44,12 @@ def test_product_equals_reference(qt, T, warps, tiles):
     w = L.gguf_dequantize(qt, data)
     x = rng.standard_normal((T, K)).astype(np.float32)
     x[0, :32] *= 50                                              # one group of large values
-    xq, xsc = cuda.to_device(np.zeros((K // 64, 512), np.uint8)), cuda.to_device(np.zeros((K // 32, 24), np.float32))
-    M.quantize_x(cuda.to_device(x), T, xq, xsc)
-    _fragments(x, T, xq.copy_to_host(), xsc.copy_to_host())
+    nt = M.n_tiles(T)
+    xq = cuda.to_device(np.zeros((K // 64, 512 * nt), np.uint8))
+    xsc = cuda.to_device(np.zeros((K // 32, 24 * nt), np.float32))
+    M.quantize_x(cuda.to_device(x), T, xq, xsc, tiles=nt)
+    if T <= 8:
+        _fragments(x, T, xq.copy_to_host(), xsc.copy_to_host())
     res = rng.standard_normal((T, N + 8)).astype(np.float32)
     bias = rng.standard_normal(N + 8).astype(np.float32)
     out = cuda.to_device(res)
@@ -58,7 +62,7 @@ def test_product_equals_reference(qt, T, warps, tiles):
     np.testing.assert_array_equal(got[:, 4 + N:], res[:, 4 + N:])
 
 
-@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("T", [1, 5, 11])
 def test_q4k_fragment_layout_product_and_dequant(T):
     """gemv_mq on repack_mq's planes (N = 24: a padded tile) and dequant_mq_bf16 into a column
     window of a wider bf16 image, against gguf's dequantization."""
@@ -72,8 +76,10 @@ def test_q4k_fragment_layout_product_and_dequant(T):
     assert sum(v.nbytes for v in host.values()) == M.mq_nbytes(N, K)
     planes = {k: cuda.to_device(v) for k, v in host.items()}
     x = rng.standard_normal((T, K)).astype(np.float32)
-    xq, xsc = cuda.to_device(np.zeros((K // 64, 512), np.uint8)), cuda.to_device(np.zeros((K // 32, 24), np.float32))
-    M.quantize_x(cuda.to_device(x), T, xq, xsc)
+    nt = M.n_tiles(T)
+    xq = cuda.to_device(np.zeros((K // 64, 512 * nt), np.uint8))
+    xsc = cuda.to_device(np.zeros((K // 32, 24 * nt), np.float32))
+    M.quantize_x(cuda.to_device(x), T, xq, xsc, tiles=nt)
     res = rng.standard_normal((T, N + 4)).astype(np.float32)
     out = cuda.to_device(res)
     M.gemv_mq(xq, xsc, planes, out, T, N, n_off=2, residual=out, warps=2)

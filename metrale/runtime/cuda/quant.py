@@ -182,7 +182,9 @@ def quant_linear(x, dq: DeviceQuantized, out, rows: int, stream=0, residual=None
     """out[:rows, :N] = x[:rows] @ W.T (+ bias) (+ residual[:rows]); residual may be out itself
     (the residual stream: out += x @ W.T). x float32 [>= rows, K], out float32 [>= rows, N].
     mma_rows: from this many rows (up to quant_mma.MAX_T; 0: never) parts of a type quant_mma
-    covers run on the tensor-core GEMV (x quantized once for all of them)."""
+    covers run on the tensor-core GEMV (x quantized once for all of them); parts in the fragment
+    layout always do; from 9 to 64 rows the tensor-core kernels of n-tiles take the product when
+    every part has one (gemv_rows), else the many-rows road."""
     n, k = dq.shape
     assert x.shape[1] == k, f"quant_linear: x has {x.shape[1]} columns, the weight {dq.shape}"
     assert out.shape[1] == n and out.shape[0] >= rows and x.shape[0] >= rows, \
@@ -192,9 +194,13 @@ def quant_linear(x, dq: DeviceQuantized, out, rows: int, stream=0, residual=None
     limit = GEMV_MAX_ROWS if gemv_max_rows is None else gemv_max_rows
     few = rows <= min(limit, quant_mma.MAX_T)
     planes_mma = 0 < mma_rows <= rows and few
-    if few and any(p.fragments or (planes_mma and quant_mma.supports(p.qtype, k)) for p in dq.parts):
+    if few:
+        mma = any(p.fragments or (planes_mma and quant_mma.supports(p.qtype, k)) for p in dq.parts)
+    else:               # 9 to 64 rows: every part has a kernel of n-tiles
+        mma = planes_mma = rows <= gemv_rows(dq, mma_rows)
+    if mma:
         xq, xsc = quant_mma.x_buffers(k)
-        quant_mma.quantize_x(x, rows, xq, xsc, stream)
+        quant_mma.quantize_x(x, rows, xq, xsc, stream, tiles=quant_mma.n_tiles(rows))
         for p in dq.parts:
             if p.fragments:
                 quant_mma.gemv_mq(xq, xsc, p.planes, out, rows, p.rows, n_off=p.row0, bias=bias,
@@ -220,6 +226,16 @@ def quant_linear(x, dq: DeviceQuantized, out, rows: int, stream=0, residual=None
         o = os_ if sub is dq else os_[:, n0:n0 + sub.shape[0]]      # a column window (strided rows)
         b = bias if bias is None or sub is dq else bias[n0:n0 + sub.shape[0]]
         (gemm.linear if residual is None else gemm.linear_residual)(xs, w, o, b, s)
+
+
+def gemv_rows(dq: DeviceQuantized, mma_rows: int) -> int:
+    """Rows up to which a product on dq streams its blocks (GEMV kernels) rather than taking the
+    many-rows road: quant_mma.MAX_TILED_T when every part has a tensor-core kernel of n-tiles (the
+    fragment layout, Q6_K with the mma on), else GEMV_MAX_ROWS."""
+    if mma_rows > 0 and all(p.fragments or (p.qtype == quant_mma.Q6_K and quant_mma.supports(p.qtype, p.cols))
+                            for p in dq.parts):
+        return quant_mma.MAX_TILED_T
+    return GEMV_MAX_ROWS
 
 
 def _gemv_part(x, p: DevicePart, out, rows: int, bias, residual, stream) -> None:
@@ -349,7 +365,7 @@ class QuantOps:
     def _bf16(self, weight, rows: int):
         """The weight's bf16 image in the scratch, dequantized now on the stream (the bf16 road), or
         None (the GEMV or the chunks road)."""
-        if rows <= GEMV_MAX_ROWS:
+        if rows <= gemv_rows(weight, self.b.quant_mma_rows):
             return None
         scratch = self.b.quant_scratch
         assert scratch is not None, "a quantized product of more rows than the scratch was planned for"
