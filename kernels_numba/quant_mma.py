@@ -35,7 +35,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from kernels_numba.bf16 import device_function
-from kernels_numba.ptx import SIM, grid_wait, ldg_f32x4, pack_bf16x2, shfl_xor_f32
+from kernels_numba.ptx import SIM, grid_trigger, grid_wait, ldg_f32x4, pack_bf16x2, shfl_xor_f32
 from kernels_numba.quant_gemv import _load_generated, kq_scale_min, q4_ops, sbyte
 from kernels_numba.quant_layout import Q4_K, Q6_K
 from kernels_numba.quant_ptx import h2f, ldg_b2, ldg_b4, ldg_b8, ldg_b16, mma_u8s8, rni, shfl_xor_i32, stg_u16x8
@@ -71,12 +71,13 @@ def supports(qtype: int, K: int) -> bool:
 
 # ----------------------------------------------------------------------------- x -> int8 fragments
 def _quantize(x, T, xq, xsc):
+    grid_wait()                     # PDL: x is written by the kernel before
+    grid_trigger()
     gi = cuda.blockIdx.x
     u = cuda.blockIdx.y             # n-tile
     tid = cuda.threadIdx.x
     n = tid >> 5                    # token (row of x) in the n-tile
     v = tid & 31                    # value of the group
-    grid_wait()
     val = x[8 * u + n, gi * 32 + v] if 8 * u + n < T else float32(0.0)
     a = abs(val)
     for off in (1, 2, 4, 8, 16):
@@ -449,6 +450,7 @@ def dequant_mq_ref(planes: dict, rows: int, cols: int) -> np.ndarray:
 def _dequant_mq(mq, ms, out, n_off, N):
     """One thread a (row, group): its 4 code words gathered from the fragments, 32 bf16 stored."""
     grid_wait()
+    grid_trigger()
     K = out.shape[1]
     G = K >> 5
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x

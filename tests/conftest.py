@@ -32,6 +32,13 @@ def scratch_blocks(engine, num_tokens: int):
         engine.blocks.release(holder)
 
 
+def skip_without_vnni() -> None:
+    """The q8 CPU kernels (vpdpbusd) need AVX-512 VNNI; on a CPU without it LLVM aborts the process."""
+    from metrale.runtime.cpu_ops import has_vnni
+    if not has_vnni():
+        pytest.skip("the q8 CPU kernels need AVX-512 VNNI, which this CPU lacks")
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

@@ -87,9 +87,10 @@ def test_fast_path_against_numpy_on_quantized_weights(tiny_gguf):
     expansion: logits of a prefill of two sequences and of decode steps, with float32 activations
     (summation order apart, the reference's arithmetic) and with 8-bit ones (the default with VNNI; a random
     model amplifies their rounding: only a loose agreement here; test_cpu_quant checks the kernels)."""
-    from conftest import scratch_blocks
+    from conftest import scratch_blocks, skip_without_vnni
     from metrale.runtime.batch import Segment, build_batch
     from metrale.runtime.cpu_ops import CpuOps
+    skip_without_vnni()
     from metrale.runtime.numpy_backend import NumpyOps
     engines = tiny_engines(tiny_gguf)
     f32, q8, ref = engines

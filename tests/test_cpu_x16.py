@@ -7,6 +7,11 @@ from kernels_numba import cpu_quant as Q
 from kernels_numba import cpu_x16 as X
 from test_cpu_quant import random_rows
 
+from metrale.runtime.cpu_ops import has_vnni
+
+# every product here is vpdpbusd; on a CPU without AVX-512 VNNI LLVM aborts the process
+pytestmark = pytest.mark.skipif(not has_vnni(), reason="the x16 kernels need AVX-512 VNNI")
+
 
 def product(parts: list[np.ndarray], kind: str, x: np.ndarray, residual=None, norm=None) -> np.ndarray:
     T, K = x.shape

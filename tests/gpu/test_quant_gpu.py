@@ -113,8 +113,9 @@ def test_dequant_and_gather(qt):
 @pytest.mark.parametrize("fragments,mma_rows", [(False, 0), (False, 2), (True, 1)])
 def test_quant_linear_many_rows_and_parts(fragments, mma_rows):
     """quant_linear on a qkv-like weight (Q4_K q|k over Q6_K v, Llama-3-8B's 6144 x 4096): T = 1
-    and 8 through the GEMV, T = 32 and 512 through dequantize + the bf16 GEMM, residual in out; the
-    Q4_K part on the dp4a GEMV, on the tensor-core one from 2 rows, or in the fragment layout."""
+    and 8 through the GEMV, T = 32 through it in the fragment layout (up to 64 rows) and otherwise
+    through dequantize + the bf16 GEMM, T = 512 always the latter, residual in out; the Q4_K part on
+    the dp4a GEMV, on the tensor-core one from 2 rows, or in the fragment layout."""
     import gguf
 
     from metrale.models.quantized import QuantizedPart, QuantizedTensor
@@ -135,7 +136,7 @@ def test_quant_linear_many_rows_and_parts(fragments, mma_rows):
         d_out = cuda.to_device(r)
         Q.quant_linear(cuda.to_device(x), dq, d_out, T, residual=d_out, scratch=scratch, mma_rows=mma_rows)
         out = d_out.copy_to_host()
-        if T <= Q.GEMV_MAX_ROWS:
+        if T <= Q.gemv_rows(dq, mma_rows):
             assert _relerr(out, L.gemv_ref(x, w, residual=r)) < 2e-5, T
         else:      # bf16 weights, x rounded to bf16 by the tensor-core path
             xb = from_bf16_bits(to_bf16_bits(x)).astype(np.float64)
