@@ -261,6 +261,8 @@ def main() -> None:
 def _mma(qt, name, N, K, T, x, out, copies, nrot, nbytes, ms_dp4a, ms_bf16, warps, rec):
     """The tensor-core GEMV (kernels_numba.quant_mma): x quantized by its own launch, then the GEMV,
     for each block size; beside the dp4a GEMV's time (ms_dp4a) and bf16's."""
+    from numba import cuda
+
     from bench.timing import time_launches
     from kernels_numba import quant_layout as L
     from kernels_numba import quant_mma as QM
