@@ -9,7 +9,8 @@ here as Numba intrinsics) and taking up to 8 activation rows a pass, so a block 
                   accumulators (`_DECODERS`, `row_dot`); every kind; the reference's arithmetic up
                   to summation order.
   matmul_q8_into  llama.cpp's: activations quantized to int8 a 32-block, weights decoded to bytes,
-                  two blocks a 512-bit vpdpbusd (AVX-512 VNNI) integer dot product (`row_dot_q8`);
+                  two blocks a 512-bit vpdpbusd (AVX-512 VNNI; on AVX2 pmaddubsw + pmaddwd) integer dot
+                  product (`row_dot_q8`, `dpbusd`);
                   block kinds only; faster, less exact (levers.cpu_activations; docs/cpu.md).
 Both prefetch each weight row's stream PREFETCH_BYTES ahead.
 A token's result does not depend on the rows beside it (the same accumulation order at every width).
@@ -25,6 +26,8 @@ tests/test_cpu_quant.py checks every type against them.
 Contracts: x float32 C-contiguous [T, K], K = W's columns; y float32 C-contiguous [T, R].
 """
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 from llvmlite import ir
@@ -507,6 +510,47 @@ def _intrinsic_fn(mod, name: str, ret, args):
     return mod.globals.get(name) or ir.Function(mod, ir.FunctionType(ret, args), name)
 
 
+@functools.lru_cache(maxsize=None)
+def int8_dot() -> str | None:
+    """How this CPU takes the q8 road's u8 x s8 dot products: "vnni" (AVX-512 VNNI's vpdpbusd),
+    "avx2" (vpmaddubsw + vpmaddwd, llama.cpp's AVX2 road) or None (the road is unavailable)."""
+    from llvmlite import binding
+    f = binding.get_host_cpu_features()
+    if f.get("avx512vnni") and f.get("avx512vl"):
+        return "vnni"
+    return "avx2" if f.get("avx2") else None
+
+
+def dpbusd(builder, acc, u, x, wide: bool = False):
+    """acc + vpdpbusd(u, x) on <16 x i32> or <8 x i32> operands: each i32 lane adds the four
+    products of its unsigned bytes of u and signed bytes of x. Without VNNI, AVX2's pmaddubsw (pairs
+    to saturating i16) and pmaddwd (pairs to i32) give the same sums when a pair's sum fits i16: true
+    for x in [-127, 127] and u < 128; `wide` (u up to 255: Q8_0's offset bytes) splits u into u >> 1
+    and u & 1, the first pair sums doubled by pmaddwd."""
+    lanes = u.type.count
+    mod = builder.module
+    if int8_dot() == "vnni":
+        return builder.call(_intrinsic_fn(mod, f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", u.type, [u.type] * 3),
+                            [acc, u, x])
+    v8, v16, v32 = ir.VectorType(I8, 32), ir.VectorType(I16, 16), ir.VectorType(I32, 8)
+    maddubs = _intrinsic_fn(mod, "llvm.x86.avx2.pmadd.ub.sw", v16, [v8, v8])
+    maddwd = _intrinsic_fn(mod, "llvm.x86.avx2.pmadd.wd", v32, [v16, v16])
+    ub, xb = builder.bitcast(u, ir.VectorType(I8, 4 * lanes)), builder.bitcast(x, ir.VectorType(I8, 4 * lanes))
+    ones, twos = _cvec(I16, [1] * 16), _cvec(I16, [2] * 16)
+    halves = []
+    for h in range(lanes // 8):
+        pick = _cvec(I32, range(32 * h, 32 * h + 32))
+        uh, xh = builder.shuffle_vector(ub, ub, pick), builder.shuffle_vector(xb, xb, pick)
+        if wide:
+            hi = builder.call(maddwd, [builder.call(maddubs, [builder.lshr(uh, _cvec(I8, [1] * 32)), xh]), twos])
+            lo = builder.call(maddwd, [builder.call(maddubs, [builder.and_(uh, _cvec(I8, [1] * 32)), xh]), ones])
+            halves.append(builder.add(hi, lo))
+        else:
+            halves.append(builder.call(maddwd, [builder.call(maddubs, [uh, xh]), ones]))
+    s = halves[0] if lanes == 8 else builder.shuffle_vector(halves[0], halves[1], _cvec(I32, range(16)))
+    return builder.add(acc, s)
+
+
 def _pair_of_units(e: _IR, ua, ub):
     """Two u8-decoder units -> (<64 x i8> in pair order, <16 x float> lane scales, lane offsets)."""
     u = e.b.shuffle_vector(ua[1], ub[1], _cvec(I32, _PAIR_ORDER))
@@ -579,13 +623,12 @@ def row_dot_q8(typingctx, w, row, q_addr, q_stride, s_addr, s_stride, ntok):
     cols, nbytes = KINDS[kind]
     decode = _U8_DECODERS[kind]
     legacy = cols == 32
+    wide = kind == "q8_0"                   # its offset bytes reach 255 (dpbusd)
     sig = types.UniTuple(types.float32, n)(w, row, q_addr, q_stride, s_addr, s_stride, ntok)
 
     def codegen(context, builder, signature, args):
         e = _IR(builder)
         mod = builder.module
-        dp16 = _intrinsic_fn(mod, "llvm.x86.avx512.vpdpbusd.512", VI32_16, [VI32_16] * 3)
-        dp8 = _intrinsic_fn(mod, "llvm.x86.avx512.vpdpbusd.256", VI32_8, [VI32_8] * 3)
         fma16 = _intrinsic_fn(mod, "llvm.fma.v16f32", VF, [VF] * 3)
         fma8 = _intrinsic_fn(mod, "llvm.fma.v8f32", VF8, [VF8] * 3)
         rowp, nblocks = _row_base(context, builder, w, args[0], args[1])
@@ -607,7 +650,7 @@ def row_dot_q8(typingctx, w, row, q_addr, q_stride, s_addr, s_stride, ntok):
                 sp = builder.add(srows[t], soff)
                 dx = builder.load(builder.inttoptr(sp, VF.as_pointer()), align=4)
                 sv = e.load(sp, 64, VF, align=4)
-                isum = builder.sitofp(builder.call(dp16, [izero16, u, xq]), VF)
+                isum = builder.sitofp(dpbusd(builder, izero16, u, xq, wide), VF)
                 main, other = accs[t][k % 2], accs[t][(k + 1) % 2]
                 builder.store(builder.call(fma16, [isum, builder.fmul(wsc, dx), builder.load(main)]), main)
                 builder.store(builder.call(fma16, [cvec, sv, builder.load(other)]), other)
@@ -631,7 +674,7 @@ def row_dot_q8(typingctx, w, row, q_addr, q_stride, s_addr, s_stride, ntok):
                     xq = builder.load(builder.inttoptr(builder.add(qrows[t], qoff), VI32_8.as_pointer()), align=1)
                     sp = builder.add(srows[t], soff)
                     dx, sv = e.load(sp, 0, VF8, align=4), e.load(sp, 64, VF8, align=4)
-                    isum = builder.sitofp(builder.call(dp8, [izero8, u, xq]), VF8)
+                    isum = builder.sitofp(dpbusd(builder, izero8, u, xq, wide), VF8)
                     v = builder.call(fma8, [isum, builder.fmul(wsc, dx), builder.fmul(cvec, sv)])
                     builder.store(_hsum(builder, v, 8), tails[t])
         else:

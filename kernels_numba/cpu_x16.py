@@ -110,7 +110,6 @@ def group_dot(typingctx, w, g, q_addr, q_stride, s_addr, s_stride, out_addr, nto
     def codegen(context, builder, signature, args):
         e = Q._IR(builder)
         mod = builder.module
-        dp = Q._intrinsic_fn(mod, "llvm.x86.avx512.vpdpbusd.512", VI32_16, [VI32_16] * 3)
         fma = Q._intrinsic_fn(mod, "llvm.fma.v16f32", VF, [VF] * 3)
         base, nblocks = Q._row_base(context, builder, w, args[0], args[1])
         qrows = [builder.add(args[2], builder.mul(args[3], ir.Constant(I64, t))) for t in range(n)]
@@ -141,7 +140,7 @@ def group_dot(typingctx, w, g, q_addr, q_stride, s_addr, s_stride, out_addr, nto
                     u = builder.bitcast(u, VI32_16)
                     for t in range(n):
                         xb = _bcast32(e, builder.add(qrows[t], builder.add(col, ir.Constant(I64, off))))
-                        sums[t][chain] = builder.call(dp, [sums[t][chain], u, xb])
+                        sums[t][chain] = Q.dpbusd(builder, sums[t][chain], u, xb, kind == "q8_0")
             for t in range(n):
                 f = builder.sitofp(builder.add(sums[t][0], sums[t][1]), VF)
                 sp = builder.add(srows[t], builder.mul(b, ir.Constant(I64, 8)))

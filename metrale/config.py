@@ -46,10 +46,10 @@ class Levers:
                                          # the float32 NumPy reference (weights expanded at load)
     cpu_threads: int = 0                 # Numba CPU kernels' threads (0: one per core)
     cpu_activations: str = "auto"        # auto | q8 | f32: products on GGUF blocks take activations quantized
-                                         # to 8 bits a 32-block with integer dot products (VNNI, as llama.cpp;
+                                         # to 8 bits a 32-block with integer dot products (as llama.cpp;
                                          # faster, less exact: docs/cpu.md)
                                          # or float32 ones (the reference's arithmetic); auto: q8 where the CPU
-                                         # has AVX-512 VNNI, else f32 (docs/cpu.md)
+                                         # has AVX-512 VNNI or AVX2, else f32 (docs/cpu.md)
     weights: str = "bf16"                # bf16 | native: on CUDA, GGUF block-quantized matrices are dequantized to
                                          # bf16 at load, or stay in their blocks on the device (quantized GEMV up to
                                          # 8 rows, bf16 dequantized into a scratch beyond; docs/quant.md; native

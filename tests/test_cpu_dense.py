@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import skip_without_vnni
+from conftest import skip_without_q8
 
 from metrale.runtime.batch import Segment, build_batch
 from metrale.runtime.cpu_ops import CpuOps
@@ -54,7 +54,7 @@ BATCHES = {"decode1": [(1, 23)], "decode3": [(1, 9), (1, 30), (1, 2)], "mixed": 
 @pytest.mark.parametrize("shape", sorted(BATCHES))
 def test_fused_layer_equals_its_composition(road, extras, window, shape, rng):
     if road == "q8":
-        skip_without_vnni()
+        skip_without_q8()
     batch = _batch(BATCHES[shape], rng)
     T = batch.num_tokens
     vec = lambda n: (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)  # noqa: E731

@@ -85,12 +85,12 @@ def tiny_engines(path):
 def test_fast_path_against_numpy_on_quantized_weights(tiny_gguf):
     """CpuOps on the file's blocks (Q4_1 and Q8_0 mixed in qkv) against NumpyOps on their float32
     expansion: logits of a prefill of two sequences and of decode steps, with float32 activations
-    (summation order apart, the reference's arithmetic) and with 8-bit ones (the default with VNNI; a random
+    (summation order apart, the reference's arithmetic) and with 8-bit ones (the default with AVX2 or VNNI; a random
     model amplifies their rounding: only a loose agreement here; test_cpu_quant checks the kernels)."""
-    from conftest import scratch_blocks, skip_without_vnni
+    from conftest import scratch_blocks, skip_without_q8
     from metrale.runtime.batch import Segment, build_batch
     from metrale.runtime.cpu_ops import CpuOps
-    skip_without_vnni()
+    skip_without_q8()
     from metrale.runtime.numpy_backend import NumpyOps
     engines = tiny_engines(tiny_gguf)
     f32, q8, ref = engines

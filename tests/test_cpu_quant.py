@@ -5,7 +5,7 @@ Q4_K_M-style Q4_K + Q6_K stack, dense f32). Small shapes: each kernel compiles o
 import gguf
 import numpy as np
 import pytest
-from conftest import skip_without_vnni
+from conftest import skip_without_q8
 from numba import njit
 
 from kernels_numba import cpu_quant as Q
@@ -87,7 +87,7 @@ def test_q8_activations_every_kind(kind, blocks, rng):
     """The integer path against its exact arithmetic (gguf's W against x quantized as the kernel does)
     and, within the activation rounding, against the float product; rows of an odd and an even
     number of 32-column units (the kernel pairs them)."""
-    skip_without_vnni()
+    skip_without_q8()
     cols = Q.KINDS[kind][0] * (blocks - 1 if Q.KINDS[kind][0] == 256 else blocks)
     data = random_rows(kind, 6, cols, rng)
     x = rng.standard_normal((4, cols)).astype(np.float32)
@@ -120,17 +120,17 @@ def quantized(parts: list[tuple[str, int]], cols: int, rng) -> QuantizedTensor:
 @pytest.mark.parametrize("parts,cols", [([("q4_1", 40), ("q4_1", 24), ("q4_1", 24)], 64),
                                         ([("q4_1", 24), ("q4_1", 8), ("q8_0", 8), ("q4_1", 16), ("q8_0", 40)], 64)])
 def test_matmul_parts_against_dequantize(parts, cols, rng):
-    from metrale.runtime.cpu_ops import CpuMatrix, has_vnni
+    from metrale.runtime.cpu_ops import CpuMatrix, has_q8
     w = quantized(parts, cols, rng)
     m = CpuMatrix(w)
-    vnni = has_vnni()
+    q8_road = has_q8()
     ref = w.dequantize().astype(np.float64)
     for T in (1, 3, 13):
         x = rng.standard_normal((T, cols)).astype(np.float32)
         want = x @ ref.T
         got = m.matmul(x)
         q8 = np.concatenate([Q.matmul_q8_ref(x, p.data, p.ggml_type.name.lower()) for p in w.parts], axis=1)
-        if vnni:
+        if q8_road:
             assert (np.abs(m.matmul(x, q8=True) - q8) <= tol_of(x, ref)).all()
         assert (np.abs(got - want) <= tol_of(x, ref)).all()
         res = rng.standard_normal(got.shape).astype(np.float32)
@@ -138,7 +138,7 @@ def test_matmul_parts_against_dequantize(parts, cols, rng):
         norm = (1 + 0.1 * rng.standard_normal(cols)).astype(np.float32)
         xn = x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + 1e-5) * norm
         assert (np.abs(m.matmul(x, norm=norm, eps=1e-5) - xn @ ref.T) <= tol_of(xn, ref)).all()
-        if vnni:
+        if q8_road:
             got = m.matmul(x, norm=norm, eps=1e-5, residual=res, q8=True)    # the first kind's kernel norms
             step = np.abs(xn).reshape(T, -1, 32).max(-1).repeat(32, 1) / 127   # one int8 step of each xq
             assert (np.abs(got - res - xn @ ref.T) <= step @ np.abs(ref).T + tol_of(xn, ref)).all()
@@ -157,3 +157,23 @@ def test_matmul_dense_f32(rng):
 def test_as_blocks_refuses_rows_that_are_not_whole_blocks():
     with pytest.raises(ValueError, match="q4_1: rows of 20-byte blocks"):
         Q.as_blocks(np.zeros((2, 30), np.uint8), "q4_1")
+
+
+@pytest.mark.parametrize("rows", [5, 32])
+def test_q8_0_extreme_bytes_do_not_saturate(rows, rng):
+    """Q8_0 weights at +-127 / -128 against activations at +-127 steps: the offset bytes reach 255,
+    whose pair products overflow AVX2's 16-bit pair sums unless dpbusd splits them (the row road
+    and, at 32 rows, the 16-row one)."""
+    skip_without_q8()
+    from metrale.runtime.cpu_ops import CpuMatrix
+    cols = 128
+    q = rng.choice(np.array([127, -128, 127, 126], np.int8), (rows, cols // 32, 32))
+    blocks = np.empty((rows, cols // 32, 34), np.uint8)
+    blocks[..., :2] = np.full((rows, cols // 32, 1), 1 / 64, np.float16).view(np.uint8)
+    blocks[..., 2:] = q.view(np.uint8)
+    data = blocks.reshape(rows, -1)
+    w = QuantizedTensor((QuantizedPart(gguf.GGMLQuantizationType.Q8_0, rows, cols, data),))
+    x = np.repeat(rng.choice([-3.0, 3.0], (3, cols // 32)), 32, axis=1).astype(np.float32)
+    want = Q.matmul_q8_ref(x, data, "q8_0")
+    got = CpuMatrix(w).matmul(x, q8=True)
+    assert (np.abs(got - want) <= tol_of(x, want)).all(), np.abs(got - want).max()

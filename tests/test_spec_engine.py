@@ -29,7 +29,7 @@ class NoisyOracle:
 # the default gate keeps dear drafters off on CPU (a draft model as dear as the target never pays:
 # test_draft_model_as_dear_as_the_target_stays_off); tests of their mechanics pin the cost model.
 # Float32 activations: their outputs are compared with the NumPy oracle (smollm2), which the 8-bit
-# activation products (the default on VNNI CPUs) do not match token for token.
+# activation products (the default on AVX2 and VNNI CPUs) do not match token for token.
 F32 = {"cpu_activations": "f32"}
 FORCE = {"spec_verify_cost": 0.0, **F32}
 

@@ -351,9 +351,9 @@ def start(backend, cfg) -> None:
     backend.cpu_threads = int(cfg.levers.cpu_threads)
     backend.cpu_activations = str(cfg.levers.cpu_activations)
     if backend.cpu_activations == "auto":
-        backend.cpu_activations = "q8" if has_vnni() else "f32"
-    elif backend.cpu_activations == "q8" and not has_vnni():
-        log.warning("levers.cpu_activations=q8 needs AVX-512 VNNI, which this CPU lacks: float32 activations")
+        backend.cpu_activations = "q8" if has_q8() else "f32"
+    elif backend.cpu_activations == "q8" and not has_q8():
+        log.warning("levers.cpu_activations=q8 needs AVX2 or AVX-512 VNNI, which this CPU lacks: float32 activations")
         backend.cpu_activations = "f32"
     for cache in getattr(backend, "caches", {}).values():
         for a in vars(cache).values():
@@ -401,11 +401,10 @@ def compute_thread() -> ComputeThread:
         return _COMPUTE
 
 
-def has_vnni() -> bool:
-    """Whether the host CPU has AVX-512 VNNI (vpdpbusd on 256-bit vectors), which the q8 kernels use."""
-    from llvmlite import binding
-    features = binding.get_host_cpu_features()
-    return bool(features.get("avx512vnni")) and bool(features.get("avx512vl"))
+def has_q8() -> bool:
+    """Whether the q8 kernels' integer dot products run here (AVX-512 VNNI, or AVX2's pmaddubsw)."""
+    from kernels_numba.cpu_quant import int8_dot
+    return int8_dot() is not None
 
 
 def release_file_pages(a: np.ndarray) -> None:
