@@ -433,8 +433,11 @@ def _u8_legacy(e: _IR, a, kind: str):
     d = e.f16(a, 0)
     m = e.f16(a, 2) if kind in ("q4_1", "q5_1") else None
     if kind == "q8_0":
-        u = e.b.xor(e.load(a, 2, VI8_32), _bvec(0x80))            # signed -> unsigned: w = d * (u - 128)
-        c = e.b.fmul(d, ir.Constant(F32, -128.0))
+        u = e.load(a, 2, VI8_32)
+        if q8_0_signed():
+            c = ir.Constant(F32, 0.0)
+        else:                                                       # w = d * (u - 128), u unsigned
+            u, c = e.b.xor(u, _bvec(0x80)), e.b.fmul(d, ir.Constant(F32, -128.0))
         return [(0, u, (d, d), (c, c))]
     off = {"q4_0": 2, "q4_1": 4, "q5_0": 6, "q5_1": 8}[kind]
     q = e.load(a, off, VI8)
@@ -521,32 +524,38 @@ def int8_dot() -> str | None:
     return "avx2" if f.get("avx2") else None
 
 
-def dpbusd(builder, acc, u, x, wide: bool = False):
+def q8_0_signed() -> bool:
+    """Whether the q8 kernels take Q8_0's bytes as they are (signed; AVX2) rather than offset by 128
+    to unsigned ones (vpdpbusd's u8 operand; the -128 returns through the block's c term)."""
+    return int8_dot() == "avx2"
+
+
+def dpbusd(builder, acc, u, x, signed: bool = False):
     """acc + vpdpbusd(u, x) on <16 x i32> or <8 x i32> operands: each i32 lane adds the four
-    products of its unsigned bytes of u and signed bytes of x. Without VNNI, AVX2's pmaddubsw (pairs
-    to saturating i16) and pmaddwd (pairs to i32) give the same sums when a pair's sum fits i16: true
-    for x in [-127, 127] and u < 128; `wide` (u up to 255: Q8_0's offset bytes) splits u into u >> 1
-    and u & 1, the first pair sums doubled by pmaddwd."""
+    products of its bytes of u (unsigned) and x (signed). Without VNNI, AVX2's pmaddubsw (pairs to
+    saturating i16) and pmaddwd (pairs to i32) give the same sums: no pair passes i16 for u < 128
+    (every decoder but Q8_0's) and x in [-127, 127]. `signed` (AVX2 only): u holds signed bytes,
+    taken as |u| times x with u's sign (llama.cpp's AVX2 road), pairs at most 2 * 128 * 127."""
     lanes = u.type.count
     mod = builder.module
     if int8_dot() == "vnni":
+        assert not signed, "vpdpbusd takes unsigned weight bytes"
         return builder.call(_intrinsic_fn(mod, f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", u.type, [u.type] * 3),
                             [acc, u, x])
     v8, v16, v32 = ir.VectorType(I8, 32), ir.VectorType(I16, 16), ir.VectorType(I32, 8)
     maddubs = _intrinsic_fn(mod, "llvm.x86.avx2.pmadd.ub.sw", v16, [v8, v8])
     maddwd = _intrinsic_fn(mod, "llvm.x86.avx2.pmadd.wd", v32, [v16, v16])
+    sign = _intrinsic_fn(mod, "llvm.x86.avx2.psign.b", v8, [v8, v8])
+    absb = _intrinsic_fn(mod, "llvm.abs.v32i8", v8, [v8, ir.IntType(1)])
     ub, xb = builder.bitcast(u, ir.VectorType(I8, 4 * lanes)), builder.bitcast(x, ir.VectorType(I8, 4 * lanes))
-    ones, twos = _cvec(I16, [1] * 16), _cvec(I16, [2] * 16)
+    ones = _cvec(I16, [1] * 16)
     halves = []
     for h in range(lanes // 8):
         pick = _cvec(I32, range(32 * h, 32 * h + 32))
         uh, xh = builder.shuffle_vector(ub, ub, pick), builder.shuffle_vector(xb, xb, pick)
-        if wide:
-            hi = builder.call(maddwd, [builder.call(maddubs, [builder.lshr(uh, _cvec(I8, [1] * 32)), xh]), twos])
-            lo = builder.call(maddwd, [builder.call(maddubs, [builder.and_(uh, _cvec(I8, [1] * 32)), xh]), ones])
-            halves.append(builder.add(hi, lo))
-        else:
-            halves.append(builder.call(maddwd, [builder.call(maddubs, [uh, xh]), ones]))
+        if signed:
+            uh, xh = builder.call(absb, [uh, ir.Constant(ir.IntType(1), 0)]), builder.call(sign, [xh, uh])
+        halves.append(builder.call(maddwd, [builder.call(maddubs, [uh, xh]), ones]))
     s = halves[0] if lanes == 8 else builder.shuffle_vector(halves[0], halves[1], _cvec(I32, range(16)))
     return builder.add(acc, s)
 
@@ -593,9 +602,11 @@ def _pair_q4(e: _IR, a, b, kind: str):
 def _pair_q8_0(e: _IR, a, b):
     lo = e.b.shuffle_vector(e.load(a, 2, VI8), e.load(b, 2, VI8), _cvec(I32, range(32)))
     hi = e.b.shuffle_vector(e.load(a, 18, VI8), e.load(b, 18, VI8), _cvec(I32, range(32)))
-    u = e.b.xor(e.b.shuffle_vector(lo, hi, _cvec(I32, range(64))), _cvec(I8, [0x80] * 64))
+    u = e.b.shuffle_vector(lo, hi, _cvec(I32, range(64)))
     d = _spread(e, _d_pair(e, a, b), [0, 1, 0, 1])
-    return u, d, e.b.fmul(d, e.splat(ir.Constant(F32, -128.0)))
+    if q8_0_signed():
+        return u, d, e.splat(ir.Constant(F32, 0.0))
+    return e.b.xor(u, _cvec(I8, [0x80] * 64)), d, e.b.fmul(d, e.splat(ir.Constant(F32, -128.0)))
 
 
 def _legacy_pair(e: _IR, a, b, kind: str):
@@ -623,7 +634,7 @@ def row_dot_q8(typingctx, w, row, q_addr, q_stride, s_addr, s_stride, ntok):
     cols, nbytes = KINDS[kind]
     decode = _U8_DECODERS[kind]
     legacy = cols == 32
-    wide = kind == "q8_0"                   # its offset bytes reach 255 (dpbusd)
+    signed = kind == "q8_0" and q8_0_signed()
     sig = types.UniTuple(types.float32, n)(w, row, q_addr, q_stride, s_addr, s_stride, ntok)
 
     def codegen(context, builder, signature, args):
@@ -650,7 +661,7 @@ def row_dot_q8(typingctx, w, row, q_addr, q_stride, s_addr, s_stride, ntok):
                 sp = builder.add(srows[t], soff)
                 dx = builder.load(builder.inttoptr(sp, VF.as_pointer()), align=4)
                 sv = e.load(sp, 64, VF, align=4)
-                isum = builder.sitofp(dpbusd(builder, izero16, u, xq, wide), VF)
+                isum = builder.sitofp(dpbusd(builder, izero16, u, xq, signed), VF)
                 main, other = accs[t][k % 2], accs[t][(k + 1) % 2]
                 builder.store(builder.call(fma16, [isum, builder.fmul(wsc, dx), builder.load(main)]), main)
                 builder.store(builder.call(fma16, [cvec, sv, builder.load(other)]), other)
@@ -674,7 +685,7 @@ def row_dot_q8(typingctx, w, row, q_addr, q_stride, s_addr, s_stride, ntok):
                     xq = builder.load(builder.inttoptr(builder.add(qrows[t], qoff), VI32_8.as_pointer()), align=1)
                     sp = builder.add(srows[t], soff)
                     dx, sv = e.load(sp, 0, VF8, align=4), e.load(sp, 64, VF8, align=4)
-                    isum = builder.sitofp(dpbusd(builder, izero8, u, xq, wide), VF8)
+                    isum = builder.sitofp(dpbusd(builder, izero8, u, xq, signed), VF8)
                     v = builder.call(fma8, [isum, builder.fmul(wsc, dx), builder.fmul(cvec, sv)])
                     builder.store(_hsum(builder, v, 8), tails[t])
         else:

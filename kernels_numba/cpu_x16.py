@@ -105,6 +105,7 @@ def group_dot(typingctx, w, g, q_addr, q_stride, s_addr, s_stride, out_addr, nto
     _, nbytes = Q.KINDS[kind]
     head, span = _SCALES[kind], GROUP * Q.KINDS[kind][1]
     steps = (nbytes - head) // 4                  # 64-byte loads of quant bytes a block (16 rows x 4)
+    signed = kind == "q8_0" and Q.q8_0_signed()   # its bytes as they are (no c term)
     sig = types.void(w, g, q_addr, q_stride, s_addr, s_stride, out_addr, ntok)
 
     def codegen(context, builder, signature, args):
@@ -126,13 +127,13 @@ def group_dot(typingctx, w, g, q_addr, q_stride, s_addr, s_stride, out_addr, nto
             if kind == "q4_1":
                 c = builder.fpext(e.load(a, 32, VH, align=1), VF)
             else:
-                c = builder.fmul(d, e.splat(ir.Constant(F32, -8.0 if kind == "q4_0" else -128.0)))
+                c = builder.fmul(d, e.splat(ir.Constant(F32, 0.0 if signed else -8.0 if kind == "q4_0" else -128.0)))
             col = builder.mul(b, ir.Constant(I64, 32))
             sums = [[izero, izero] for _ in range(n)]
             for k in range(steps):
                 v = e.load(a, 16 * head + 64 * k, VI8_64)
                 if kind == "q8_0":
-                    units = [(builder.xor(v, Q._cvec(I8, [0x80] * 64)), 4 * k, k % 2)]
+                    units = [(v if signed else builder.xor(v, Q._cvec(I8, [0x80] * 64)), 4 * k, k % 2)]
                 else:
                     units = [(builder.and_(v, Q._cvec(I8, [15] * 64)), 4 * k, 0),
                              (builder.lshr(v, Q._cvec(I8, [4] * 64)), 16 + 4 * k, 1)]
@@ -140,7 +141,7 @@ def group_dot(typingctx, w, g, q_addr, q_stride, s_addr, s_stride, out_addr, nto
                     u = builder.bitcast(u, VI32_16)
                     for t in range(n):
                         xb = _bcast32(e, builder.add(qrows[t], builder.add(col, ir.Constant(I64, off))))
-                        sums[t][chain] = Q.dpbusd(builder, sums[t][chain], u, xb, kind == "q8_0")
+                        sums[t][chain] = Q.dpbusd(builder, sums[t][chain], u, xb, signed)
             for t in range(n):
                 f = builder.sitofp(builder.add(sums[t][0], sums[t][1]), VF)
                 sp = builder.add(srows[t], builder.mul(b, ir.Constant(I64, 8)))

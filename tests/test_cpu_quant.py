@@ -161,9 +161,9 @@ def test_as_blocks_refuses_rows_that_are_not_whole_blocks():
 
 @pytest.mark.parametrize("rows", [5, 32])
 def test_q8_0_extreme_bytes_do_not_saturate(rows, rng):
-    """Q8_0 weights at +-127 / -128 against activations at +-127 steps: the offset bytes reach 255,
-    whose pair products overflow AVX2's 16-bit pair sums unless dpbusd splits them (the row road
-    and, at 32 rows, the 16-row one)."""
+    """Q8_0 weights at +-127 / -128 against activations at +-127 steps: offset to unsigned bytes
+    (up to 255) their pair products would overflow AVX2's 16-bit pair sums; the row road and, at 32
+    rows, the 16-row one."""
     skip_without_q8()
     from metrale.runtime.cpu_ops import CpuMatrix
     cols = 128
