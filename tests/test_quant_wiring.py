@@ -348,3 +348,25 @@ def test_bf16_weights_plan_the_activation_bytes_as_before():
     assert b._activation_bytes() == old
     b.quant_scratch_elems = 1000
     assert b._activation_bytes() == old + 2000 + 256
+
+
+@pytest.mark.parametrize("rows,mma_rows,want", [
+    (1, 2, ["mq", "dp4a"]), (1, 1, ["mq", "dp4a"]), (2, 1, ["mq", "mma"]), (2, 2, ["mq", "mma"]),
+    (2, 0, ["mq", "dp4a"]), (12, 1, ["mq", "mma"])])
+def test_which_kernel_each_part_takes(monkeypatch, rows, mma_rows, want):
+    """A Q4_K part in the fragment layout over a Q6_K part on planes: the fragments always on their
+    tensor-core kernel; the planes on theirs from max(mma_rows, PLANES_MMA_MIN_ROWS) rows, at one row
+    on the dp4a GEMV (faster there), and past 8 rows on the n-tile kernels when mma_rows > 0."""
+    from metrale.runtime.cuda import quant as Q
+    calls = []
+    monkeypatch.setattr(Q.quant_mma, "x_buffers", lambda k: (None, None))
+    monkeypatch.setattr(Q.quant_mma, "quantize_x", lambda *a, **k: calls.append("quantize"))
+    monkeypatch.setattr(Q.quant_mma, "gemv_mq", lambda *a, **k: calls.append("mq"))
+    monkeypatch.setattr(Q.quant_mma, "gemv", lambda *a, **k: calls.append("mma"))
+    monkeypatch.setattr(Q, "_gemv_part", lambda *a, **k: calls.append("dp4a"))
+    K = 256
+    dq = Q.DeviceQuantized((Q.DevicePart(L.Q4_K, 16, K, 0, {"mq": None, "ms": None}, 0),
+                            Q.DevicePart(L.Q6_K, 16, K, 16, {}, 0)))
+    x, out = np.zeros((rows, K), np.float32), np.zeros((rows, 32), np.float32)
+    Q.quant_linear(x, dq, out, rows, mma_rows=mma_rows)
+    assert calls == ["quantize"] + want

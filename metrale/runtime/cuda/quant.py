@@ -177,13 +177,16 @@ def _same(a, b) -> bool:
     return (a is b) or (_ptr(a) == _ptr(b) and tuple(a.shape) == tuple(b.shape))
 
 
+PLANES_MMA_MIN_ROWS = 2     # at one row the planes' tensor-core GEMV loses to dp4a (docs/quant.md)
+
+
 def quant_linear(x, dq: DeviceQuantized, out, rows: int, stream=0, residual=None, *, bias=None,
                  scratch=None, gemv_max_rows: int | None = None, mma_rows: int = 0) -> None:
     """out[:rows, :N] = x[:rows] @ W.T (+ bias) (+ residual[:rows]); residual may be out itself
     (the residual stream: out += x @ W.T). x float32 [>= rows, K], out float32 [>= rows, N].
-    mma_rows: from this many rows (up to quant_mma.MAX_T; 0: never) parts of a type quant_mma
-    covers run on the tensor-core GEMV (x quantized once for all of them); parts in the fragment
-    layout always do; from 9 to 64 rows the tensor-core kernels of n-tiles take the product when
+    mma_rows: from this many rows (up to quant_mma.MAX_T; 0: never), and never below
+    PLANES_MMA_MIN_ROWS, parts of a type quant_mma covers run on the tensor-core GEMV (x quantized
+    once for all of them); parts in the fragment layout always do; from 9 to 64 rows the tensor-core kernels of n-tiles take the product when
     every part has one (gemv_rows), else the many-rows road."""
     n, k = dq.shape
     assert x.shape[1] == k, f"quant_linear: x has {x.shape[1]} columns, the weight {dq.shape}"
@@ -193,7 +196,7 @@ def quant_linear(x, dq: DeviceQuantized, out, rows: int, stream=0, residual=None
         return
     limit = GEMV_MAX_ROWS if gemv_max_rows is None else gemv_max_rows
     few = rows <= min(limit, quant_mma.MAX_T)
-    planes_mma = 0 < mma_rows <= rows and few
+    planes_mma = 0 < mma_rows and max(mma_rows, PLANES_MMA_MIN_ROWS) <= rows and few
     if few:
         mma = any(p.fragments or (planes_mma and quant_mma.supports(p.qtype, k)) for p in dq.parts)
     else:               # 9 to 64 rows: every part has a kernel of n-tiles
