@@ -203,8 +203,12 @@ class CudaOps:
             return self._resid_ss
         return None
 
+    def _norm_out(self, x):
+        """The buffer rms_norm(x) writes."""
+        return self._buf("normed_rows" if _ptr(x) == self.rows_ptr else "h", x.shape[0])
+
     def rms_norm(self, x, weight):
-        out = self._buf("normed_rows" if _ptr(x) == self.rows_ptr else "h", x.shape[0])
+        out = self._norm_out(x)
         rmsnorm.rms_norm(x, weight, self.cfg.rms_norm_eps, out, stream=self.s)
         return out
 

@@ -93,3 +93,28 @@ def test_q4k_fragment_layout_product_and_dequant(T):
     np.testing.assert_array_equal(h[8:], to_bf16_bits(w))
     assert not h[:8].any()
     assert np.array_equal(from_bf16_bits(h[8:]), from_bf16_bits(to_bf16_bits(w)))
+
+
+@pytest.mark.parametrize("T", [1, 5, 12])
+def test_norm_quantize_equals_rms_norm_then_quantize(T):
+    """norm_quantize_x: the normed rows equal rmsnorm.rms_norm's and xq / xsc equal quantize_x of
+    them, byte for byte, n-tiles past T included (zeros); rows of out past T untouched."""
+    from kernels_numba import rmsnorm
+    rng = np.random.default_rng(20 + T)
+    nt = M.n_tiles(T)
+    x = rng.standard_normal((T, K)).astype(np.float32) * 3
+    w = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
+    ref = cuda.device_array((T, K), np.float32)
+    rmsnorm.rms_norm(cuda.to_device(x), cuda.to_device(w), 1e-5, ref)
+    xq0 = cuda.to_device(np.full((K // 64, 512 * nt), 7, np.uint8))
+    xsc0 = cuda.to_device(np.full((K // 32, 24 * nt), 7, np.float32))
+    M.quantize_x(ref, T, xq0, xsc0, tiles=nt)
+    xq = cuda.to_device(np.full((K // 64, 512 * nt), 9, np.uint8))
+    xsc = cuda.to_device(np.full((K // 32, 24 * nt), 9, np.float32))
+    out = cuda.to_device(np.full((8 * nt, K), np.nan, np.float32))
+    M.norm_quantize_x(cuda.to_device(x), cuda.to_device(w), 1e-5, T, xq, xsc, out, tiles=nt)
+    got = out.copy_to_host()
+    np.testing.assert_array_equal(got[:T], ref.copy_to_host())
+    assert np.isnan(got[T:]).all()
+    np.testing.assert_array_equal(xq.copy_to_host(), xq0.copy_to_host())
+    np.testing.assert_array_equal(xsc.copy_to_host(), xsc0.copy_to_host())

@@ -180,14 +180,33 @@ def _same(a, b) -> bool:
 PLANES_MMA_MIN_ROWS = 2     # at one row the planes' tensor-core GEMV loses to dp4a (docs/quant.md)
 
 
+def _mma_roads(dq: DeviceQuantized, rows: int, mma_rows: int, limit: int) -> tuple[bool, bool]:
+    """(any part on a tensor-core GEMV, parts on planes among them) for a product of `rows` rows."""
+    few = rows <= min(limit, quant_mma.MAX_T)
+    planes_mma = 0 < mma_rows and max(mma_rows, PLANES_MMA_MIN_ROWS) <= rows and few
+    if few:
+        k = dq.shape[1]
+        return any(p.fragments or (planes_mma and quant_mma.supports(p.qtype, k)) for p in dq.parts), planes_mma
+    many = rows <= gemv_rows(dq, mma_rows)      # 9 to 64 rows: every part has a kernel of n-tiles
+    return many, many
+
+
+def takes_mma(dq: DeviceQuantized, rows: int, mma_rows: int) -> bool:
+    """Whether quant_linear runs this product on the tensor-core GEMV (x quantized by quantize_x, or
+    beforehand by norm_quantize_x when it is called with quantized=True)."""
+    return rows > 0 and _mma_roads(dq, rows, mma_rows, GEMV_MAX_ROWS)[0]
+
+
 def quant_linear(x, dq: DeviceQuantized, out, rows: int, stream=0, residual=None, *, bias=None,
-                 scratch=None, gemv_max_rows: int | None = None, mma_rows: int = 0) -> None:
+                 scratch=None, gemv_max_rows: int | None = None, mma_rows: int = 0,
+                 quantized: bool = False) -> None:
     """out[:rows, :N] = x[:rows] @ W.T (+ bias) (+ residual[:rows]); residual may be out itself
     (the residual stream: out += x @ W.T). x float32 [>= rows, K], out float32 [>= rows, N].
     mma_rows: from this many rows (up to quant_mma.MAX_T; 0: never), and never below
     PLANES_MMA_MIN_ROWS, parts of a type quant_mma covers run on the tensor-core GEMV (x quantized
     once for all of them); parts in the fragment layout always do; from 9 to 64 rows the tensor-core kernels of n-tiles take the product when
-    every part has one (gemv_rows), else the many-rows road."""
+    every part has one (gemv_rows), else the many-rows road. quantized: quant_mma.x_buffers already
+    hold x's rows quantized (norm_quantize_x; only where takes_mma says the product goes there)."""
     n, k = dq.shape
     assert x.shape[1] == k, f"quant_linear: x has {x.shape[1]} columns, the weight {dq.shape}"
     assert out.shape[1] == n and out.shape[0] >= rows and x.shape[0] >= rows, \
@@ -195,15 +214,12 @@ def quant_linear(x, dq: DeviceQuantized, out, rows: int, stream=0, residual=None
     if rows <= 0:
         return
     limit = GEMV_MAX_ROWS if gemv_max_rows is None else gemv_max_rows
-    few = rows <= min(limit, quant_mma.MAX_T)
-    planes_mma = 0 < mma_rows and max(mma_rows, PLANES_MMA_MIN_ROWS) <= rows and few
-    if few:
-        mma = any(p.fragments or (planes_mma and quant_mma.supports(p.qtype, k)) for p in dq.parts)
-    else:               # 9 to 64 rows: every part has a kernel of n-tiles
-        mma = planes_mma = rows <= gemv_rows(dq, mma_rows)
+    mma, planes_mma = _mma_roads(dq, rows, mma_rows, limit)
+    assert mma or not quantized, "quant_linear: quantized x for a product off the tensor-core GEMV"
     if mma:
         xq, xsc = quant_mma.x_buffers(k)
-        quant_mma.quantize_x(x, rows, xq, xsc, stream, tiles=quant_mma.n_tiles(rows))
+        if not quantized:
+            quant_mma.quantize_x(x, rows, xq, xsc, stream, tiles=quant_mma.n_tiles(rows))
         for p in dq.parts:
             if p.fragments:
                 quant_mma.gemv_mq(xq, xsc, p.planes, out, rows, p.rows, n_off=p.row0, bias=bias,
@@ -414,10 +430,20 @@ class QuantOps:
     def norm_linear(self, x, norm_weight, weight, bias=None):
         if not _quantized(weight):
             return super().norm_linear(x, norm_weight, weight, bias)
-        w = self._bf16(weight, x.shape[0])
+        rows = x.shape[0]
+        w = self._bf16(weight, rows)
         if w is not None:
             return super().norm_linear(x, norm_weight, w, bias)
-        return self.linear(self.rms_norm(x, norm_weight), weight, bias)
+        if not takes_mma(weight, rows, self.b.quant_mma_rows):
+            return self.linear(self.rms_norm(x, norm_weight), weight, bias)
+        h = self._norm_out(x)               # the norm and x's quantization in one launch
+        xq, xsc = quant_mma.x_buffers(weight.shape[1])
+        quant_mma.norm_quantize_x(x, norm_weight, self.cfg.rms_norm_eps, rows, xq, xsc, h, self.s,
+                                  tiles=quant_mma.n_tiles(rows))
+        out = self.b.view(f"out{weight.shape[0]}", rows)
+        quant_linear(h, weight, out, rows, self.s, bias=bias, scratch=self.b.quant_scratch,
+                     mma_rows=self.b.quant_mma_rows, quantized=True)
+        return out
 
     def norm_qkv_to_cache(self, x, norm_weight, weight, bias, layer, q_norm, k_norm):
         if not _quantized(weight):
