@@ -135,28 +135,49 @@ def _norm_quantize(x, w, eps, T, xq, xsc, out):
         _put_group(val, gi, r >> 3, r & 7, v, xq, xsc)
 
 
+def _silu_quantize(gate_up, T, xq, xsc, out):
+    """out = silu(gate) * up (as activation.silu_mul computes it) for the n-tiles' rows, quantized
+    into xq / xsc as _quantize would; rows past T quantize zeros."""
+    grid_wait()
+    grid_trigger()
+    gi = cuda.blockIdx.x
+    u = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    n = tid >> 5
+    v = tid & 31
+    r = 8 * u + n
+    val = float32(0.0)
+    if r < T:
+        f = gi * 32 + v
+        g = gate_up[r, f]
+        val = g / (float32(1.0) + math.exp(-g)) * gate_up[r, f + out.shape[1]]
+        out[r, f] = val
+    _put_group(val, gi, u, n, v, xq, xsc)
+
+
 _QUANTIZE: list = []
 _NORM_QUANTIZE: list = []
+_SILU_QUANTIZE: list = []
 
 
-def _quantize_kernel():
-    if not _QUANTIZE:
+def _compiled(cache: list, fn):
+    if not cache:
         if SIM:
-            _QUANTIZE.append(cuda.jit(_quantize))
+            cache.append(cuda.jit(fn))
         else:
             from kernels_numba.jit import kernel as cached_kernel
-            _QUANTIZE.append(cached_kernel(_quantize))
-    return _QUANTIZE[0]
+            cache.append(cached_kernel(fn))
+    return cache[0]
 
 
-def _norm_quantize_kernel():
-    if not _NORM_QUANTIZE:
-        if SIM:
-            _NORM_QUANTIZE.append(cuda.jit(_norm_quantize))
-        else:
-            from kernels_numba.jit import kernel as cached_kernel
-            _NORM_QUANTIZE.append(cached_kernel(_norm_quantize))
-    return _NORM_QUANTIZE[0]
+def silu_quantize_x(gate_up, T: int, xq, xsc, out, stream=0, tiles: int = 1) -> None:
+    """out[:T] = activation.silu_mul(gate_up[:T]) and quantize_x(out, T, xq, xsc, tiles) in one
+    launch (the activation in front of the down product on the tensor-core GEMV)."""
+    F = out.shape[1]
+    G = F // 32
+    assert 1 <= T <= 8 * tiles and gate_up.shape[0] >= T and out.shape[0] >= T and gate_up.shape[1] == 2 * F
+    assert 2 * xq.shape[0] >= G and xq.shape[1] >= 512 * tiles and xsc.shape[1] >= 24 * tiles and xsc.shape[0] >= G
+    _compiled(_SILU_QUANTIZE, _silu_quantize)[(G, tiles), 256, stream](gate_up, T, xq, xsc, out)
 
 
 def norm_quantize_x(x, w, eps: float, T: int, xq, xsc, out, stream=0, tiles: int = 1) -> None:
@@ -165,7 +186,7 @@ def norm_quantize_x(x, w, eps: float, T: int, xq, xsc, out, stream=0, tiles: int
     G = x.shape[1] // 32
     assert 1 <= T <= 8 * tiles and x.shape[0] >= T and out.shape[0] >= T and 2 * xq.shape[0] >= G
     assert xq.shape[1] >= 512 * tiles and xsc.shape[1] >= 24 * tiles and xsc.shape[0] >= G
-    _norm_quantize_kernel()[8 * tiles, rms_threads(x.shape[1]), stream](x, w, float32(eps), T, xq, xsc, out)
+    _compiled(_NORM_QUANTIZE, _norm_quantize)[8 * tiles, rms_threads(x.shape[1]), stream](x, w, float32(eps), T, xq, xsc, out)
 
 
 def quantize_x(x, T: int, xq, xsc, stream=0, tiles: int = 1) -> None:
@@ -174,7 +195,7 @@ def quantize_x(x, T: int, xq, xsc, stream=0, tiles: int = 1) -> None:
     G = x.shape[1] // 32
     assert 1 <= T <= 8 * tiles and x.shape[0] >= T and 2 * xq.shape[0] >= G and xsc.shape[0] >= G
     assert xq.shape[1] >= 512 * tiles and xsc.shape[1] >= 24 * tiles
-    _quantize_kernel()[(G, tiles), 256, stream](x, T, xq, xsc)
+    _compiled(_QUANTIZE, _quantize)[(G, tiles), 256, stream](x, T, xq, xsc)
 
 
 _XBUF: dict = {}

@@ -51,6 +51,12 @@ def test_norm_quantize_compiles():
     _body(ptx)
 
 
+def test_silu_quantize_compiles():
+    sig = (F2, types.int64, U8, F2, F2)
+    ptx, _ = cuda.compile_ptx(QM._silu_quantize, sig, cc=(9, 0))
+    _body(ptx)
+
+
 def test_fragment_layout_gemv_compiles_to_wide_loads():
     sig = (U8, F2, U8, U8, F2, F2, F2, types.int64, types.int64, types.int64)
     ptx, _ = cuda.compile_ptx(QM.py_kernel(QM.WARPS, False, True, 0), sig, cc=(9, 0))

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 15, one call (carry .whl .snap; ~8 minutes): the fragment layout at one row after the Q6_K
-# lm_head went back to dp4a there (PLANES_MMA_MIN_ROWS), beside the default; the per-kernel times of
+# lm_head went back to dp4a there (PLANES_MMA_MIN_ROWS) and the norm / activation quantize x in their
+# own launch (norm_quantize_x, silu_quantize_x), beside the default; the per-kernel times of
 # every 8B shape at 1 and 8 rows (o, down and the Q6_K lm_head were never timed in the fragment
 # layout / planes mma); the native GPU tests with the fragment layout (timed out at 200 s in s13_cd).
 source "$(dirname "$0")/common.sh"

@@ -237,3 +237,35 @@ def test_mma_gemv_q4k(N, K, T):
     rows = _rows(N, rng)
     w = _reference(L.Q4_K, N, K) if N <= 16384 else L.gguf_dequantize(L.Q4_K, data[rows])
     assert _relerr(out[:, rows], L.gemv_ref(x, w, residual=res[:, rows])) < 2e-5
+
+
+@pytest.mark.parametrize("T", [1, 8, 40])
+def test_fused_quantizations_equal_their_two_launches(T):
+    """norm_quantize_x and silu_quantize_x write the bytes of rms_norm / silu_mul then quantize_x
+    (Llama-3-8B's K = 4096 and F = 14336)."""
+    from kernels_numba import activation, rmsnorm
+    from kernels_numba import quant_mma as QM
+    rng = np.random.default_rng(40 + T)
+    nt = QM.n_tiles(T)
+    for K, fused in ((4096, "norm"), (14336, "silu")):
+        xq0, xsc0 = QM.x_buffers(K)
+        shape_q, shape_s = (K // 64, 512 * nt), (K // 32, 24 * nt)
+        ref = cuda.device_array((T, K), np.float32)
+        if fused == "norm":
+            x = cuda.to_device(rng.standard_normal((T, K)).astype(np.float32))
+            w = cuda.to_device((1 + 0.1 * rng.standard_normal(K)).astype(np.float32))
+            rmsnorm.rms_norm(x, w, 1e-5, ref)
+        else:
+            gu = cuda.to_device((2 * rng.standard_normal((T, 2 * K))).astype(np.float32))
+            activation.silu_mul(gu, ref)
+        QM.quantize_x(ref, T, xq0, xsc0, tiles=nt)
+        want = (xq0.copy_to_host()[:shape_q[0], :shape_q[1]], xsc0.copy_to_host()[:shape_s[0], :shape_s[1]])
+        out = cuda.to_device(np.full((T, K), np.nan, np.float32))
+        if fused == "norm":
+            QM.norm_quantize_x(x, w, 1e-5, T, xq0, xsc0, out, tiles=nt)
+        else:
+            QM.silu_quantize_x(gu, T, xq0, xsc0, out, tiles=nt)
+        cuda.synchronize()
+        np.testing.assert_array_equal(out.copy_to_host(), ref.copy_to_host())
+        np.testing.assert_array_equal(xq0.copy_to_host()[:shape_q[0], :shape_q[1]], want[0])
+        np.testing.assert_array_equal(xsc0.copy_to_host()[:shape_s[0], :shape_s[1]], want[1])

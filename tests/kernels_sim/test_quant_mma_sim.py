@@ -118,3 +118,23 @@ def test_norm_quantize_equals_rms_norm_then_quantize(T):
     assert np.isnan(got[T:]).all()
     np.testing.assert_array_equal(xq.copy_to_host(), xq0.copy_to_host())
     np.testing.assert_array_equal(xsc.copy_to_host(), xsc0.copy_to_host())
+
+
+@pytest.mark.parametrize("T", [1, 12])
+def test_silu_quantize_equals_silu_mul_then_quantize(T):
+    """silu_quantize_x: the activation equals activation.silu_mul's and xq / xsc equal quantize_x
+    of it, byte for byte."""
+    from kernels_numba import activation
+    rng = np.random.default_rng(30 + T)
+    nt = M.n_tiles(T)
+    gu = cuda.to_device((rng.standard_normal((T, 2 * K)) * 2).astype(np.float32))
+    ref = cuda.device_array((T, K), np.float32)
+    activation.silu_mul(gu, ref)
+    xq0, xsc0 = cuda.device_array((K // 64, 512 * nt), np.uint8), cuda.device_array((K // 32, 24 * nt), np.float32)
+    M.quantize_x(ref, T, xq0, xsc0, tiles=nt)
+    xq, xsc = cuda.device_array((K // 64, 512 * nt), np.uint8), cuda.device_array((K // 32, 24 * nt), np.float32)
+    out = cuda.to_device(np.full((T, K), np.nan, np.float32))
+    M.silu_quantize_x(gu, T, xq, xsc, out, tiles=nt)
+    np.testing.assert_array_equal(out.copy_to_host(), ref.copy_to_host())
+    np.testing.assert_array_equal(xq.copy_to_host(), xq0.copy_to_host())
+    np.testing.assert_array_equal(xsc.copy_to_host(), xsc0.copy_to_host())

@@ -25,12 +25,12 @@ EPS = 1e-5
 class _Backend:
     """What CudaOps and QuantOps read of a CudaBackend."""
 
-    def __init__(self, T, N, scratch_elems, overlap=False, mma_rows=0):
+    def __init__(self, T, N, scratch_elems, overlap=False, mma_rows=0, ffn=64):
         self.fuse_decode, self.carry_norm_sums, self.overlap = True, False, overlap
         self.quant_mma_rows = mma_rows
         self.skinny_max_t = 1            # rows > 1: gemm.linear's FMA path (FMA_MAX_T raised below)
         z = lambda *s: cuda.to_device(np.zeros(s, np.float32))  # noqa: E731
-        self.act = {"h": z(T, K), "rows": z(T, K), "residual": z(T, K), "act": z(T, 64), f"out{N}": z(T, N),
+        self.act = {"h": z(T, K), "rows": z(T, K), "residual": z(T, K), "act": z(T, ffn), f"out{N}": z(T, N),
                     "argmax": cuda.to_device(np.array([7, 3, 1], np.int32))}
         self.quant_scratch = cuda.device_array(scratch_elems, np.uint16)
 
@@ -45,12 +45,12 @@ class _Backend:
         return self.quant_scratch[:n * k].reshape(n, k)
 
 
-def _ops(T, N, scratch_elems=1 << 16, overlap=False, token_ids=None, token_src=None, mma_rows=0):
+def _ops(T, N, scratch_elems=1 << 16, overlap=False, token_ids=None, token_src=None, mma_rows=0, ffn=64):
     from metrale.models.families import compose_ops
     from metrale.runtime.cuda.quant import QuantOps
     from metrale.runtime.cuda_backend import CudaOps
     ops = object.__new__(compose_ops(CudaOps, (QuantOps,)))
-    ops.b, ops.s, ops.cfg = _Backend(T, N, scratch_elems, overlap, mma_rows), 0, SimpleNamespace(rms_norm_eps=EPS)
+    ops.b, ops.s, ops.cfg = _Backend(T, N, scratch_elems, overlap, mma_rows, ffn), 0, SimpleNamespace(rms_norm_eps=EPS)
     ops.g = SimpleNamespace(tokens=T)
     ops._ss_used, ops._resid_ss, ops.rows_ptr = 0, None, -1
     if token_ids is not None:
@@ -160,6 +160,32 @@ def test_mlp_residual_one_row():
     want = L.gemv_ref(a, w_down) + res
     got = d_res.copy_to_host()
     assert _relerr(got - res, want - res) < 3e-3
+
+
+@pytest.mark.parametrize("T,mma_rows", [(1, 1), (3, 2)])
+def test_mlp_residual_on_the_tensor_cores(T, mma_rows, monkeypatch):
+    """norm -> gate_up -> silu*mul -> down, both Q4_K, on the tensor-core GEMV: the norm and the
+    activation each quantize x in their own launch (norm_quantize_x, silu_quantize_x); in the
+    fragment layout at one row, on planes at three."""
+    F = 256
+    gu, w_gu = _weight([(L.Q4_K, 2 * F, K)], seed=17, fragments=mma_rows == 1)
+    down, w_down = _weight([(L.Q4_K, K, F)], seed=18, fragments=mma_rows == 1)
+    rng = np.random.default_rng(19)
+    res = rng.standard_normal((T, K)).astype(np.float32)
+    nw = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
+    ops = _ops(T, 2 * F, mma_rows=mma_rows, ffn=F)
+    from kernels_numba import quant_mma
+    launches = []
+    for name in ("norm_quantize_x", "silu_quantize_x", "quantize_x"):
+        fn = getattr(quant_mma, name)
+        monkeypatch.setattr(quant_mma, name, lambda *a, _f=fn, _n=name, **k: (launches.append(_n), _f(*a, **k)))
+    d_res = cuda.to_device(res)
+    ops.mlp_residual(d_res, cuda.to_device(nw), gu, down)
+    assert launches == ["norm_quantize_x", "silu_quantize_x"]
+    g = L.gemv_ref(_rms(res, nw).astype(np.float32), w_gu)
+    a = (g[:, :F] / (1 + np.exp(-g[:, :F])) * g[:, F:]).astype(np.float32)
+    want = L.gemv_ref(a, w_down) + res
+    assert _relerr(d_res.copy_to_host() - res, want - res) < 3e-3
 
 
 def test_quantized_embedding_with_fed_ids():

@@ -464,10 +464,19 @@ class QuantOps:
     def silu_mul_linear_residual(self, gate_up, weight, residual):
         if not _quantized(weight):
             return super().silu_mul_linear_residual(gate_up, weight, residual)
-        w = self._bf16(weight, gate_up.shape[0])
+        rows = gate_up.shape[0]
+        w = self._bf16(weight, rows)
         if w is not None:
             return super().silu_mul_linear_residual(gate_up, w, residual)
-        return self.linear_residual(self.silu_mul(gate_up), weight, residual)
+        if not takes_mma(weight, rows, self.b.quant_mma_rows):
+            return self.linear_residual(self.silu_mul(gate_up), weight, residual)
+        act = self._buf("act")              # the activation and x's quantization in one launch
+        xq, xsc = quant_mma.x_buffers(weight.shape[1])
+        quant_mma.silu_quantize_x(gate_up, rows, xq, xsc, act, self.s, tiles=quant_mma.n_tiles(rows))
+        self._resid_ss = None
+        quant_linear(act, weight, residual, rows, self.s, residual=residual, scratch=self.b.quant_scratch,
+                     mma_rows=self.b.quant_mma_rows, quantized=True)
+        return residual
 
     def mlp_residual(self, residual, norm_weight, gate_up, down):
         if not (_quantized(gate_up) or _quantized(down)):
