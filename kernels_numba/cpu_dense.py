@@ -61,7 +61,7 @@ def _product_road(parts, count, cols, x, norm, eps, normed, residual, y, road):
     return f32
 
 
-@njit(cache=CACHE)
+@njit(cache=CACHE, error_model="numpy")
 def attn_in(x, norm, eps, parts, count, cols, bias, cos, sin, interleaved, q_norm, k_norm, slots,
             k_flat, v_flat, q_out, road):
     """q_out [T, Hq, hd] and the batch's K/V from the residual stream x [T, D]."""
@@ -78,7 +78,7 @@ def attn_in(x, norm, eps, parts, count, cols, bias, cos, sin, interleaved, q_nor
         L._rope_serial(qkv, cos, sin, interleaved, q_norm, k_norm, eps, slots, k_flat, v_flat, q_out)
 
 
-@njit(cache=CACHE)
+@njit(cache=CACHE, error_model="numpy")
 def attn_out(q, k_cache, v_cache, block_tables, seq_start, positions, window, scale, parallel,
              parts, count, cols, residual, road):
     """residual + attention(q) @ W_o.T, [T, D]."""
@@ -94,7 +94,7 @@ def attn_out(q, k_cache, v_cache, block_tables, seq_start, positions, window, sc
     return y
 
 
-@njit(cache=CACHE)
+@njit(cache=CACHE, error_model="numpy")
 def mlp(x, norm, eps, gu_parts, gu_count, gu_cols, ffn, dn_parts, dn_count, dn_cols, road):
     """x + down(silu(gate) * up) of RMSNorm(x), [T, D]; ffn the intermediate size."""
     T = x.shape[0]
@@ -110,7 +110,7 @@ def mlp(x, norm, eps, gu_parts, gu_count, gu_cols, ffn, dn_parts, dn_count, dn_c
     return y
 
 
-@njit(cache=CACHE)
+@njit(cache=CACHE, error_model="numpy")
 def layers(x, stack, count, num_heads, eps, cos, sin, interleaved, slots, k_pool, v_pool, block_tables, seq_start,
            positions, scale, parallel, road):
     """The first `count` layers of `stack` on the residual stream x [T, D], each attn_in -> attn_out

@@ -19,6 +19,8 @@ from numba.extending import intrinsic
 from kernels_numba.cpu_cache import CACHE
 
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+# Every kernel of the CPU path compiles with error_model="numpy": Python's model checks each float
+# division for zero and raises, and that branch keeps LLVM from vectorizing the loop (docs/cpu.md).
 QUERY_TILE = 32          # query rows of one attention work item (they share its gathered keys)
 
 
@@ -35,7 +37,7 @@ def _pow2(typingctx, k):
     return sig, codegen
 
 
-@njit(fastmath=FASTMATH, inline="always")
+@njit(fastmath=FASTMATH, inline="always", error_model="numpy")
 def fast_exp(x):
     """expf as Cephes computes it (range reduction by ln 2, a degree-7 polynomial; ~1e-7 relative),
     written so LLVM's loop vectorizer can vectorize it (np.exp is a scalar libm call here).
@@ -57,7 +59,7 @@ PARALLEL_MIN_ROWS = 16   # fewer rows than this: the row-wise kernels run on the
                          # (a parallel region costs more than a few rows of work)
 
 
-@njit(fastmath=FASTMATH)
+@njit(fastmath=FASTMATH, error_model="numpy")
 def _rms_row(x, weight, eps, out, t):
     D = x.shape[1]
     ss = np.float32(0.0)
@@ -68,13 +70,13 @@ def _rms_row(x, weight, eps, out, t):
         out[t, d] = x[t, d] * inv * weight[d]
 
 
-@njit(fastmath=FASTMATH, cache=CACHE)
+@njit(fastmath=FASTMATH, cache=CACHE, error_model="numpy")
 def _rms_norm_serial(x, weight, eps, out):
     for t in range(x.shape[0]):
         _rms_row(x, weight, eps, out, t)
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=CACHE)
+@njit(parallel=True, fastmath=FASTMATH, cache=CACHE, error_model="numpy")
 def _rms_norm_parallel(x, weight, eps, out):
     for t in prange(x.shape[0]):
         _rms_row(x, weight, eps, out, t)
@@ -90,7 +92,7 @@ def rms_norm_ref(x, weight, eps):
     return x / np.sqrt(var + eps) * weight
 
 
-@njit(fastmath=FASTMATH)
+@njit(fastmath=FASTMATH, error_model="numpy")
 def _silu_row(gate_up, out, t):
     F = out.shape[1]
     for j in range(F):
@@ -98,13 +100,13 @@ def _silu_row(gate_up, out, t):
         out[t, j] = g / (np.float32(1.0) + fast_exp(-g)) * gate_up[t, F + j]
 
 
-@njit(fastmath=FASTMATH, cache=CACHE)
+@njit(fastmath=FASTMATH, cache=CACHE, error_model="numpy")
 def _silu_mul_serial(gate_up, out):
     for t in range(out.shape[0]):
         _silu_row(gate_up, out, t)
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=CACHE)
+@njit(parallel=True, fastmath=FASTMATH, cache=CACHE, error_model="numpy")
 def _silu_mul_parallel(gate_up, out):
     for t in prange(out.shape[0]):
         _silu_row(gate_up, out, t)
@@ -121,7 +123,7 @@ def silu_mul_ref(gate_up):
     return g / (1.0 + np.exp(-g)) * gate_up[:, f:]
 
 
-@njit(fastmath=FASTMATH, inline="always")
+@njit(fastmath=FASTMATH, inline="always", error_model="numpy")
 def _head_norm(v, w, eps):
     n = v.shape[0]
     ss = np.float32(0.0)
@@ -132,7 +134,7 @@ def _head_norm(v, w, eps):
         v[d] = v[d] * inv * w[d]
 
 
-@njit(fastmath=FASTMATH, inline="always")
+@njit(fastmath=FASTMATH, inline="always", error_model="numpy")
 def _rope(v, cos, sin, interleaved):
     half = cos.shape[0]
     if interleaved:
@@ -147,7 +149,7 @@ def _rope(v, cos, sin, interleaved):
             v[half + i] = a * sin[i] + b * cos[i]
 
 
-@njit(fastmath=FASTMATH)
+@njit(fastmath=FASTMATH, error_model="numpy")
 def _rope_row(t, qkv, cos, sin, interleaved, q_norm, k_norm, eps, slots, k_flat, v_flat, q_out):
     Hq, hd = q_out.shape[1], q_out.shape[2]
     Hk = k_flat.shape[1]
@@ -170,13 +172,13 @@ def _rope_row(t, qkv, cos, sin, interleaved, q_norm, k_norm, eps, slots, k_flat,
         v_flat[s, h, :] = qkv[t, (Hq + Hk + h) * hd:(Hq + Hk + h + 1) * hd]
 
 
-@njit(fastmath=FASTMATH, cache=CACHE)
+@njit(fastmath=FASTMATH, cache=CACHE, error_model="numpy")
 def _rope_serial(qkv, cos, sin, interleaved, q_norm, k_norm, eps, slots, k_flat, v_flat, q_out):
     for t in range(q_out.shape[0]):
         _rope_row(t, qkv, cos, sin, interleaved, q_norm, k_norm, eps, slots, k_flat, v_flat, q_out)
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=CACHE)
+@njit(parallel=True, fastmath=FASTMATH, cache=CACHE, error_model="numpy")
 def _rope_parallel(qkv, cos, sin, interleaved, q_norm, k_norm, eps, slots, k_flat, v_flat, q_out):
     for t in prange(q_out.shape[0]):
         _rope_row(t, qkv, cos, sin, interleaved, q_norm, k_norm, eps, slots, k_flat, v_flat, q_out)
@@ -190,7 +192,7 @@ def rope_to_cache(qkv, cos, sin, interleaved, q_norm, k_norm, eps, slots, k_flat
     fn(qkv, cos, sin, interleaved, q_norm, k_norm, eps, slots, k_flat, v_flat, q_out)
 
 
-@njit(cache=CACHE)
+@njit(cache=CACHE, error_model="numpy")
 def _attention_items(seq_start, num_kv_heads):
     """Work items (sequence, kv head, first query row, end query row): QUERY_TILE rows each."""
     S = seq_start.shape[0] - 1
@@ -211,7 +213,7 @@ def _attention_items(seq_start, num_kv_heads):
 GATHER_MIN_QUERIES = 4     # query rows from which a work item gathers its keys (transposed) first
 
 
-@njit(fastmath=FASTMATH)
+@njit(fastmath=FASTMATH, error_model="numpy")
 def _attend_item(items, it, q, k_cache, v_cache, block_tables, positions, window, scale, out):
     if items[it, 3] - items[it, 2] >= GATHER_MIN_QUERIES:
         _attend_gathered(items, it, q, k_cache, v_cache, block_tables, positions, window, scale, out)
@@ -219,7 +221,7 @@ def _attend_item(items, it, q, k_cache, v_cache, block_tables, positions, window
         _attend_direct(items, it, q, k_cache, v_cache, block_tables, positions, window, scale, out)
 
 
-@njit(fastmath=FASTMATH)
+@njit(fastmath=FASTMATH, error_model="numpy")
 def _attend_direct(items, it, q, k_cache, v_cache, block_tables, positions, window, scale, out):
     """Few query rows (decode): each key and value row is read once, where the cache holds it, for
     all the query heads of its kv head."""
@@ -266,7 +268,7 @@ def _attend_direct(items, it, q, k_cache, v_cache, block_tables, positions, wind
                 out[i, kvh * G + g, d] = acc[g, d] * inv
 
 
-@njit(fastmath=FASTMATH)
+@njit(fastmath=FASTMATH, error_model="numpy")
 def _attend_gathered(items, it, q, k_cache, v_cache, block_tables, positions, window, scale, out):
     hd = q.shape[2]
     bs, Hk = k_cache.shape[1], k_cache.shape[2]
@@ -314,14 +316,14 @@ def _attend_gathered(items, it, q, k_cache, v_cache, block_tables, positions, wi
                 out[i, h, d] = acc * inv
 
 
-@njit(fastmath=FASTMATH, cache=CACHE)
+@njit(fastmath=FASTMATH, cache=CACHE, error_model="numpy")
 def _attention_serial(q, k_cache, v_cache, block_tables, seq_start, positions, window, scale, out):
     items = _attention_items(seq_start, k_cache.shape[2])
     for it in range(items.shape[0]):
         _attend_item(items, it, q, k_cache, v_cache, block_tables, positions, window, scale, out)
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=CACHE)
+@njit(parallel=True, fastmath=FASTMATH, cache=CACHE, error_model="numpy")
 def _attention_parallel(q, k_cache, v_cache, block_tables, seq_start, positions, window, scale, out):
     items = _attention_items(seq_start, k_cache.shape[2])
     for it in prange(items.shape[0]):

@@ -718,7 +718,7 @@ TOKEN_TILE = 64          # activation rows a work item takes (64 x K floats stay
 # The row loops write y in place, without a helper: Numba increfs arrays handed to an inlined
 # function, an atomic per row on a line both threads share (docs/cpu.md).
 
-@njit(fastmath=FASTMATH)
+@njit(fastmath=FASTMATH, error_model="numpy")
 def _chunk(w, x, y, col0, r0, r1, t0, t1, residual):
     """Rows r0:r1 of W against activation rows t0:t1: up to 8 rows of x a pass over the weights."""
     xa, xs = x.ctypes.data, x.strides[0]
@@ -760,7 +760,7 @@ def _chunk(w, x, y, col0, r0, r1, t0, t1, residual):
 MAX_PARTS = 4            # block arrays one matmul_into call takes (a tuple of this length, padded)
 
 
-@njit(fastmath=FASTMATH)
+@njit(fastmath=FASTMATH, error_model="numpy")
 def _rms_rows(x, weight, eps, out, t0, t1):
     D = x.shape[1]
     for t in range(t0, t1):
@@ -772,7 +772,7 @@ def _rms_rows(x, weight, eps, out, t0, t1):
             out[t, d] = x[t, d] * inv * weight[d]
 
 
-@njit
+@njit(error_model="numpy")
 def _work_items(parts, count, rows):
     """first[p]: the first parallel work item of part p (items of `rows` rows; first[count] in all)."""
     first = np.zeros(count + 1, np.int64)
@@ -781,7 +781,7 @@ def _work_items(parts, count, rows):
     return first
 
 
-@njit
+@njit(error_model="numpy")
 def _work_item(first, count, item):
     """(token tile, part, index within the part) of parallel work item `item` (_work_items' table)."""
     tile, c = item // first[count], item % first[count]
@@ -791,7 +791,7 @@ def _work_item(first, count, item):
     return tile, p, (c - first[p])
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=CACHE)
+@njit(parallel=True, fastmath=FASTMATH, cache=CACHE, error_model="numpy")
 def matmul_into(parts, count, col0s, x, norm, eps, normed, residual, y):
     """y[:, col0s[p]:col0s[p] + R_p] = (residual +) x' @ W_p.T for the first `count` block arrays W_p
     [R_p, blocks] of the tuple `parts` (one kind, as_blocks; MAX_PARTS long, so one compiled kernel
@@ -823,7 +823,7 @@ def q8_scales_shape(tokens: int, cols: int) -> tuple[int, int, int]:
     return tokens, (cols // 32 + 1) // 2, Q8_LANES
 
 
-@njit(fastmath=FASTMATH)
+@njit(fastmath=FASTMATH, error_model="numpy")
 def quantize_q8(x, xq, xs, t0, t1):
     """Rows t0:t1 of x [T, K] as int8 xq [T, K] (round(x / dx), dx = max|x| / 127 a 32-block), each
     64 columns in pair order (q8_order; an odd last block as it is), and their scale lanes xs
@@ -867,7 +867,7 @@ def q8_block_scales(xs: np.ndarray, cols: int) -> np.ndarray:
     return xs[:, :, [0, 4]].reshape(xs.shape[0], -1)[:, :cols // 32]
 
 
-@njit(fastmath=FASTMATH)
+@njit(fastmath=FASTMATH, error_model="numpy")
 def _chunk_q8(w, xq, xs, y, col0, r0, r1, t0, t1, residual):
     qa, qs_ = xq.ctypes.data, xq.strides[0]
     sa, ss = xs.ctypes.data, xs.strides[0]
@@ -900,7 +900,7 @@ def _chunk_q8(w, xq, xs, y, col0, r0, r1, t0, t1, residual):
             t += 1
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=CACHE)
+@njit(parallel=True, fastmath=FASTMATH, cache=CACHE, error_model="numpy")
 def matmul_q8_into(parts, count, col0s, x, norm, eps, normed, xq, xs, residual, y):
     """matmul_into with 8-bit activations: x (or RMSNorm(x) into `normed`, given `norm`) quantized
     into xq [T, K] int8 and xs (q8_scales_shape, quantize_q8), then integer block dot products
@@ -937,7 +937,7 @@ def pad_parts(blocks: list) -> tuple:
     return tuple(blocks) + (blocks[0],) * (MAX_PARTS - len(blocks))
 
 
-@njit(parallel=True, cache=CACHE)
+@njit(parallel=True, cache=CACHE, error_model="numpy")
 def decode_rows(w, rows, out):
     """out[i] = W[rows[i]] as float32 (the embedding lookup of a quantized table)."""
     for i in prange(rows.shape[0]):

@@ -156,7 +156,7 @@ def group_dot(typingctx, w, g, q_addr, q_stride, s_addr, s_stride, out_addr, nto
     return sig, codegen
 
 
-@njit(fastmath=Q.FASTMATH)
+@njit(fastmath=Q.FASTMATH, error_model="numpy")
 def quantize_flat(x, xq, xs, t0, t1):
     """Rows t0:t1 of x [T, K] as int8 xq [T, K] (round(x / dx), dx = max|x| / 127 a 32-block) and
     xs [T, K / 32, 2] = (dx, dx * sum of the block's xq)."""
@@ -177,7 +177,7 @@ def quantize_flat(x, xq, xs, t0, t1):
             xs[t, b, 1] = dx * np.float32(s)
 
 
-@njit(fastmath=Q.FASTMATH)
+@njit(fastmath=Q.FASTMATH, error_model="numpy")
 def _chunk_x16(w, xq, xs, y, col0, g0, g1, t0, t1, residual):
     """Groups g0:g1 of W against activation rows t0:t1, up to 8 tokens a pass over the weights."""
     qa, qs_ = xq.ctypes.data, xq.strides[0]
@@ -210,7 +210,7 @@ def scales_shape(tokens: int, cols: int) -> tuple[int, int, int]:
     return tokens, cols // 32, 2
 
 
-@njit(parallel=True, fastmath=Q.FASTMATH, cache=CACHE)
+@njit(parallel=True, fastmath=Q.FASTMATH, cache=CACHE, error_model="numpy")
 def matmul_x16_into(parts, count, col0s, x, norm, eps, normed, xq, xs, residual, y):
     """cpu_quant.matmul_q8_into for repack_x16 parts: x (or RMSNorm(x) into `normed`, given `norm`)
     quantized into xq [T, K] int8 and xs (scales_shape), then 16 rows a vpdpbusd."""
