@@ -12,10 +12,17 @@ from numba import cuda
 from kernels_numba.jit import kernel as cached_jit
 
 from kernels_numba.ptx import grid_trigger, grid_wait
-from kernels_numba.bf16 import SIMULATOR
+from kernels_numba.bf16 import SIMULATOR, device_function
 from kernels_numba.ptx import pack_bf16x2
 
 THREADS = 32 if SIMULATOR else 256
+
+
+@device_function
+def silu_mul_at(gate_up, t, f, n):
+    """silu(gate_up[t, f]) * gate_up[t, f + n]."""
+    g = gate_up[t, f]
+    return g / (np.float32(1.0) + math.exp(-g)) * gate_up[t, f + n]
 
 
 @cached_jit
@@ -26,8 +33,7 @@ def _silu_mul_kernel(gate_up, out):
     f = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
     n = out.shape[1]
     if f < n:
-        g = gate_up[t, f]
-        out[t, f] = g / (np.float32(1.0) + math.exp(-g)) * gate_up[t, f + n]
+        out[t, f] = silu_mul_at(gate_up, t, f, n)
 
 
 @cached_jit
@@ -39,10 +45,7 @@ def _silu_mul_bf16_kernel(gate_up, out32):
     n = 2 * out32.shape[1]
     if p < out32.shape[1]:
         f = 2 * p
-        g0 = gate_up[t, f]
-        g1 = gate_up[t, f + 1]
-        out32[t, p] = pack_bf16x2(g0 / (np.float32(1.0) + math.exp(-g0)) * gate_up[t, f + n],
-                                  g1 / (np.float32(1.0) + math.exp(-g1)) * gate_up[t, f + 1 + n])
+        out32[t, p] = pack_bf16x2(silu_mul_at(gate_up, t, f, n), silu_mul_at(gate_up, t, f + 1, n))
 
 
 def silu_mul_bf16(gate_up, out_u16, stream=0) -> None:

@@ -427,7 +427,8 @@ def _join16(e: _IR, lo, hi):
 
 
 # Each u8 decoder: (ir helper, block address) -> [(first column, <32 x i8> u, (a_lo, a_hi), (c_lo, c_hi))]
-# for every 32 columns of the block: w = a * u + c, with a and c per 16-column half.
+# for every 32 columns of the block: w = a * u + c, with a and c per 16-column half; c is None where
+# there is no offset (Q8_0's signed bytes on AVX2), and the kernels then skip its term.
 
 def _u8_legacy(e: _IR, a, kind: str):
     d = e.f16(a, 0)
@@ -435,10 +436,9 @@ def _u8_legacy(e: _IR, a, kind: str):
     if kind == "q8_0":
         u = e.load(a, 2, VI8_32)
         if q8_0_signed():
-            c = ir.Constant(F32, 0.0)
-        else:                                                       # w = d * (u - 128), u unsigned
-            u, c = e.b.xor(u, _bvec(0x80)), e.b.fmul(d, ir.Constant(F32, -128.0))
-        return [(0, u, (d, d), (c, c))]
+            return [(0, u, (d, d), (None, None))]
+        c = e.b.fmul(d, ir.Constant(F32, -128.0))                   # w = d * (u - 128), u unsigned
+        return [(0, e.b.xor(u, _bvec(0x80)), (d, d), (c, c))]
     off = {"q4_0": 2, "q4_1": 4, "q5_0": 6, "q5_1": 8}[kind]
     q = e.load(a, off, VI8)
     u = _join16(e, e.b.and_(q, _cvec(I8, [15] * 16)), e.b.lshr(q, _cvec(I8, [4] * 16)))
@@ -605,7 +605,7 @@ def _pair_q8_0(e: _IR, a, b):
     u = e.b.shuffle_vector(lo, hi, _cvec(I32, range(64)))
     d = _spread(e, _d_pair(e, a, b), [0, 1, 0, 1])
     if q8_0_signed():
-        return u, d, e.splat(ir.Constant(F32, 0.0))
+        return u, d, None
     return e.b.xor(u, _cvec(I8, [0x80] * 64)), d, e.b.fmul(d, e.splat(ir.Constant(F32, -128.0)))
 
 
@@ -660,11 +660,12 @@ def row_dot_q8(typingctx, w, row, q_addr, q_stride, s_addr, s_stride, ntok):
                 xq = builder.load(builder.inttoptr(builder.add(qrows[t], qoff), VI32_16.as_pointer()), align=1)
                 sp = builder.add(srows[t], soff)
                 dx = builder.load(builder.inttoptr(sp, VF.as_pointer()), align=4)
-                sv = e.load(sp, 64, VF, align=4)
                 isum = builder.sitofp(dpbusd(builder, izero16, u, xq, signed), VF)
                 main, other = accs[t][k % 2], accs[t][(k + 1) % 2]
                 builder.store(builder.call(fma16, [isum, builder.fmul(wsc, dx), builder.load(main)]), main)
-                builder.store(builder.call(fma16, [cvec, sv, builder.load(other)]), other)
+                if cvec is not None:
+                    sv = e.load(sp, 64, VF, align=4)
+                    builder.store(builder.call(fma16, [cvec, sv, builder.load(other)]), other)
 
         if legacy:
             with cgutils.for_range(builder, builder.udiv(nblocks, ir.Constant(I64, 2))) as loop:
@@ -680,13 +681,18 @@ def row_dot_q8(typingctx, w, row, q_addr, q_stride, s_addr, s_stride, ntok):
                 p = builder.udiv(last, ir.Constant(I64, 2))
                 qoff = builder.mul(p, ir.Constant(I64, 64))
                 soff = builder.mul(p, ir.Constant(I64, 4 * Q8_LANES))
-                wsc, cvec = _lanes(e, [alo, ahi]), _lanes(e, [clo, chi])
+                wsc = _lanes(e, [alo, ahi])
+                cvec = None if clo is None else _lanes(e, [clo, chi])
                 for t in range(n):
                     xq = builder.load(builder.inttoptr(builder.add(qrows[t], qoff), VI32_8.as_pointer()), align=1)
                     sp = builder.add(srows[t], soff)
-                    dx, sv = e.load(sp, 0, VF8, align=4), e.load(sp, 64, VF8, align=4)
+                    dx = e.load(sp, 0, VF8, align=4)
                     isum = builder.sitofp(dpbusd(builder, izero8, u, xq, signed), VF8)
-                    v = builder.call(fma8, [isum, builder.fmul(wsc, dx), builder.fmul(cvec, sv)])
+                    if cvec is None:
+                        v = builder.fmul(isum, builder.fmul(wsc, dx))
+                    else:
+                        sv = e.load(sp, 64, VF8, align=4)
+                        v = builder.call(fma8, [isum, builder.fmul(wsc, dx), builder.fmul(cvec, sv)])
                     builder.store(_hsum(builder, v, 8), tails[t])
         else:
             with cgutils.for_range(builder, nblocks) as loop:

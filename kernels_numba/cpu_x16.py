@@ -127,7 +127,7 @@ def group_dot(typingctx, w, g, q_addr, q_stride, s_addr, s_stride, out_addr, nto
             if kind == "q4_1":
                 c = builder.fpext(e.load(a, 32, VH, align=1), VF)
             else:
-                c = builder.fmul(d, e.splat(ir.Constant(F32, 0.0 if signed else -8.0 if kind == "q4_0" else -128.0)))
+                c = None if signed else builder.fmul(d, e.splat(ir.Constant(F32, -8.0 if kind == "q4_0" else -128.0)))
             col = builder.mul(b, ir.Constant(I64, 32))
             sums = [[izero, izero] for _ in range(n)]
             for k in range(steps):
@@ -145,9 +145,11 @@ def group_dot(typingctx, w, g, q_addr, q_stride, s_addr, s_stride, out_addr, nto
             for t in range(n):
                 f = builder.sitofp(builder.add(sums[t][0], sums[t][1]), VF)
                 sp = builder.add(srows[t], builder.mul(b, ir.Constant(I64, 8)))
-                dx, sx = e.splat(e.load(sp, 0, F32, align=4)), e.splat(e.load(sp, 4, F32, align=4))
+                dx = e.splat(e.load(sp, 0, F32, align=4))
                 acc = builder.call(fma, [f, builder.fmul(d, dx), builder.load(accs[t])])
-                builder.store(builder.call(fma, [c, sx, acc]), accs[t])
+                if c is not None:
+                    acc = builder.call(fma, [c, e.splat(e.load(sp, 4, F32, align=4)), acc])
+                builder.store(acc, accs[t])
         for t in range(n):
             ptr = builder.inttoptr(builder.add(args[6], ir.Constant(I64, 64 * t)), VF.as_pointer())
             builder.store(builder.load(accs[t]), ptr, align=4)

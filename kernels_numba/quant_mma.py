@@ -31,13 +31,12 @@ Fragment layout (repack_mq), Q4_K rows in tiles of 16 (the last padded with zero
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from kernels_numba.bf16 import block_sum, device_function
-from kernels_numba.rmsnorm import _threads as rms_threads
+from kernels_numba.activation import silu_mul_at
+from kernels_numba.bf16 import device_function
+from kernels_numba.rmsnorm import SCRATCH as RMS_SCRATCH, _threads as rms_threads, inv_rms_row
 from kernels_numba.ptx import SIM, grid_trigger, grid_wait, ldg_f32x4, pack_bf16x2, shfl_xor_f32
 from kernels_numba.quant_gemv import _load_generated, kq_scale_min, q4_ops, sbyte
 from kernels_numba.quant_layout import Q4_K, Q6_K
@@ -109,22 +108,16 @@ def _quantize(x, T, xq, xsc):
 
 
 def _norm_quantize(x, w, eps, T, xq, xsc, out):
-    """Row r of the n-tiles: out[r] = RMSNorm(x[r]) * w (as rmsnorm.rms_norm computes it, the same
-    sum of squares), quantized into xq / xsc as _quantize would; rows past T quantize zeros."""
+    """Row r of the n-tiles: out[r] = RMSNorm(x[r]) * w (rmsnorm's inv_rms_row, so the bytes of
+    rmsnorm.rms_norm), quantized into xq / xsc as _quantize would; rows past T quantize zeros."""
     grid_wait()
     grid_trigger()
-    scratch = cuda.shared.array(32, float32)
+    scratch = cuda.shared.array(RMS_SCRATCH, float32)
     r = cuda.blockIdx.x
     K = x.shape[1]
     tid = cuda.threadIdx.x
     live = r < T
-    ss = float32(0.0)
-    if live:
-        for d in range(tid, K, cuda.blockDim.x):
-            e = x[r, d]
-            ss += e * e
-    ss = block_sum(ss, scratch)
-    inv = float32(1.0) / math.sqrt(ss / float32(K) + eps)
+    inv = inv_rms_row(x, r, eps, scratch) if live else float32(1.0)    # uniform over the block
     v = tid & 31
     for gi in range(tid >> 5, K // 32, cuda.blockDim.x >> 5):
         val = float32(0.0)
@@ -149,8 +142,7 @@ def _silu_quantize(gate_up, T, xq, xsc, out):
     val = float32(0.0)
     if r < T:
         f = gi * 32 + v
-        g = gate_up[r, f]
-        val = g / (float32(1.0) + math.exp(-g)) * gate_up[r, f + out.shape[1]]
+        val = silu_mul_at(gate_up, r, f, out.shape[1])
         out[r, f] = val
     _put_group(val, gi, u, n, v, xq, xsc)
 

@@ -14,7 +14,7 @@ from numba import cuda
 from kernels_numba.jit import kernel as cached_jit
 
 from kernels_numba.ptx import grid_trigger, grid_wait
-from kernels_numba.bf16 import SIMULATOR, block_sum
+from kernels_numba.bf16 import SIMULATOR, block_sum, device_function
 from kernels_numba.ptx import pack_bf16x2
 
 MAX_THREADS = 32 if SIMULATOR else 1024
@@ -26,6 +26,19 @@ def _threads(d: int) -> int:
     return max(32, min(MAX_THREADS, ((d + 127) // 128) * 32))
 
 
+@device_function
+def inv_rms_row(x, r, eps, scratch):
+    """1 / sqrt(mean(x[r]^2) + eps), the block's threads striding the row (every thread of the block
+    calls it: a block sum)."""
+    n = x.shape[1]
+    ss = np.float32(0.0)
+    for d in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+        v = x[r, d]
+        ss += v * v
+    ss = block_sum(ss, scratch)
+    return np.float32(1.0) / math.sqrt(ss / np.float32(n) + eps)
+
+
 @cached_jit
 def _rms_norm_2d(x, w, eps, out):
     grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
@@ -33,12 +46,7 @@ def _rms_norm_2d(x, w, eps, out):
     scratch = cuda.shared.array(SCRATCH, np.float32)
     r = cuda.blockIdx.x
     n = x.shape[1]
-    ss = np.float32(0.0)
-    for d in range(cuda.threadIdx.x, n, cuda.blockDim.x):
-        v = x[r, d]
-        ss += v * v
-    ss = block_sum(ss, scratch)
-    inv = np.float32(1.0) / math.sqrt(ss / np.float32(n) + eps)
+    inv = inv_rms_row(x, r, eps, scratch)
     for d in range(cuda.threadIdx.x, n, cuda.blockDim.x):
         out[r, d] = x[r, d] * inv * w[d]
 
@@ -70,12 +78,7 @@ def _rms_norm_bf16_2d(x, w, eps, out32):
     scratch = cuda.shared.array(SCRATCH, np.float32)
     r = cuda.blockIdx.x
     n = x.shape[1]
-    ss = np.float32(0.0)
-    for d in range(cuda.threadIdx.x, n, cuda.blockDim.x):
-        v = x[r, d]
-        ss += v * v
-    ss = block_sum(ss, scratch)
-    inv = np.float32(1.0) / math.sqrt(ss / np.float32(n) + eps)
+    inv = inv_rms_row(x, r, eps, scratch)
     for p in range(cuda.threadIdx.x, n // 2, cuda.blockDim.x):
         d = 2 * p
         out32[r, p] = pack_bf16x2(x[r, d] * inv * w[d], x[r, d + 1] * inv * w[d + 1])

@@ -86,10 +86,9 @@ Q8_ERROR = 2.25
 
 @pytest.fixture(scope="module")
 def fast_q8():
+    from conftest import skip_without_q8
     from metrale import Engine
-    from metrale.runtime.cpu_ops import has_q8
-    if not has_q8():
-        pytest.skip("levers.cpu_activations=q8 needs AVX2 or AVX-512 VNNI")
+    skip_without_q8()
     return Engine(model="smollm2-135m", device="cpu", levers={"cpu_kernels": "numba", "cpu_activations": "q8"})
 
 

@@ -13,10 +13,10 @@ from conftest import scratch_blocks
 
 @pytest.fixture(scope="module", params=["f32", "q8"])
 def engine(request):
+    from conftest import skip_without_q8
     from metrale import Engine
-    from metrale.runtime.cpu_ops import has_q8
-    if request.param == "q8" and not has_q8():
-        pytest.skip("levers.cpu_activations=q8 needs AVX2 or AVX-512 VNNI")
+    if request.param == "q8":
+        skip_without_q8()
     return Engine(model="smollm2-135m", device="cpu", levers={"cpu_kernels": "numba", "cpu_activations": request.param})
 
 
