@@ -55,7 +55,7 @@ class Levers:
                                          # 8 rows, bf16 dequantized into a scratch beyond; docs/quant.md; native
                                          # becomes the default once its GPU tests have run). Other checkpoints and
                                          # device=cpu (levers.cpu_kernels) unaffected
-    quant_mma_rows: int = 2              # levers.weights=native: Q4_K products of this many rows up to 8 run on the
+    quant_mma_rows: int = 1              # levers.weights=native: Q4_K products of this many rows up to 8 run on the
                                          # int8 tensor cores (kernels_numba/quant_mma.py), fewer on the dp4a GEMV;
                                          # 1: linear Q4_K weights in the mma's own layout, every product on it;
                                          # 0: never (docs/quant.md)

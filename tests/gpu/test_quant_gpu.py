@@ -240,6 +240,27 @@ def test_mma_gemv_q4k(N, K, T):
 
 
 @pytest.mark.parametrize("T", [1, 8, 40])
+@pytest.mark.parametrize("N,K", MMA_SHAPES, ids=[f"Q4_K-{n}x{k}" for n, k in MMA_SHAPES])
+def test_fragment_layout_gemv_q4k(N, K, T):
+    """gemv_mq on repack_mq's layout at the 8B shapes, with the warps mq_warps gives each (4, 8, 16)."""
+    from kernels_numba import quant_mma as QM
+    data, _ = _weight(L.Q4_K, N, K)
+    planes = {k: cuda.to_device(v) for k, v in QM.repack_mq(data, K).items()}
+    rng = np.random.default_rng(N + T + 2)
+    x = (2 * rng.standard_normal((T, K))).astype(np.float32)
+    res = rng.standard_normal((T, N)).astype(np.float32)
+    d_out = cuda.to_device(res)
+    xq, xsc = QM.x_buffers(K)
+    QM.quantize_x(cuda.to_device(x), T, xq, xsc, tiles=QM.n_tiles(T))
+    QM.gemv_mq(xq, xsc, planes, d_out, T, N, residual=d_out)
+    out = d_out.copy_to_host()
+    assert np.isfinite(out).all()
+    rows = _rows(N, rng)
+    w = _reference(L.Q4_K, N, K) if N <= 16384 else L.gguf_dequantize(L.Q4_K, data[rows])
+    assert _relerr(out[:, rows], L.gemv_ref(x, w, residual=res[:, rows])) < 2e-5
+
+
+@pytest.mark.parametrize("T", [1, 8, 40])
 def test_fused_quantizations_equal_their_two_launches(T):
     """norm_quantize_x and silu_quantize_x write the bytes of rms_norm / silu_mul then quantize_x
     (Llama-3-8B's K = 4096 and F = 14336)."""
