@@ -466,10 +466,12 @@ def gemv(xq, xsc, planes: dict, out, T: int, *, qtype: int, n_off: int = 0, bias
     k[-(-N // (16 * tiles)), 32 * warps, stream](xq, xsc, qs, sc, out, b, r, n_off, T)
 
 
-def mq_warps(N: int) -> int:
-    """Warps a block of gemv_mq takes for N rows (one block a 16-row tile): few tiles want more warps
-    a tile to keep enough loads in flight, many tiles fewer (bench.quant_kernels on the H200:
-    docs/quant.md "Warps by shape")."""
+def mq_warps(N: int, T: int) -> int:
+    """Warps a block of gemv_mq takes for N rows of T tokens (one block a 16-row tile). At one n-tile
+    few tiles want more warps a tile to keep enough loads in flight, many tiles fewer; from two
+    n-tiles WARPS (16 warps of 8 n-tiles exceed the registers; docs/quant.md "Warps by shape")."""
+    if n_tiles(T) > 1:
+        return WARPS
     tiles = -(-N // 16)
     return 4 if tiles >= 1024 else 8 if tiles >= 384 else 16
 
@@ -477,9 +479,9 @@ def mq_warps(N: int) -> int:
 def gemv_mq(xq, xsc, planes: dict, out, T: int, N: int, *, n_off: int = 0, bias=None, residual=None,
             stream=0, warps: int = 0, blocks: int = BLOCKS) -> None:
     """gemv on a part in the fragment layout (planes 'mq', 'ms' of repack_mq; N its rows); warps 0:
-    mq_warps(N)."""
+    mq_warps(N, T)."""
     mq, ms = planes["mq"], planes["ms"]
-    warps = warps or mq_warps(N)
+    warps = warps or mq_warps(N, T)
     assert 1 <= T <= MAX_TILED_T and out.shape[0] >= T and n_off + N <= out.shape[1] and mq.shape[0] * 16 >= N
     k = kernel(warps, bias is not None, residual is not None, 0, blocks, n_tiles(T))
     k[-(-N // 16), 32 * warps, stream](xq, xsc, mq, ms, out, out if bias is None else bias,
