@@ -55,9 +55,9 @@ class Levers:
                                          # 8 rows, bf16 dequantized into a scratch beyond; docs/quant.md; native
                                          # becomes the default once its GPU tests have run). Other checkpoints and
                                          # device=cpu (levers.cpu_kernels) unaffected
-    quant_mma_rows: int = 1              # levers.weights=native: Q4_K products of this many rows up to 8 run on the
-                                         # int8 tensor cores (kernels_numba/quant_mma.py), fewer on the dp4a GEMV;
-                                         # 1: linear Q4_K weights in the mma's own layout, every product on it;
+    quant_mma_rows: int = 1              # levers.weights=native: 1: linear Q4_K weights in the int8 tensor-core GEMV's
+                                         # fragment layout, every product of up to 64 rows on it; R >= 2: planes
+                                         # layout, Q4_K products of R to 8 rows on the planes' mma, fewer on dp4a;
                                          # 0: never (docs/quant.md)
     prefill_attention_min_tokens: int = 64  # segments this long use the tiled prefill kernel
     prefill_attention_kernel: str = "mma"   # mma (tensor cores, flash_prefill.py) | fma (FP32, attention.py)
