@@ -159,7 +159,6 @@ FAMILY = Family(
     forward=llama_forward,
     caches=(KV,),
     numpy_ops=(MoeNumpyOps,),
-    cuda="",
-    cuda_missing="CUDA part for MoE layers beside standard attention (the MoE kernels run only behind MLA)",
+    cuda="metrale.runtime.cuda_moe:MoeCuda",
     check_weights=check_expert_weights,
 )

@@ -27,18 +27,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels_numba import activation, argmax, gemm, mla, moe, qkv, rmsnorm
+from kernels_numba import argmax, mla, rmsnorm
 from kernels_numba.bf16 import to_bf16_bits
 from kernels_numba.rope import rope_inplace
 from metrale.models.config import ModelConfig
-from metrale.models.deepseek import deepseek_softmax_scale, route_config
+from metrale.models.deepseek import deepseek_softmax_scale
 from metrale.runtime.cuda_dense import CudaPart
-
-PAD = 64        # GEMM output rows are padded to this (the router's E)
-
-
-def padded(n: int) -> int:
-    return -(-n // PAD) * PAD
+from metrale.runtime.cuda_moe import (MoeCudaOps, MoeParallel, moe_layer_layout, moe_plan, moe_workspace,  # noqa: F401
+                                      pad_router, padded, shared_size)
 
 
 # ------------------------------------------------------------------------------- weights
@@ -56,9 +52,7 @@ def prepare_weights(items, config: ModelConfig):
             yield name[:-len("kv_b")] + "w_uk_t", to_bf16_bits(np.ascontiguousarray(w[:, :nope].transpose(0, 2, 1)))
             yield name[:-len("kv_b")] + "w_uv", to_bf16_bits(np.ascontiguousarray(w[:, nope:]))
         elif name.endswith(".router"):
-            pad = np.zeros((padded(a.shape[0]), a.shape[1]), np.float32)
-            pad[:a.shape[0]] = a
-            yield name, to_bf16_bits(pad)
+            yield name, pad_router(a)
         elif a.ndim >= 2:
             yield name, to_bf16_bits(a)
         else:
@@ -71,7 +65,6 @@ def random_weight_shapes(config: ModelConfig, num_local_experts: int | None = No
     c = config
     d, h, nope, rope, r, v = c.hidden_size, c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank, c.v_head_dim
     e = c.n_routed_experts if num_local_experts is None else num_local_experts
-    fm = c.moe_intermediate_size
     out: dict[str, tuple] = {"embed": ((c.vocab_size, d), 0.5)}
     for i in range(c.num_layers):
         p = f"layers.{i}."
@@ -89,15 +82,7 @@ def random_weight_shapes(config: ModelConfig, num_local_experts: int | None = No
         out[p + "o"] = ((d, h * v), (h * v) ** -0.5)
         out[p + "mlp_norm"] = ((d,), "norm")
         if c.is_moe_layer(i):
-            out[p + "router"] = ((padded(c.n_routed_experts), d), d ** -0.5)
-            if c.topk_method == "noaux_tc":
-                out[p + "router_bias"] = ((c.n_routed_experts,), "bias")
-            out[p + "experts_gate_up"] = ((e, 2 * fm, d), d ** -0.5)
-            out[p + "experts_down"] = ((e, d, fm), fm ** -0.5)
-            if c.n_shared_experts:
-                fs = fm * c.n_shared_experts
-                out[p + "shared_gate_up"] = ((2 * fs, d), d ** -0.5)
-                out[p + "shared_down"] = ((d, fs), fs ** -0.5)
+            out.update(moe_layer_layout(c, p, e))
         else:
             out[p + "gate_up"] = ((2 * c.intermediate_size, d), d ** -0.5)
             out[p + "down"] = ((d, c.intermediate_size), c.intermediate_size ** -0.5)
@@ -109,19 +94,9 @@ def random_weight_shapes(config: ModelConfig, num_local_experts: int | None = No
 
 # ------------------------------------------------------------------------------- ops
 
-class MlaCudaOps:
-    """CudaOps mixin: mla_attention over the latent pages (`b.kv`) and moe_residual, over the
-    backend's fixed buffers (the part `b.part` holds the routing and the MoE workspace)."""
-
-    def _product(self, x, weight, out, accumulate: bool = False):
-        """out (+)= x @ bf16(weight).T into a given buffer (cuBLASLt or the Numba GEMMs)."""
-        if self.b.blas_takes(x.shape[0], weight):
-            self.b.blas_linear(x, weight, out, None, accumulate=accumulate)
-        elif accumulate:
-            gemm.linear_residual(x, weight, out, stream=self.s, skinny_max_t=self.b.skinny_max_t)
-        else:
-            gemm.linear(x, weight, out, stream=self.s, skinny_max_t=self.b.skinny_max_t)
-        return out
+class MlaCudaOps(MoeCudaOps):
+    """CudaOps mixin: mla_attention over the latent pages (`b.kv`), and MoeCudaOps' moe_residual
+    (the part `b.part` holds the routing and the MoE workspace)."""
 
     def mla_attention(self, h, layer, w, p):
         c, b, s, T = self.cfg, self.b, self.s, self.g.tokens
@@ -151,23 +126,6 @@ class MlaCudaOps:
         mla.head_linear(lat, w[p + "w_uv"], out.reshape(T, H, v), stream=s)
         return out
 
-    def moe_residual(self, h, layer, w, p, residual):
-        c, b, s = self.cfg, self.b, self.s
-        logits = self._product(h, w[p + "router"], self._buf("ds_router"))[:, :c.n_routed_experts]
-        ids, weights = self._buf("ds_topk_ids"), self._buf("ds_topk_w")
-        moe.route(logits, b.part.route_cfg, ids, weights, bias=w.get(p + "router_bias"), stream=s)
-        gu, down = w[p + "experts_gate_up"], w[p + "experts_down"]
-        if b.ep is None:
-            moe.moe_experts(h, ids, weights, gu, down, residual, b.part.moe_ws, accumulate=True, stream=s)
-        else:
-            ep_experts(b, h, ids, weights, gu, down, residual)
-        if p + "shared_gate_up" in w:
-            sg = self._product(h, w[p + "shared_gate_up"], self._buf("ds_shared_gu"))
-            act = self._buf("ds_shared_act")
-            activation.silu_mul(sg, act, stream=s)
-            self._product(act, w[p + "shared_down"], residual, accumulate=True)
-        return residual
-
 
 # ------------------------------------------------------------------------------- the part
 
@@ -192,24 +150,7 @@ def activation_plan(config: ModelConfig, max_tokens: int, max_rows: int, max_mod
         plan["ds_q_a_n"] = ((T, c.q_lora_rank), f32)
     plan["attn_scratch"] = (mla.mla_scratch_shape(T, H, r + rope, r, max_model_len), f32)
     if c.is_moe:
-        k, fm = c.num_experts_per_tok, c.moe_intermediate_size
-        plan["ds_router"] = ((T, padded(c.n_routed_experts)), f32)
-        plan["ds_topk_ids"] = ((T, k), i32)
-        plan["ds_topk_w"] = ((T, k), f32)
-        if c.n_shared_experts:
-            plan["ds_shared_gu"] = ((T, 2 * fm * c.n_shared_experts), f32)
-            plan["ds_shared_act"] = ((T, fm * c.n_shared_experts), f32)
-        n = max(1, ep_world) * T * k          # expert rows of one layer call (EP: all ranks' slots)
-        nb = max(1, -(-n // moe.SLOTS))
-        tiles = moe.max_tiles(n, num_local_experts)
-        e = num_local_experts
-        plan.update({"moe_counts": ((nb, e), i32), "moe_base": ((nb, e), i32), "moe_offsets": ((e + 1,), i32),
-                     "moe_tile_expert": ((tiles,), i32), "moe_tile_row": ((tiles,), i32),
-                     "moe_sorted_slot": ((n,), i32), "moe_slot_row": ((n,), i32),
-                     "moe_h": ((n, 2 * fm), f32), "moe_a": ((n, fm), f32), "moe_y": ((n, d), f32)})
-        if ep_world:
-            plan.update({"ep_send": ((T * k, d), f32), "ep_gather": ((T * k,), i32), "ep_slot_row": ((T * k,), i32),
-                         "ep_ids": ((n, 1), i32), "ep_ones": ((n, 1), f32), "ep_out": ((n, d), f32)})
+        plan.update(moe_plan(c, T, num_local_experts, ep_world))
     return plan
 
 
@@ -218,22 +159,19 @@ def blas_widest(config: ModelConfig) -> int:
     c = config
     ks = [c.hidden_size, c.intermediate_size, c.num_heads * c.v_head_dim, c.q_lora_rank or 0]
     if c.is_moe:
-        ks.append(c.moe_intermediate_size * c.n_shared_experts)
+        ks.append(shared_size(c))
     return max(ks)
 
 
-class MlaCuda(CudaPart):
+class MlaCuda(MoeParallel, CudaPart):
     """The MLA family's answers to the CUDA backend; with expert parallelism (`b.ep`) its MoE layers
     hold this rank's experts only."""
     ops = (MlaCudaOps,)
 
     def __init__(self, backend):
         super().__init__(backend)
-        c, ep = self.config, backend.ep
-        self.num_local_experts = (ep.num_local if ep is not None else c.n_routed_experts) if c.is_moe else 0
-        self.route_cfg = route_config(c) if c.is_moe else None
-        self.softmax_scale = deepseek_softmax_scale(c)
-        self.moe_ws = None           # the MoE workspace over the activations (after_activations)
+        self.init_moe(backend)
+        self.softmax_scale = deepseek_softmax_scale(self.config)
 
     def gemm_dims(self) -> list[tuple[str, int]]:
         c = self.config
@@ -269,10 +207,6 @@ class MlaCuda(CudaPart):
             plan["blas_workspace"] = ((WORKSPACE_BYTES,), np.uint8)
         return plan
 
-    def after_activations(self) -> None:
-        if self.config.is_moe:
-            self.moe_ws = moe_workspace(self.b.act)
-
     def prepare(self, items):
         return prepare_weights(items, self.config)
 
@@ -294,68 +228,3 @@ class MlaCuda(CudaPart):
 
     def random_layout(self, seed: int) -> dict[str, tuple[tuple[int, ...], object]]:
         return random_weight_shapes(self.config, self.num_local_experts)
-
-    def idle_step(self, num_layers: int | None) -> None:
-        """A rank without tokens this step: serve its experts in every MoE layer."""
-        b, c = self.b, self.config
-        for i in range(c.num_layers if num_layers is None else num_layers):
-            if c.is_moe_layer(i):
-                p = f"layers.{i}."
-                ep_experts(b, None, None, None, b.weights[p + "experts_gate_up"], b.weights[p + "experts_down"], None)
-
-
-def moe_workspace(act: dict) -> moe.MoeWorkspace:
-    """The MoE kernels' workspace over an activation plan's moe_* buffers (ep_ones set to 1)."""
-    if "ep_ones" in act:
-        act["ep_ones"].copy_to_device(np.ones(act["ep_ones"].shape, np.float32))
-    return moe.MoeWorkspace(act["moe_counts"], act["moe_base"], act["moe_offsets"], act["moe_tile_expert"],
-                            act["moe_tile_row"], act["moe_sorted_slot"], act["moe_slot_row"], act["moe_h"],
-                            act["moe_a"], act["moe_y"])
-
-
-# ---------------------------------------------------------------- expert parallelism
-
-def ep_experts(b, h, ids, weights, gu, down, residual) -> None:
-    """residual[t] += sum_k w[t, k] * expert(h[t]) with the experts spread over the ranks of `b.ep`:
-    token rows go to their experts' ranks (all_to_all_v on device buffers), this rank's experts run
-    on what it received, the outputs come back and are summed in k order. ids None: a rank without
-    tokens serving the others."""
-    ep, a, s = b.ep, b.act, b.stream.numba
-    t, k = (0, b.config.num_experts_per_tok) if ids is None else ids.shape
-    flat = b._fetch(ids, np.empty((t, k), np.int32)).reshape(-1) if t else np.zeros(0, np.int32)
-    dest = ep.owner(flat)
-    order = np.argsort(dest, kind="stable").astype(np.int32)
-    counts = np.bincount(dest, minlength=ep.comm.world_size).astype(np.int64)
-    n = t * k
-    send = a["ep_send"][:n]
-    if n:
-        slot_row = np.empty(n, np.int32)
-        slot_row[order] = np.arange(n, dtype=np.int32)
-        _copy_host_rows(b, a["ep_gather"][:n], order // k)
-        _copy_host_rows(b, a["ep_slot_row"][:n], slot_row)
-        qkv.gather_rows(h, a["ep_gather"][:n], send, stream=s)
-    b.stream.synchronize()                     # NCCL runs on this stream too, but host inputs are staged
-    on_device = bool(getattr(ep.comm, "device_buffers", False))   # else a host communicator (tests)
-    rows, recv_counts = ep.comm.all_to_all_v(send if on_device else send.copy_to_host(), counts)
-    rids, _ = ep.comm.all_to_all_v(flat[order], counts, recv_counts)
-    m = int(recv_counts.sum())
-    y = a["ep_out"][:m]                        # not moe_y: moe_experts un-permutes from there
-    if m:
-        rows = rows if hasattr(rows, "__cuda_array_interface__") else _to_device(rows)
-        _copy_host_rows(b, a["ep_ids"][:m], (np.asarray(rids, np.int32) - ep.expert_range[0]).reshape(m, 1))
-        moe.moe_experts(rows, a["ep_ids"][:m], a["ep_ones"][:m], gu, down, y, b.part.moe_ws, accumulate=False, stream=s)
-        b.stream.synchronize()
-    back, _ = ep.comm.all_to_all_v(y if on_device else y.copy_to_host(), recv_counts, counts)
-    if n:
-        back = back if hasattr(back, "__cuda_array_interface__") else _to_device(back)
-        moe.unpermute(back, a["ep_slot_row"][:n], weights, residual, accumulate=True, stream=s)
-        b.stream.synchronize()                 # `back` may be freed once this returns
-
-
-def _copy_host_rows(b, device_array, host: np.ndarray) -> None:
-    device_array.copy_to_device(np.ascontiguousarray(host), stream=b.stream.numba)
-
-
-def _to_device(a: np.ndarray):
-    from numba import cuda
-    return cuda.to_device(np.ascontiguousarray(a))
