@@ -1,4 +1,5 @@
-"""SwiGLU activation: out = silu(gate) * up, with gate_up = [gate | up] along the last axis.
+"""Gated MLP activations: out = silu(gate) * up (SwiGLU) or gelu_tanh(gate) * up (Gemma's GeGLU),
+with gate_up = [gate | up] along the last axis.
 
 Grid (T, ceil(F / threads)); one element per thread; fp32 math.
 """
@@ -68,6 +69,53 @@ def silu_mul(gate_up, out, stream=0) -> None:
     if gate_up.shape[1] != 2 * f:
         raise ValueError(f"silu_mul: gate_up {gate_up.shape} does not match out {out.shape}")
     _silu_mul_kernel[(t, (f + THREADS - 1) // THREADS), THREADS, stream](gate_up, out)
+
+
+@cached_jit
+def _gelu_tanh_mul_kernel(gate_up, out):
+    grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+    grid_trigger()
+    t = cuda.blockIdx.x
+    f = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    n = out.shape[1]
+    if f < n:
+        g = gate_up[t, f]
+        inner = np.float32(0.7978845608028654) * (g + np.float32(0.044715) * g * g * g)
+        out[t, f] = np.float32(0.5) * g * (np.float32(1.0) + math.tanh(inner)) * gate_up[t, f + n]
+
+
+def gelu_tanh_mul(gate_up, out, stream=0) -> None:
+    """gate_up: float32 [T, 2F]; out: float32 [T, F] = gelu_tanh(gate) * up (GELU's tanh form)."""
+    t, f = out.shape
+    if t == 0 or f == 0:
+        return
+    if gate_up.shape[1] != 2 * f:
+        raise ValueError(f"gelu_tanh_mul: gate_up {gate_up.shape} does not match out {out.shape}")
+    _gelu_tanh_mul_kernel[(t, (f + THREADS - 1) // THREADS), THREADS, stream](gate_up, out)
+
+
+@cached_jit
+def _softcap_kernel(x, cap):
+    grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+    grid_trigger()
+    t = cuda.blockIdx.x
+    f = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    if f < x.shape[1]:
+        x[t, f] = cap * math.tanh(x[t, f] / cap)
+
+
+def softcap(x, cap: float, stream=0) -> None:
+    """x = cap * tanh(x / cap) in place (final logit softcapping). x: float32 [T, N]."""
+    t, n = x.shape
+    if t and n:
+        _softcap_kernel[(t, (n + THREADS - 1) // THREADS), THREADS, stream](x, np.float32(cap))
+
+
+def gelu_tanh_mul_ref(gate_up: np.ndarray) -> np.ndarray:
+    x = np.asarray(gate_up, np.float64)
+    f = x.shape[1] // 2
+    g, u = x[:, :f], x[:, f:]
+    return (0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g ** 3))) * u).astype(np.float32)
 
 
 def silu_mul_ref(gate_up: np.ndarray) -> np.ndarray:

@@ -102,6 +102,27 @@ def _add_rms_norm_2d(x, residual, w, eps, out):
         out[r, d] = residual[r, d] * inv * w[d]
 
 
+@cached_jit
+def _rms_norm_into_residual_2d(x, w, eps, residual):
+    grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+    grid_trigger()
+    scratch = cuda.shared.array(SCRATCH, np.float32)
+    r = cuda.blockIdx.x
+    n = x.shape[1]
+    inv = inv_rms_row(x, r, eps, scratch)
+    for d in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+        residual[r, d] += x[r, d] * inv * w[d]
+
+
+@cached_jit
+def _scale_rows_2d(x, scale):
+    grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+    grid_trigger()
+    r = cuda.blockIdx.x
+    for d in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
+        x[r, d] *= scale
+
+
 def rms_norm(x, w, eps: float, out, stream=0) -> None:
     """out = x / sqrt(mean(x^2) + eps) * w over the last axis. x, out: [N, D] or [T, H, D]; w: [D]."""
     if x.shape[0] == 0:
@@ -132,6 +153,21 @@ def add_rms_norm(x, residual, w, eps: float, out, stream=0) -> None:
     if x.shape[0] == 0:
         return
     _add_rms_norm_2d[x.shape[0], _threads(x.shape[1]), stream](x, residual, w, np.float32(eps), out)
+
+
+def rms_norm_into_residual(x, w, eps: float, residual, stream=0) -> None:
+    """residual += rms_norm(x) * w (Gemma's norm after a block, before its residual add). x,
+    residual: [T, D]; w: [D]."""
+    if x.shape[0] == 0:
+        return
+    _rms_norm_into_residual_2d[x.shape[0], _threads(x.shape[1]), stream](x, w, np.float32(eps), residual)
+
+
+def scale_rows(x, scale: float, stream=0) -> None:
+    """x *= scale in place (Gemma's embedding scale). x: [T, D]."""
+    if x.shape[0] == 0:
+        return
+    _scale_rows_2d[x.shape[0], _threads(x.shape[1]), stream](x, np.float32(scale))
 
 
 def rms_norm_ref(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

@@ -130,14 +130,6 @@ def test_each_gemma3_feature_matters(change):
     assert rel_err(run(be, [(0, len(IDS))]), reference("gemma3")) > 1e-2
 
 
-def test_gemma3_on_cuda_is_refused_naming_what_is_missing():
-    from metrale.models.families import family_for
-    family = family_for(config_of("gemma3"))
-    assert family.name == "gemma3"
-    with pytest.raises(ValueError, match="runs on the NumPy backend only so far .*sandwich norms.*use device=cpu"):
-        family.cuda_part()
-
-
 # ---------------------------------------------------------------------------------------- MoE
 
 def test_qwen_moe_layers_and_routing_are_read():

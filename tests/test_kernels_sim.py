@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SIM = ROOT / "tests" / "kernels_sim"
 FILES = sorted({p.name for pattern in ("test_*.py", "*_test.py") for p in SIM.glob(pattern)})
 LIGHT = {"test_attention_nosplit_sim.py", "test_attention_sim.py", "test_bf16_sim.py", "test_convert_sim.py",
-         "test_gdn_sim.py", "test_hybrid_kernels_sim.py", "test_meta_sim.py", "test_mla_sim.py",
+         "test_gdn_sim.py", "test_gemma_ops_sim.py", "test_hybrid_kernels_sim.py", "test_meta_sim.py", "test_mla_sim.py",
          "test_qkv_sim.py", "test_small_ops_sim.py"}
 GROUPS = [[f] for f in FILES if f not in LIGHT] + [g for g in [[f for f in FILES if f in LIGHT]] if g]
 # pytest plugins no simulator test uses: loading them (hypothesis through schemathesis, hydra's

@@ -275,7 +275,5 @@ FAMILY = Family(
     caches=(KV,),
     random_weights=random_gemma3_weights,
     numpy_ops=(GemmaNumpyOps,),
-    cuda="",
-    cuda_missing="CUDA kernels for Gemma 3's sandwich norms, GELU-tanh MLP, per-layer-type RoPE, "
-                 "query_pre_attn_scalar and sliding-window attention",
+    cuda="metrale.runtime.cuda_gemma:GemmaCuda",
 )

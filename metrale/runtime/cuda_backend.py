@@ -241,9 +241,18 @@ class CudaOps:
         self._resid_ss = ss
         return residual
 
+    def _rope(self, layer: int) -> tuple:
+        """The (cos, sin) tables layer rotates with (one RoPE for every layer; Gemma's differ by type)."""
+        return self.b.cos, self.b.sin
+
+    def _scale(self) -> float:
+        """The attention scores' scale: query_pre_attn_scalar ** -0.5 where the config has one."""
+        return 1.0 / math.sqrt(self.cfg.query_pre_attn_scalar or self.cfg.head_dim)
+
     def qkv_to_cache(self, qkv_out, layer, q_norm, k_norm):
         q = self._buf("q")
-        qkv.qkv_rope_store(qkv_out, self.positions, self.b.cos, self.b.sin, self.slot_mapping, q,
+        cos, sin = self._rope(layer)
+        qkv.qkv_rope_store(qkv_out, self.positions, cos, sin, self.slot_mapping, q,
                            self.b.kv.k[layer], self.b.kv.v[layer], interleaved=self.cfg.rope_interleaved,
                            q_norm=q_norm, k_norm=k_norm, eps=self.cfg.rms_norm_eps, stream=self.s)
         return q
@@ -255,7 +264,7 @@ class CudaOps:
         if not (x.shape[0] == 1 and self.b.fuse_decode and q_norm is None and not self.b.blas_takes(1, weight)):
             return self.qkv_to_cache(self.norm_linear(x, norm_weight, weight, bias), layer, q_norm, k_norm)
         q2, eps = self.b.view("q", 1, (1, self.cfg.q_size)), self.cfg.rms_norm_eps
-        rope = (self.positions, self.b.cos, self.b.sin, self.slot_mapping, self.b.kv.k[layer], self.b.kv.v[layer])
+        rope = (self.positions, *self._rope(layer), self.slot_mapping, self.b.kv.k[layer], self.b.kv.v[layer])
         kw = dict(bias=bias, stream=self.s, rope=rope, interleaved=self.cfg.rope_interleaved)
         ss = self._carried_ss(x, weight)
         if ss is not None:                                  # the residual GEMV left sum(x^2) in ss
@@ -268,7 +277,7 @@ class CudaOps:
 
     def attention(self, q, layer):
         out = self._buf("attn")
-        scale = 1.0 / math.sqrt(self.cfg.head_dim)
+        scale = self._scale()
         kc, vc = self.b.kv.k64[layer], self.b.kv.v64[layer]
         if self.g.max_query_len >= self.b.prefill_min_tokens:
             prefill = flash_prefill.flash_prefill_attention if self.b.flash_prefill else attention.prefill_attention
@@ -282,7 +291,7 @@ class CudaOps:
         """out: float32 [T, Hq, hd], or (tensor-core kernel only) uint16 room for T x q_size bf16."""
         decode = flash_decode.flash_decode_attention if self.b.flash_decode else attention.paged_attention
         decode(q, self.b.kv.k64[layer], self.b.kv.v64[layer], self.block_tables, self.token_seq, self.positions,
-               1.0 / math.sqrt(self.cfg.head_dim), out, scratch=self.b.attn_scratch, max_context=self.g.max_context,
+               self._scale(), out, scratch=self.b.attn_scratch, max_context=self.g.max_context,
                stream=self.s)
 
     def attention_linear_residual(self, q, layer, weight, residual):
