@@ -111,6 +111,24 @@ def softcap(x, cap: float, stream=0) -> None:
         _softcap_kernel[(t, (n + THREADS - 1) // THREADS), THREADS, stream](x, np.float32(cap))
 
 
+@cached_jit
+def _sigmoid_gate_add_kernel(x, gate, residual):
+    grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
+    grid_trigger()
+    t = cuda.blockIdx.x
+    f = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    if f < x.shape[1]:
+        residual[t, f] += x[t, f] / (np.float32(1.0) + math.exp(-gate[t, 0]))
+
+
+def sigmoid_gate_add(x, gate, residual, stream=0) -> None:
+    """residual += x * sigmoid(gate[:, 0]) (a row-gated block output: Qwen's shared expert). x,
+    residual: float32 [T, D]; gate: float32 [T, >= 1]."""
+    t, n = x.shape
+    if t and n:
+        _sigmoid_gate_add_kernel[(t, (n + THREADS - 1) // THREADS), THREADS, stream](x, gate, residual)
+
+
 def gelu_tanh_mul_ref(gate_up: np.ndarray) -> np.ndarray:
     x = np.asarray(gate_up, np.float64)
     f = x.shape[1] // 2

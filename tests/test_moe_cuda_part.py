@@ -78,8 +78,25 @@ def test_dims_name_what_the_gemm_tiles_need(checkpoint):
     assert "intermediate_size" not in dict(part_of(all_moe).gemm_dims())
 
 
-def test_a_gated_shared_expert_is_refused(checkpoint):
-    config, _ = checkpoint
-    gated = replace(config, n_shared_experts=1, shared_intermediate_size=64, shared_expert_gate=True)
-    with pytest.raises(ValueError, match="sigmoid-gated shared expert.*device=cpu"):
-        part_of(gated).check()
+def test_the_hybrid_moe_part_pads_the_shared_gate():
+    """Qwen3-Next's MoE layers (tests/fixtures/conformance/qwen3_next_moe): the sigmoid-gated shared
+    expert's [1, D] gate is padded to 64 rows like the router, its buffers planned, its layout the
+    checkpoint's."""
+    from metrale.runtime.cuda_moe import HybridMoeCuda
+    config, _, stream = _load_hf(FIXTURE.parent / "qwen3_next_moe")
+    weights = dict(stream())
+    assert config.shared_expert_gate and family_for(config).cuda_part() is HybridMoeCuda
+    b = SimpleNamespace(config=config, ep=None, max_tokens=16, max_rows=8, max_model_len=64, use_blas=False)
+    part = HybridMoeCuda(b)
+    layout = part.random_layout(0)
+    assert set(layout) == set(weights)
+    gate = next(n for n in weights if n.endswith(".shared_gate"))
+    assert weights[gate].shape == (1, config.hidden_size) and layout[gate][0] == (64, config.hidden_size)
+    device = dict(part.prepare(weights.items()))
+    assert device[gate].shape == (64, config.hidden_size) and not device[gate][1:].any()
+    host = {n: (from_bf16_bits(a) if a.dtype == np.uint16 else a) for n, a in device.items()}
+    back = dict(part.export(host.items()))
+    np.testing.assert_array_equal(back[gate], bf16_round(weights[gate]))
+    plan = part.activation_plan()
+    assert plan["moe_shared_gate"][0] == (16, 64) and plan["moe_shared_out"][0] == (16, config.hidden_size)
+    assert "gdn_conv" in plan                                   # the hybrid part's own

@@ -403,7 +403,7 @@ FAMILY = Family(
 )
 
 
-# Qwen3-Next with its MoE layers (models/moe.py's block): NumPy backend only so far
+# Qwen3-Next with its MoE layers (models/moe.py's block)
 FAMILY_MOE = Family(
     name="hybrid_moe",
     matches=lambda c: c.is_hybrid and c.is_moe,
@@ -411,8 +411,7 @@ FAMILY_MOE = Family(
     caches=(KV, STATE),
     random_weights=None,
     numpy_ops=(GdnNumpyOps, MoeNumpyOps),
-    cuda="",
-    cuda_missing="CUDA part for the MoE layers of hybrid models (HybridCuda runs dense-MLP hybrids)",
+    cuda="metrale.runtime.cuda_moe:HybridMoeCuda",
     layer_prefix=False,
     check_weights=check_expert_weights,
 )

@@ -17,6 +17,7 @@ from kernels_numba.bf16 import to_bf16_bits
 from metrale.models.config import ModelConfig
 from metrale.models.moe import route_config
 from metrale.runtime.cuda_dense import DenseCuda
+from metrale.runtime.cuda_hybrid import GdnCudaOps, HybridCuda
 
 PAD = 64        # GEMM output rows are padded to this (the router's E)
 
@@ -53,7 +54,12 @@ class MoeCudaOps:
             sg = self._product(h, w[p + "shared_gate_up"], self._buf("moe_shared_gu"))
             act = self._buf("moe_shared_act")
             activation.silu_mul(sg, act, stream=s)
-            self._product(act, w[p + "shared_down"], residual, accumulate=True)
+            if p + "shared_gate" not in w:
+                self._product(act, w[p + "shared_down"], residual, accumulate=True)
+            else:                    # Qwen: sigmoid(h @ shared_gate) scales the shared expert's rows
+                out = self._product(act, w[p + "shared_down"], self._buf("moe_shared_out"))
+                gate = self._product(h, w[p + "shared_gate"], self._buf("moe_shared_gate"))
+                activation.sigmoid_gate_add(out, gate, residual, stream=s)
         return residual
 
 
@@ -70,6 +76,9 @@ def moe_plan(config: ModelConfig, max_tokens: int, num_local_experts: int,
         fs = shared_size(c)
         plan["moe_shared_gu"] = ((T, 2 * fs), f32)
         plan["moe_shared_act"] = ((T, fs), f32)
+        if c.shared_expert_gate:
+            plan["moe_shared_out"] = ((T, c.hidden_size), f32)
+            plan["moe_shared_gate"] = ((T, PAD), f32)
     n = max(1, ep_world) * T * k          # expert rows of one layer call (EP: all ranks' slots)
     nb = max(1, -(-n // moe.SLOTS))
     tiles = moe.max_tiles(n, num_local_experts)
@@ -98,8 +107,11 @@ def moe_workspace(act: dict) -> moe.MoeWorkspace:
                             act["moe_a"], act["moe_y"])
 
 
+PADDED = (".router", ".shared_gate")     # matrices of few rows, zero rows up to a multiple of 64
+
+
 def pad_router(a: np.ndarray) -> np.ndarray:
-    """A router [E, D] as bf16 bits, zero rows up to a multiple of 64."""
+    """A router [E, D] (or the shared expert's gate [1, D]) as bf16 bits, zero rows up to a multiple of 64."""
     pad = np.zeros((padded(a.shape[0]), a.shape[1]), np.float32)
     pad[:a.shape[0]] = a
     return to_bf16_bits(pad)
@@ -117,6 +129,8 @@ def moe_layer_layout(config: ModelConfig, p: str, num_local_experts: int) -> dic
         fs = shared_size(c)
         out[p + "shared_gate_up"] = ((2 * fs, d), d ** -0.5)
         out[p + "shared_down"] = ((d, fs), fs ** -0.5)
+        if c.shared_expert_gate:
+            out[p + "shared_gate"] = ((PAD, d), d ** -0.5)
     return out
 
 
@@ -138,6 +152,46 @@ class MoeParallel:
     def after_activations(self) -> None:
         if self.config.is_moe:
             self.moe_ws = moe_workspace(self.b.act)
+        super().after_activations()
+
+    def prepare(self, items):
+        """The family's layout, the router and the shared expert's gate padded to 64 rows."""
+        for name, array in items:
+            if name.endswith(PADDED):
+                yield name, pad_router(np.asarray(array, np.float32))
+            else:
+                yield from super().prepare(((name, array),))
+
+    def export(self, items):
+        """The canonical weights from float host arrays of the device layout (the padding dropped)."""
+        c = self.config
+        for name, host in super().export(items):
+            if name.endswith(".router"):
+                host = host[:c.n_routed_experts]
+            elif name.endswith(".shared_gate"):
+                host = host[:1]
+            yield name, host
+
+    def moe_dims(self) -> list[tuple[str, int]]:
+        """gemm_dims of the MoE layers (the dense MLP's intermediate_size only where a layer has one)."""
+        c = self.config
+        dims = [("intermediate_size", c.intermediate_size)] if any(not c.is_moe_layer(i) for i in range(c.num_layers)) else []
+        dims.append(("moe_intermediate_size", c.moe_intermediate_size))
+        if c.n_shared_experts:
+            dims.append(("shared expert intermediate size", shared_size(c)))
+        return dims
+
+    def moe_layout(self, layout: dict) -> dict:
+        """A dense-MLP layout with each MoE layer's gate_up / down replaced by its MoE block."""
+        c, out = self.config, {}
+        for name, entry in layout.items():
+            layer = name.split(".")[1] if name.startswith("layers.") else None
+            if layer is not None and c.is_moe_layer(int(layer)) and name.endswith((".gate_up", ".down")):
+                if name.endswith(".gate_up"):
+                    out.update(moe_layer_layout(c, f"layers.{layer}.", self.num_local_experts))
+                continue
+            out[name] = entry
+        return out
 
     def idle_step(self, num_layers: int | None) -> None:
         """A rank without tokens this step: serve its experts in every MoE layer."""
@@ -159,58 +213,55 @@ class MoeCuda(MoeParallel, DenseCuda):
         super().__init__(backend)
         self.init_moe(backend)
 
-    def check(self) -> None:
-        if self.config.shared_expert_gate:
-            raise ValueError("the CUDA MoE layers have no sigmoid-gated shared expert yet (Qwen2-MoE / "
-                             "Qwen3-Next style); use device=cpu")
-
     def gemm_dims(self) -> list[tuple[str, int]]:
-        c = self.config
-        dims = [d for d in super().gemm_dims() if d[0] != "intermediate_size"]
-        if any(not c.is_moe_layer(i) for i in range(c.num_layers)):
-            dims.append(("intermediate_size", c.intermediate_size))
-        dims.append(("moe_intermediate_size", c.moe_intermediate_size))
-        if c.n_shared_experts:
-            dims.append(("shared expert intermediate size", shared_size(c)))
-        return dims
+        return [d for d in super().gemm_dims() if d[0] != "intermediate_size"] + self.moe_dims()
 
     def weight_bytes(self) -> int:
-        c = self.config
-        moe_layers = sum(c.is_moe_layer(i) for i in range(c.num_layers))
-        n = super().weight_bytes()
-        n -= moe_layers * (c.n_routed_experts - self.num_local_experts) * 3 * c.hidden_size * c.moe_intermediate_size * 2
-        return n + moe_layers * padded(c.n_routed_experts) * c.hidden_size * 2 + (1 << 20)
+        return super().weight_bytes() + moe_bytes_delta(self.config, self.num_local_experts)
 
     def activation_plan(self) -> dict[str, tuple[tuple[int, ...], type]]:
-        plan = super().activation_plan()
-        plan.update(self.moe_buffers())
-        if "x_bf16" in plan and self.config.n_shared_experts:     # cuBLASLt stages the shared down's input
-            (rows, widest), dt = plan["x_bf16"]
-            plan["x_bf16"] = ((rows, max(widest, shared_size(self.config))), dt)
-        return plan
-
-    def prepare(self, items):
-        for name, array in items:
-            if name.endswith(".router"):
-                yield name, pad_router(np.asarray(array, np.float32))
-            else:
-                yield from super().prepare(((name, array),))
-
-    def export(self, items):
-        """The canonical weights from float host arrays of the device layout (the router unpadded)."""
-        for name, host in items:
-            yield name, (host[:self.config.n_routed_experts] if name.endswith(".router") else host)
+        return with_shared_staging(super().activation_plan(), self.moe_buffers(), self.config)
 
     def random_layout(self, seed: int) -> dict[str, tuple[tuple[int, ...], object]]:
-        c, out = self.config, {}
-        for name, entry in super().random_layout(seed).items():
-            layer = name.split(".")[1] if name.startswith("layers.") else None
-            if layer is not None and c.is_moe_layer(int(layer)) and name.endswith((".gate_up", ".down")):
-                if name.endswith(".gate_up"):
-                    out.update(moe_layer_layout(c, f"layers.{layer}.", self.num_local_experts))
-                continue
-            out[name] = entry
-        return out
+        return self.moe_layout(super().random_layout(seed))
+
+
+class HybridMoeCuda(MoeParallel, HybridCuda):
+    """Qwen3-Next with MoE layers: HybridCuda's Gated DeltaNet and gated attention, MoeCudaOps for
+    the MoE layers (the sigmoid-gated shared expert included)."""
+    ops = (GdnCudaOps, MoeCudaOps)
+
+    def __init__(self, backend):
+        super().__init__(backend)
+        self.init_moe(backend)
+
+    def gemm_dims(self) -> list[tuple[str, int]]:
+        return [d for d in super().gemm_dims() if d[0] != "intermediate_size"] + self.moe_dims()
+
+    def weight_bytes(self) -> int:
+        return super().weight_bytes() + moe_bytes_delta(self.config, self.num_local_experts)
+
+    def activation_plan(self) -> dict[str, tuple[tuple[int, ...], type]]:
+        return with_shared_staging(super().activation_plan(), self.moe_buffers(), self.config)
+
+    def random_layout(self, seed: int) -> dict[str, tuple[tuple[int, ...], object]]:
+        return self.moe_layout(super().random_layout(seed))
+
+
+def moe_bytes_delta(c: ModelConfig, num_local_experts: int) -> int:
+    """Bytes past the dense parts' count: this rank's experts only, the padded router and gate."""
+    moe_layers = sum(c.is_moe_layer(i) for i in range(c.num_layers))
+    n = -moe_layers * (c.n_routed_experts - num_local_experts) * 3 * c.hidden_size * c.moe_intermediate_size * 2
+    return n + moe_layers * 2 * PAD * c.hidden_size * 2 + (1 << 20)
+
+
+def with_shared_staging(plan: dict, moe_buffers: dict, c: ModelConfig) -> dict:
+    """A dense plan plus the MoE buffers; cuBLASLt's bf16 input also stages the shared down's."""
+    plan.update(moe_buffers)
+    if "x_bf16" in plan and c.n_shared_experts:
+        (rows, widest), dt = plan["x_bf16"]
+        plan["x_bf16"] = ((rows, max(widest, shared_size(c))), dt)
+    return plan
 
 
 # ---------------------------------------------------------------- expert parallelism

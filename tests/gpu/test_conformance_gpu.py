@@ -66,14 +66,15 @@ def test_deepseek_v3_default_routing_on_cuda(v3_defaults):
     assert np.isfinite(a).all() and rel_err(a, b) < 2e-2
 
 
-# ---- families the CUDA backend does not run yet (issue 20 item 3): refused at load, naming what is missing
+# ---- the conformance checkpoints' tiny dims: refused on CUDA at load, naming the dim
 
 CONFORMANCE = __import__("pathlib").Path(__file__).parents[1] / "fixtures" / "conformance"
 
 
-@pytest.mark.parametrize("case, missing", [("qwen3_next_moe", "MoE layers of hybrid models")])
-def test_numpy_only_families_are_refused_on_cuda(case, missing):
+@pytest.mark.parametrize("case, dim", [("qwen3_moe", "intermediate_size"), ("gemma3", "intermediate_size"),
+                                       ("qwen3_next_moe", "linear_proj_size")])
+def test_dims_off_the_gemm_tiles_are_refused_on_cuda(case, dim):
     from metrale.models.assemble import _load_hf, make_backend
     config, _, stream = _load_hf(CONFORMANCE / case)
-    with pytest.raises(ValueError, match=f"NumPy backend only so far .*{missing}.*use device=cpu"):
-        make_backend("cuda", dense_cfg(64), config, stream)
+    with pytest.raises(ValueError, match=f"needs {dim}.* to be a multiple of 64"):
+        make_backend("cuda", dense_cfg(8), config, stream)

@@ -54,3 +54,34 @@ def test_graphs_on_equals_graphs_off(pair):
     off = CudaBackend(QWEN3_MOE, iter(dict(cu.export_weights()).items()), cfg=cfg(cuda_graphs=False))
     a, b = generate(cu, PROMPTS, NEW, chunk=5), generate(off, PROMPTS, NEW, chunk=5)
     assert len(off.graphs) == 0 and a == b
+
+
+# ---- Qwen3-Next with MoE layers (HybridMoeCuda): Gated DeltaNet + gated attention, the sigmoid-gated shared expert
+
+def hybrid_moe_config():
+    from test_hybrid_gpu import CONFIG
+    from metrale.models.hybrid import hybrid_model_config
+    return hybrid_model_config({**CONFIG, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                "shared_expert_intermediate_size": 128, "mlp_only_layers": [0], "norm_topk_prob": True})
+
+
+def test_hybrid_moe_logits_match_numpy_through_the_states():
+    """A prompt, then greedy decode steps through the GDN states and the KV cache: every step's logits
+    on CUDA beside the NumPy twin's, fed the same tokens."""
+    from metrale.runtime.batch import Segment, build_batch
+    from metrale.runtime.cuda_backend import CudaBackend
+    config = hybrid_moe_config()
+    assert config.shared_expert_gate and config.is_moe_layer(1) and not config.is_moe_layer(0)
+    cu = CudaBackend(config, None, cfg=cfg(cuda_graphs=False))
+    twin = NumpyBackend(config, iter(dict(cu.export_weights()).items()), num_blocks=64, block_size=BS,
+                        num_state_slots=2, num_state_checkpoints=0)
+    ids = np.array(PROMPTS[1], np.int32)
+    table = np.arange(1, 1 + -(-(len(ids) + 8) // BS), dtype=np.int32)
+    pos, errs = 0, []
+    for _ in range(8):
+        batch = lambda: build_batch([Segment(ids[pos:], pos, table, "last", state_slot=1)], BS)  # noqa: E731
+        a, b = cu.forward(batch())[0], twin.forward(batch())[0]
+        assert np.isfinite(a).all()
+        errs.append(float(np.linalg.norm(a - b) / np.linalg.norm(b)))
+        pos, ids = len(ids), np.append(ids, np.int32(b.argmax()))
+    assert max(errs) < 3e-2, errs

@@ -2,7 +2,7 @@
 moe.moe_experts, the shared experts) under the simulator, on a stand-in backend holding moe_plan's
 buffers, against MoeNumpyOps.moe_residual (models/moe.py) with the same bf16 weights: Qwen3-MoE's
 softmax top-k renormalized over 8 experts (a router of 8 rows padded to 64), and un-renormalized
-with a DeepSeek-style shared expert."""
+with a DeepSeek-style shared expert, and Qwen3-Next's sigmoid-gated shared expert."""
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -21,13 +21,14 @@ from metrale.models.config import ModelConfig  # noqa: E402
 from metrale.models.families import compose_ops  # noqa: E402
 from metrale.models.moe import MoeNumpyOps, route_config  # noqa: E402
 from metrale.runtime.cuda_backend import CudaBackend, CudaOps  # noqa: E402
-from metrale.runtime.cuda_moe import MoeCudaOps, moe_plan, moe_workspace, pad_router  # noqa: E402
+from metrale.runtime.cuda_moe import PADDED, MoeCudaOps, moe_plan, moe_workspace, pad_router  # noqa: E402
 
 T, D, FM, E = 5, 64, 64, 8
 QWEN = ModelConfig("qwen3_moe", vocab_size=256, hidden_size=D, intermediate_size=128, num_layers=1, num_heads=2,
                    num_kv_heads=1, head_dim=32, max_position=64, qk_norm=True, n_routed_experts=E,
                    num_experts_per_tok=2, moe_intermediate_size=FM, moe_layers=(True,), norm_topk_prob=True)
 SHARED = replace(QWEN, norm_topk_prob=False, n_shared_experts=1)
+GATED = replace(QWEN, n_shared_experts=1, shared_intermediate_size=FM, shared_expert_gate=True)   # Qwen3-Next
 
 
 def _weights(config: ModelConfig, seed: int) -> dict:
@@ -38,6 +39,8 @@ def _weights(config: ModelConfig, seed: int) -> dict:
     if config.n_shared_experts:
         w["layers.0.shared_gate_up"] = rng.standard_normal((2 * FM, D)) * D ** -0.5
         w["layers.0.shared_down"] = rng.standard_normal((D, FM)) * FM ** -0.5
+    if config.shared_expert_gate:
+        w["layers.0.shared_gate"] = rng.standard_normal((1, D)) * D ** -0.5 * 3
     return {k: bf16_round(v.astype(np.float32)) for k, v in w.items()}
 
 
@@ -56,9 +59,9 @@ class _Backend:
         return False
 
 
-@pytest.mark.parametrize("config", [QWEN, SHARED], ids=["qwen3_moe", "shared_expert"])
+@pytest.mark.parametrize("config", [QWEN, SHARED, GATED], ids=["qwen3_moe", "shared_expert", "gated_shared"])
 def test_moe_residual_matches_numpy(config):
-    w = _weights(config, seed=1 + config.n_shared_experts)
+    w = _weights(config, seed=1 + config.n_shared_experts + config.shared_expert_gate)
     rng = np.random.default_rng(7)
     h = rng.standard_normal((T, D)).astype(np.float32)
     residual = rng.standard_normal((T, D)).astype(np.float32)
@@ -69,7 +72,7 @@ def test_moe_residual_matches_numpy(config):
     b = _Backend(config)
     ops = object.__new__(compose_ops(CudaOps, (MoeCudaOps,)))
     ops.b, ops.s, ops.cfg, ops.g = b, 0, config, SimpleNamespace(tokens=T)
-    dev = {k: cuda.to_device(pad_router(v) if k.endswith(".router") else to_bf16_bits(v)) for k, v in w.items()}
+    dev = {k: cuda.to_device(pad_router(v) if k.endswith(PADDED) else to_bf16_bits(v)) for k, v in w.items()}
     d_res = cuda.to_device(residual)
     out = ops.moe_residual(cuda.to_device(h), 0, dev, "layers.0.", d_res)
     got = out.copy_to_host()
