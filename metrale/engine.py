@@ -76,7 +76,8 @@ class Engine:
             log.info("prefix caching is off for this hybrid model: no recurrent-state snapshots "
                      "(state.snapshots=0)")
         self.blocks = BlockManager(self.backend.num_blocks, bs, prefix_caching)
-        self.max_model_len = min(self.model_config.max_position, sched.max_model_len or self.model_config.max_position)
+        self.max_model_len = min(self.model_config.max_position, sched.max_model_len or self.model_config.max_position,
+                                 getattr(self.backend, "max_model_len", None) or self.model_config.max_position)
         # the most tokens one sequence can hold: max_tokens=None ends with 'length' here, as vLLM's
         # runs to max_model_len (which vLLM refuses to set above what the KV pool holds)
         self.context_len = min(self.max_model_len, self.blocks.num_blocks * bs)

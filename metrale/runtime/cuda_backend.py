@@ -25,7 +25,7 @@ from kernels_numba import (activation, argmax, attention, convert, embedding, fl
 from kernels_numba.bf16 import from_bf16_bits
 from kernels_numba.random_init import fill_normal_bf16
 from metrale.models.checkpoint import WeightStream
-from metrale.models.config import ModelConfig, refuse_window_beyond
+from metrale.models.config import ModelConfig, cap_to_window, refuse_window_beyond
 from metrale.models.families import KV, LATENT, STATE, Family, compose_ops, family_for, resolve
 from metrale.models.rope import model_rope
 from metrale.runtime.backend import Backend
@@ -417,6 +417,8 @@ class CudaBackend(Backend):
         self.quantized = dict(quantized or {}) if self.native else {}
         self.quant_mma_rows = int(levers.quant_mma_rows)
         self.max_model_len = min(c.max_position, cfg.scheduler.max_model_len or c.max_position)
+        if cfg.scheduler.max_model_len is None:        # the default context: the window, where one is smaller
+            self.max_model_len = cap_to_window(c, self.max_model_len)
         self.max_seqs = self.num_state_slots = int(cfg.scheduler.max_num_seqs)
         self.max_tokens = max(int(cfg.scheduler.max_num_batched_tokens), self.graph_sizes[-1] if self.graph_sizes else 1)
         self.max_rows = max(self.max_seqs, self.graph_sizes[-1] if self.graph_sizes else 1)

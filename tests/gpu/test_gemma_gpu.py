@@ -54,6 +54,15 @@ def test_graphs_on_equals_graphs_off(pair):
     assert len(off.graphs) == 0 and a == b
 
 
+def test_the_default_context_is_the_window():
+    """scheduler.max_model_len unset (the model's 512 positions): the backend and an Engine take the
+    window's 128."""
+    from metrale.runtime.cuda_backend import CudaBackend
+    from metrale.settings import compose
+    be = CudaBackend(GEMMA3, None, cfg=compose([f"cache.block_size={BS}", "cache.num_blocks=64", "device=cuda"]))
+    assert be.max_model_len == 128
+
+
 def test_a_context_past_the_window_is_refused():
     from metrale.runtime.cuda_backend import CudaBackend
     from metrale.settings import compose
