@@ -55,8 +55,7 @@ def test_graphs_on_equals_graphs_off(pair):
 
 
 def test_the_default_context_is_the_window():
-    """scheduler.max_model_len unset (the model's 512 positions): the backend and an Engine take the
-    window's 128."""
+    """scheduler.max_model_len unset (the model's 512 positions): the backend takes the window's 128."""
     from metrale.runtime.cuda_backend import CudaBackend
     from metrale.settings import compose
     be = CudaBackend(GEMMA3, None, cfg=compose([f"cache.block_size={BS}", "cache.num_blocks=64", "device=cuda"]))
