@@ -29,7 +29,8 @@ _SCALES = {"q4_0": 2, "q4_1": 4, "q8_0": 2}       # bytes of f16 scale (+ offset
 _DTYPES = {k: np.dtype([(k + "x16", np.uint8, (GROUP * Q.KINDS[k][1],))]) for k in X16_KINDS}
 GROUPS_A_CHUNK = 2                                # groups a parallel work item takes at up to 8 tokens
 GROUPS_A_TILE = 4                                 # ... and with more (their token tiles reuse them)
-PREFETCH = ((2048, 3), (2304, 3))                 # (bytes ahead, locality) the block loop prefetches
+PREFETCH = ()                                     # (bytes ahead, locality) the block loop prefetches: none
+                                                  # (2 KiB ahead cost batch 1 15-35% on an AVX2 EPYC: docs/cpu.md)
 
 I8, I16, I32, I64, F32 = Q.I8, Q.I16, Q.I32, Q.I64, Q.F32
 VF, VI8_64, VI32_16 = Q.VF, Q.VI8_64, Q.VI32_16
