@@ -61,14 +61,19 @@ def silu_mul_bf16(gate_up, out_u16, stream=0) -> None:
     _silu_mul_bf16_kernel[(t, (f // 2 + THREADS - 1) // THREADS), THREADS, stream](gate_up, out32)
 
 
-def silu_mul(gate_up, out, stream=0) -> None:
-    """gate_up: float32 [T, 2F]; out: float32 [T, F]."""
+def _gated(kernel, name: str, gate_up, out, stream) -> None:
+    """One gated activation kernel over [T, 2F] -> [T, F], one element a thread."""
     t, f = out.shape
     if t == 0 or f == 0:
         return
     if gate_up.shape[1] != 2 * f:
-        raise ValueError(f"silu_mul: gate_up {gate_up.shape} does not match out {out.shape}")
-    _silu_mul_kernel[(t, (f + THREADS - 1) // THREADS), THREADS, stream](gate_up, out)
+        raise ValueError(f"{name}: gate_up {gate_up.shape} does not match out {out.shape}")
+    kernel[(t, (f + THREADS - 1) // THREADS), THREADS, stream](gate_up, out)
+
+
+def silu_mul(gate_up, out, stream=0) -> None:
+    """gate_up: float32 [T, 2F]; out: float32 [T, F]."""
+    _gated(_silu_mul_kernel, "silu_mul", gate_up, out, stream)
 
 
 @cached_jit
@@ -86,12 +91,7 @@ def _gelu_tanh_mul_kernel(gate_up, out):
 
 def gelu_tanh_mul(gate_up, out, stream=0) -> None:
     """gate_up: float32 [T, 2F]; out: float32 [T, F] = gelu_tanh(gate) * up (GELU's tanh form)."""
-    t, f = out.shape
-    if t == 0 or f == 0:
-        return
-    if gate_up.shape[1] != 2 * f:
-        raise ValueError(f"gelu_tanh_mul: gate_up {gate_up.shape} does not match out {out.shape}")
-    _gelu_tanh_mul_kernel[(t, (f + THREADS - 1) // THREADS), THREADS, stream](gate_up, out)
+    _gated(_gelu_tanh_mul_kernel, "gelu_tanh_mul", gate_up, out, stream)
 
 
 @cached_jit

@@ -170,7 +170,6 @@ class MlaCuda(MoeParallel, CudaPart):
 
     def __init__(self, backend):
         super().__init__(backend)
-        self.init_moe(backend)
         self.softmax_scale = deepseek_softmax_scale(self.config)
 
     def gemm_dims(self) -> list[tuple[str, int]]:

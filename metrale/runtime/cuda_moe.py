@@ -135,14 +135,29 @@ def moe_layer_layout(config: ModelConfig, p: str, num_local_experts: int) -> dic
 
 
 class MoeParallel:
-    """What an MoE part holds for its layers: this rank's experts (all without expert parallelism),
-    the routing and the MoE workspace (made once the activations exist)."""
+    """A CudaPart mixin for MoE layers (placed before the part it extends): this rank's experts (all
+    without expert parallelism), the routing and the MoE workspace (made once the activations
+    exist); on a dense-MLP part (DenseCuda, HybridCuda) it swaps each MoE layer's MLP for the MoE
+    block in the dims, bytes, buffers and layout."""
 
-    def init_moe(self, backend) -> None:
+    def __init__(self, backend):
+        super().__init__(backend)
         c, ep = backend.config, backend.ep
         self.num_local_experts = (ep.num_local if ep is not None else c.n_routed_experts) if c.is_moe else 0
         self.route_cfg = route_config(c) if c.is_moe else None
         self.moe_ws = None
+
+    def gemm_dims(self) -> list[tuple[str, int]]:
+        return [d for d in super().gemm_dims() if d[0] != "intermediate_size"] + self.moe_dims()
+
+    def weight_bytes(self) -> int:
+        return super().weight_bytes() + moe_bytes_delta(self.config, self.num_local_experts)
+
+    def activation_plan(self) -> dict[str, tuple[tuple[int, ...], type]]:
+        return with_shared_staging(super().activation_plan(), self.moe_buffers(), self.config)
+
+    def random_layout(self, seed: int) -> dict[str, tuple[tuple[int, ...], object]]:
+        return self.moe_layout(super().random_layout(seed))
 
     def moe_buffers(self) -> dict[str, tuple[tuple[int, ...], type]]:
         b = self.b
@@ -209,43 +224,11 @@ class MoeCuda(MoeParallel, DenseCuda):
     ops = (MoeCudaOps,)
     carries_norm_sums = feeds_tokens = mixed_graphs = quantized_weights = False
 
-    def __init__(self, backend):
-        super().__init__(backend)
-        self.init_moe(backend)
-
-    def gemm_dims(self) -> list[tuple[str, int]]:
-        return [d for d in super().gemm_dims() if d[0] != "intermediate_size"] + self.moe_dims()
-
-    def weight_bytes(self) -> int:
-        return super().weight_bytes() + moe_bytes_delta(self.config, self.num_local_experts)
-
-    def activation_plan(self) -> dict[str, tuple[tuple[int, ...], type]]:
-        return with_shared_staging(super().activation_plan(), self.moe_buffers(), self.config)
-
-    def random_layout(self, seed: int) -> dict[str, tuple[tuple[int, ...], object]]:
-        return self.moe_layout(super().random_layout(seed))
-
 
 class HybridMoeCuda(MoeParallel, HybridCuda):
     """Qwen3-Next with MoE layers: HybridCuda's Gated DeltaNet and gated attention, MoeCudaOps for
     the MoE layers (the sigmoid-gated shared expert included)."""
     ops = (GdnCudaOps, MoeCudaOps)
-
-    def __init__(self, backend):
-        super().__init__(backend)
-        self.init_moe(backend)
-
-    def gemm_dims(self) -> list[tuple[str, int]]:
-        return [d for d in super().gemm_dims() if d[0] != "intermediate_size"] + self.moe_dims()
-
-    def weight_bytes(self) -> int:
-        return super().weight_bytes() + moe_bytes_delta(self.config, self.num_local_experts)
-
-    def activation_plan(self) -> dict[str, tuple[tuple[int, ...], type]]:
-        return with_shared_staging(super().activation_plan(), self.moe_buffers(), self.config)
-
-    def random_layout(self, seed: int) -> dict[str, tuple[tuple[int, ...], object]]:
-        return self.moe_layout(super().random_layout(seed))
 
 
 def moe_bytes_delta(c: ModelConfig, num_local_experts: int) -> int:
