@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 from metrale.models.config import ModelConfig
-from metrale.runtime.numpy_backend import NumpyBackend
-from test_deepseek_gpu import BS, NEW, PROMPTS, assert_same_tokens, generate, last_logits
-from test_moe_gpu import cfg
+from test_deepseek_gpu import BS
+from test_moe_gpu import check_graphs_on_equals_off, check_greedy_tokens, check_prefill_logits, cuda_and_twin
 
 pytestmark = pytest.mark.gpu
 
@@ -26,32 +25,19 @@ GEMMA3 = ModelConfig("gemma3", vocab_size=512, hidden_size=256, intermediate_siz
 
 @pytest.fixture(scope="module")
 def pair():
-    from metrale.runtime.cuda_backend import CudaBackend
-    cu = CudaBackend(GEMMA3, None, cfg=cfg())
-    twin = NumpyBackend(GEMMA3, iter(dict(cu.export_weights()).items()), num_blocks=64, block_size=BS)
-    return cu, twin
+    return cuda_and_twin(GEMMA3)
 
 
 def test_greedy_tokens_match_numpy_mixed_batch(pair):
-    cu, twin = pair
-    got, want = generate(cu, PROMPTS, NEW, chunk=5), generate(twin, PROMPTS, NEW, chunk=5)
-    assert len(cu.graphs) > 0, "decode steps did not replay CUDA graphs"
-    assert_same_tokens(got, want, twin, PROMPTS)
+    check_greedy_tokens(*pair)
 
 
 def test_prefill_logits_match_numpy(pair):
-    cu, twin = pair
-    a, b = last_logits(cu, PROMPTS[1]), last_logits(twin, PROMPTS[1])
-    assert np.isfinite(a).all() and np.abs(a).max() < 30.0            # softcapped
-    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
+    assert np.abs(check_prefill_logits(*pair)).max() < 30.0          # softcapped
 
 
 def test_graphs_on_equals_graphs_off(pair):
-    from metrale.runtime.cuda_backend import CudaBackend
-    cu, _ = pair
-    off = CudaBackend(GEMMA3, iter(dict(cu.export_weights()).items()), cfg=cfg(cuda_graphs=False))
-    a, b = generate(cu, PROMPTS, NEW, chunk=5), generate(off, PROMPTS, NEW, chunk=5)
-    assert len(off.graphs) == 0 and a == b
+    check_graphs_on_equals_off(pair[0], GEMMA3)
 
 
 def test_the_default_context_is_the_window():

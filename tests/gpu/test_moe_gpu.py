@@ -26,34 +26,48 @@ def cfg(**levers):
     return compose(over + [f"levers.{k}={str(v).lower()}" for k, v in levers.items()])
 
 
-@pytest.fixture(scope="module")
-def pair():
+def cuda_and_twin(config):
+    """A CUDA backend of random weights and the NumPy backend on exactly its (bf16) weights."""
     from metrale.runtime.cuda_backend import CudaBackend
-    cu = CudaBackend(QWEN3_MOE, None, cfg=cfg())
-    twin = NumpyBackend(QWEN3_MOE, iter(dict(cu.export_weights()).items()), num_blocks=64, block_size=BS)
-    return cu, twin
+    cu = CudaBackend(config, None, cfg=cfg())
+    return cu, NumpyBackend(config, iter(dict(cu.export_weights()).items()), num_blocks=64, block_size=BS)
 
 
-def test_greedy_tokens_match_numpy_mixed_batch(pair):
-    cu, twin = pair
+def check_greedy_tokens(cu, twin) -> None:
     got, want = generate(cu, PROMPTS, NEW, chunk=5), generate(twin, PROMPTS, NEW, chunk=5)
     assert len(cu.graphs) > 0, "decode steps did not replay CUDA graphs"
     assert_same_tokens(got, want, twin, PROMPTS)
 
 
-def test_prefill_logits_match_numpy(pair):
-    cu, twin = pair
+def check_prefill_logits(cu, twin):
     a, b = last_logits(cu, PROMPTS[1]), last_logits(twin, PROMPTS[1])
     assert np.isfinite(a).all()
     assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
+    return a
+
+
+def check_graphs_on_equals_off(cu, config) -> None:
+    from metrale.runtime.cuda_backend import CudaBackend
+    off = CudaBackend(config, iter(dict(cu.export_weights()).items()), cfg=cfg(cuda_graphs=False))
+    a, b = generate(cu, PROMPTS, NEW, chunk=5), generate(off, PROMPTS, NEW, chunk=5)
+    assert len(off.graphs) == 0 and a == b
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return cuda_and_twin(QWEN3_MOE)
+
+
+def test_greedy_tokens_match_numpy_mixed_batch(pair):
+    check_greedy_tokens(*pair)
+
+
+def test_prefill_logits_match_numpy(pair):
+    check_prefill_logits(*pair)
 
 
 def test_graphs_on_equals_graphs_off(pair):
-    from metrale.runtime.cuda_backend import CudaBackend
-    cu, _ = pair
-    off = CudaBackend(QWEN3_MOE, iter(dict(cu.export_weights()).items()), cfg=cfg(cuda_graphs=False))
-    a, b = generate(cu, PROMPTS, NEW, chunk=5), generate(off, PROMPTS, NEW, chunk=5)
-    assert len(off.graphs) == 0 and a == b
+    check_graphs_on_equals_off(pair[0], QWEN3_MOE)
 
 
 # ---- Qwen3-Next with MoE layers (HybridMoeCuda): Gated DeltaNet + gated attention, the sigmoid-gated shared expert
