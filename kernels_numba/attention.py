@@ -2,7 +2,8 @@
 flash-attention-style prefill kernel, with a float64 reference.
 
 Contract (both kernels): query token t (segment seq) attends to KV positions 0..positions[t] of
-its segment, read through block_tables[seq]; K/V of the step are already stored. A table entry
+its segment (with window W > 0: positions[t] - W + 1..positions[t], sliding-window attention),
+read through block_tables[seq]; K/V of the step are already stored. A table entry
 of -1 reads block 0 (padding rows of a CUDA graph cannot fault; their output is garbage).
 q is float32 [T, Hq, hd] (any strides), out float32 [T, Hq, hd]; caches are one layer, bf16 bits
 [num_blocks, block_size, Hk, hd] as uint16, or the same memory viewed as uint64
@@ -139,7 +140,7 @@ def _decode_kernel(cfg: DecodeConfig):
     KW = VPL * 2  # uint64 words per lane per row
 
     @cached_jit
-    def kernel(q, k_cache, v_cache, block_tables, token_seq, positions, scale, part_size, out, scratch):
+    def kernel(q, k_cache, v_cache, block_tables, token_seq, positions, scale, part_size, window, out, scratch):
         grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
         grid_trigger()
         p = cuda.blockIdx.x
@@ -147,10 +148,11 @@ def _decode_kernel(cfg: DecodeConfig):
         t = cuda.blockIdx.z
         grid_parts = cuda.gridDim.x
         ctx = positions[t] + 1
-        nparts = min((ctx + part_size - 1) // part_size, grid_parts)
+        lo = window_start(ctx, window, 1)
+        nparts = min((ctx - lo + part_size - 1) // part_size, grid_parts)
         if p >= nparts:
             return
-        p0 = p * part_size
+        p0 = lo + p * part_size
         p1 = ctx if p == nparts - 1 else p0 + part_size
         seq = token_seq[t]
         bs = k_cache.shape[1]
@@ -302,6 +304,14 @@ def _decode_kernel(cfg: DecodeConfig):
 
 
 @cuda.jit(device=True)
+def window_start(ctx, window, align):
+    """The first key position a query at ctx - 1 attends to (window 0: full causal attention),
+    rounded down to a multiple of align (where a kernel's key steps start)."""
+    lo = max(0, ctx - window) if window > 0 else 0
+    return lo - lo % align
+
+
+@cuda.jit(device=True)
 def _merge_scale(scratch, base, nparts, hq, hd):
     """(max, 1 / sum) of the nparts softmax states of head hq in scratch rows base.."""
     m = NEG_INF
@@ -322,14 +332,14 @@ def _merged(scratch, base, nparts, hq, hd, d, m, inv):
 
 
 @cached_jit
-def _merge_partitions_kernel(scratch, positions, part_size, grid_parts, out):
+def _merge_partitions_kernel(scratch, positions, part_size, grid_parts, window, align, out):
     grid_trigger_early()   # before the wait: the o_proj GEMV may launch (and prefetch its weights) while
     grid_wait()      # the attention this merge waits for still runs; then PDL: before any read
     grid_trigger_late()   # PDL 'late': the o_proj GEMV launches once the attention is done
     hq = cuda.blockIdx.x
     t = cuda.blockIdx.y
     ctx = positions[t] + 1
-    nparts = min((ctx + part_size - 1) // part_size, grid_parts)
+    nparts = min((ctx - window_start(ctx, window, align) + part_size - 1) // part_size, grid_parts)
     if nparts <= 1:
         return
     hd = out.shape[2]
@@ -339,7 +349,7 @@ def _merge_partitions_kernel(scratch, positions, part_size, grid_parts, out):
 
 
 @cached_jit
-def _merge_partitions_bf16_kernel(scratch, positions, part_size, grid_parts, out):
+def _merge_partitions_bf16_kernel(scratch, positions, part_size, grid_parts, window, align, out):
     """_merge_partitions_kernel writing bf16 bits into out uint16 [T, Hq * hd] (a library
     matmul's input, no conversion launch)."""
     grid_trigger_early()   # before the wait, as _merge_partitions_kernel
@@ -348,7 +358,7 @@ def _merge_partitions_bf16_kernel(scratch, positions, part_size, grid_parts, out
     hq = cuda.blockIdx.x
     t = cuda.blockIdx.y
     ctx = positions[t] + 1
-    nparts = min((ctx + part_size - 1) // part_size, grid_parts)
+    nparts = min((ctx - window_start(ctx, window, align) + part_size - 1) // part_size, grid_parts)
     if nparts <= 1:
         return
     hd = scratch.shape[2] - 2
@@ -386,8 +396,10 @@ def paged_attention(
     config: DecodeConfig | None = None,
     stream=0,
     no_split_context: int | None = None,
+    window: int = 0,
 ) -> None:
-    """Causal paged attention for a ragged batch (see module docstring).
+    """Causal paged attention for a ragged batch (see module docstring); window > 0: each query
+    reads only its last `window` positions (sliding-window attention).
 
     scratch: float32 [rows, Hq, hd + 2] from paged_attention_scratch_shape, allocated once by the
     caller; None disables split-K. max_context: upper bound on positions + 1 in this batch
@@ -404,6 +416,8 @@ def paged_attention(
     cfg = config or decode_config(hd, hq // hk)
     if max_context is None:
         max_context = block_tables.shape[1] * kc.shape[1]
+    if window > 0:
+        max_context = min(max_context, window)      # the keys one query reads
     rows = 0 if scratch is None else scratch.shape[0]
     if partitions is None:
         parts, part = decode_partitions(num_tokens, hk, max_context, cfg, rows, no_split_context)
@@ -417,11 +431,11 @@ def paged_attention(
     if scratch is None or parts == 1:
         scratch = np.zeros((1, 1, hd + 2), np.float32) if isinstance(out, np.ndarray) else out
     _decode_kernel(cfg)[(parts, hk, num_tokens), cfg.threads, stream](
-        q, kc, vc, block_tables, token_seq, positions, np.float32(scale), np.int32(part), out, scratch
+        q, kc, vc, block_tables, token_seq, positions, np.float32(scale), np.int32(part), np.int32(window), out, scratch
     )
     if parts > 1:
         _merge_partitions_kernel[(hq, num_tokens), min(128, max(32, hd)), stream](
-            scratch, positions, np.int32(part), np.int32(parts), out
+            scratch, positions, np.int32(part), np.int32(parts), np.int32(window), np.int32(1), out
         )
 
 
@@ -471,7 +485,7 @@ def _prefill_kernel(cfg: PrefillConfig):
     BK1 = BK + 1
 
     @cached_jit
-    def kernel(q, k_cache, v_cache, block_tables, seq_query_start, positions, scale, out):
+    def kernel(q, k_cache, v_cache, block_tables, seq_query_start, positions, scale, window, out):
         grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
         grid_trigger()
         tile = cuda.blockIdx.x
@@ -518,8 +532,9 @@ def _prefill_kernel(cfg: PrefillConfig):
                 o[i, x] = np.float32(0.0)
         kv_end = positions[t1 - 1] + 1
         first_pos = positions[t0]
+        k_lo = window_start(first_pos + 1, window, BK)        # the tile's first row's first key, tile-aligned
 
-        for k0 in range(0, kv_end, BK):
+        for k0 in range(k_lo, kv_end, BK):
             # ---- K tile -> shared (f32)
             cuda.syncthreads()
             for idx in range(tid, BK * PIECES, NT):
@@ -555,11 +570,12 @@ def _prefill_kernel(cfg: PrefillConfig):
                     for i in range(RM):
                         sc[i, c] += qv[i] * kd
             # ---- causal mask, online softmax, P -> shared
-            masked = k0 + BK - 1 > first_pos
+            masked = k0 + BK - 1 > first_pos or (window > 0 and k0 <= kv_end - 1 - window)
             for i in range(RM):
                 mx = NEG_INF
                 for c in range(CN):
-                    if masked and k0 + tx + TX * c > qpos[i]:
+                    key = k0 + tx + TX * c
+                    if masked and (key > qpos[i] or (window > 0 and key <= qpos[i] - window)):
                         sc[i, c] = NEG_INF
                     mx = max(mx, sc[i, c])
                 mx = group_max(mx, TX, red)
@@ -636,8 +652,9 @@ def prefill_attention(
     max_query_len: int | None = None,
     config: PrefillConfig | None = None,
     stream=0,
+    window: int = 0,
 ) -> None:
-    """Causal attention for prefill segments, tiled (see module docstring).
+    """Causal attention for prefill segments, tiled (see module docstring); window > 0: sliding.
 
     seq_query_start: int32 [S + 1]; positions must increase by one inside a segment.
     max_query_len: longest segment in this batch (sets the grid; default T).
@@ -653,7 +670,7 @@ def prefill_attention(
     per_tile = cfg.rows // cfg.group
     tiles = max(1, -(-qlen // per_tile))
     _prefill_kernel(cfg)[(tiles, hk, num_seqs), cfg.tx * cfg.ty, stream](
-        q, kc, vc, block_tables, seq_query_start, positions, np.float32(scale), out
+        q, kc, vc, block_tables, seq_query_start, positions, np.float32(scale), np.int32(window), out
     )
 
 
@@ -665,9 +682,11 @@ def token_seq_from_starts(seq_query_start) -> np.ndarray:
     return np.repeat(np.arange(starts.shape[0] - 1, dtype=np.int32), np.diff(starts)).astype(np.int32)
 
 
-def attention_ref(q, k_cache_layer, v_cache_layer, block_tables, token_seq, positions, scale: float) -> np.ndarray:
+def attention_ref(q, k_cache_layer, v_cache_layer, block_tables, token_seq, positions, scale: float,
+                  window: int = 0) -> np.ndarray:
     """float64 [T, Hq, hd]; caches are bf16 bits [NB, BS, Hk, hd] as uint16 (or their uint64
-    view), read through the block table. Any subset of a batch's tokens may be passed."""
+    view), read through the block table. Any subset of a batch's tokens may be passed. window > 0:
+    each query reads its last `window` positions only."""
     q = np.asarray(q, np.float64)
     kc = np.asarray(k_cache_layer)
     vc = np.asarray(v_cache_layer)
@@ -688,8 +707,9 @@ def attention_ref(q, k_cache_layer, v_cache_layer, block_tables, token_seq, posi
         v = from_bf16_bits(vc[blk, pos % bs]).astype(np.float64)
         for t in rows:
             n = int(positions[t]) + 1
-            s = np.einsum("kgd,lkd->kgl", q[t].reshape(hk, g, hd), k[:n]) * scale
+            lo = max(0, n - window) if window > 0 else 0
+            s = np.einsum("kgd,lkd->kgl", q[t].reshape(hk, g, hd), k[lo:n]) * scale
             p = np.exp(s - s.max(axis=-1, keepdims=True))
             p /= p.sum(axis=-1, keepdims=True)
-            out[t] = np.einsum("kgl,lkd->kgd", p, v[:n]).reshape(hq, hd)
+            out[t] = np.einsum("kgl,lkd->kgd", p, v[lo:n]).reshape(hq, hd)
     return out

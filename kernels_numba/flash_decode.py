@@ -2,7 +2,7 @@
 as attention.paged_attention (reference attention.attention_ref), so the backend can switch by a
 lever. No shared memory in the main loop, no block barrier until the final merge.
 
-Contract: query token t (segment token_seq[t]) attends to KV positions 0..positions[t] of its
+Contract: query token t (segment token_seq[t]) attends to KV positions 0..positions[t] (window W > 0: the last W of them) of its
 segment through block_tables (an entry of -1 reads block 0: CUDA-graph padding rows, position 0,
 are finite garbage, never a fault). q float32 [T, Hq, hd] (any strides), out float32 [T, Hq, hd];
 caches one layer of bf16 bits [num_blocks, block_size, Hk, hd] as uint16 or its uint64 view;
@@ -66,6 +66,7 @@ from kernels_numba.attention import (  # noqa: F401 (reference and shared scratc
     _merge_partitions_bf16_kernel,
     _merge_partitions_kernel,
     cache_views,
+    window_start,
     attention_ref,
     paged_attention_scratch_shape,
 )
@@ -172,7 +173,8 @@ def _make_kernel(cfg: FlashDecodeConfig):
     Z = np.uint32(0)
     ZF = np.float32(0.0)
 
-    def flash_decode(q, k_cache, v_cache, block_tables, token_seq, positions, qscale, part_size, out, scratch):
+    def flash_decode(q, k_cache, v_cache, block_tables, token_seq, positions, qscale, part_size, window, out,
+                     scratch):
         grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
         grid_trigger_early()
         p = cuda.blockIdx.x
@@ -180,10 +182,12 @@ def _make_kernel(cfg: FlashDecodeConfig):
         tok = cuda.blockIdx.z
         grid_parts = cuda.gridDim.x
         ctx = positions[tok] + 1
-        nparts = min((ctx + part_size - 1) // part_size, grid_parts)
+        klo = ctx - window if window > 0 else 0           # keys before klo are masked
+        lo = window_start(ctx, window, KT)                # steps start KT-aligned (ONE_BLOCK)
+        nparts = min((ctx - lo + part_size - 1) // part_size, grid_parts)
         if p >= nparts:
             return
-        p0 = p * part_size
+        p0 = lo + p * part_size
         p1 = ctx if p == nparts - 1 else p0 + part_size
         seq = token_seq[tok]
         tid = cuda.threadIdx.x
@@ -235,8 +239,8 @@ def _make_kernel(cfg: FlashDecodeConfig):
                         c0 = d4[0]
                         c1 = d4[1]
                     key = cb + 8 * n + 2 * tq
-                    sc[2 * n] = c0 if key < p1 else NEG
-                    sc[2 * n + 1] = c1 if key + 1 < p1 else NEG
+                    sc[2 * n] = c0 if key >= klo and key < p1 else NEG
+                    sc[2 * n + 1] = c1 if key + 1 >= klo and key + 1 < p1 else NEG
             if it < n_my:
                 # ---- K of step it -> registers (lane (g, t): key g of each n-tile, dims 32c + 8t..)
                 if ONE_BLOCK:
@@ -375,6 +379,7 @@ def flash_decode_attention(
     config: FlashDecodeConfig | None = None,
     stream=0,
     no_split_context: int | None = None,
+    window: int = 0,
 ) -> None:
     """Causal paged attention for a ragged batch on the tensor cores (see module docstring); the
     arguments are those of attention.paged_attention. scratch: float32 [rows, Hq, hd + 2] (from
@@ -382,7 +387,8 @@ def flash_decode_attention(
     CUDA-graph capture; a longer context is still handled: the last partition stretches).
     partitions forces the split count; no_split_context (default 0): never split when max_context
     is at most this. out may also be uint16 with room for [T, Hq * hd]: the result as bf16 bits,
-    row-major (the staging input of a cuBLASLt product: no conversion launch). Allocates nothing."""
+    row-major (the staging input of a cuBLASLt product: no conversion launch). window > 0: each
+    query reads its last `window` positions (sliding-window attention). Allocates nothing."""
     num_tokens, hq, hd = q.shape
     if num_tokens == 0:
         return
@@ -397,6 +403,8 @@ def flash_decode_attention(
         raise ValueError(f"flash_decode: config {cfg} does not match q {q.shape} / cache {kc.shape}")
     if max_context is None:
         max_context = block_tables.shape[1] * kc.shape[1]
+    if window > 0:
+        max_context = min(max_context, window)      # the keys one query reads
     rows = 0 if scratch is None else scratch.shape[0]
     if partitions is None:
         parts, part = flash_decode_partitions(num_tokens, hk, max_context, cfg, rows, no_split_context or 0)
@@ -416,9 +424,11 @@ def flash_decode_attention(
         elif scratch is None:
             scratch = q
     _kernel(cfg)[(parts, hk, num_tokens), cfg.threads, stream](
-        q, kc, vc, block_tables, token_seq, positions, np.float32(scale * LOG2E), np.int32(part), out, scratch
+        q, kc, vc, block_tables, token_seq, positions, np.float32(scale * LOG2E), np.int32(part), np.int32(window), out,
+        scratch
     )
     if parts > 1:
         merge = _merge_partitions_bf16_kernel if bf16 else _merge_partitions_kernel
-        merge[(hq, num_tokens), min(128, max(32, hd)), stream](scratch, positions, np.int32(part), np.int32(parts), out)
+        merge[(hq, num_tokens), min(128, max(32, hd)), stream](scratch, positions, np.int32(part), np.int32(parts),
+                                                                np.int32(window), np.int32(cfg.keys), out)
 

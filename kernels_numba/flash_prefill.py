@@ -2,7 +2,7 @@
 flash-attention-2 style. Same contract and call signature as attention.prefill_attention (the
 reference is attention.attention_ref), so the backend can switch between them with a lever.
 
-Contract: query token t of segment s attends to the KV positions 0..positions[t] of its segment,
+Contract: query token t of segment s attends to the KV positions 0..positions[t] of its segment (window W > 0: the last W),
 read through block_tables[s] (an entry of -1 reads block 0); positions increase by one inside a
 segment (chunked prefill: a chunk starting at position p0 also reads the p0 cached positions
 before it). q float32 [T, Hq, hd] (any strides), out float32 [T, Hq, hd]; caches one layer of bf16
@@ -61,7 +61,7 @@ from numba import cuda
 from kernels_numba.jit import kernel as cached_jit
 
 from kernels_numba.ptx import grid_trigger, grid_wait
-from kernels_numba.attention import attention_ref, cache_views, token_seq_from_starts  # noqa: F401 (reference)
+from kernels_numba.attention import attention_ref, cache_views, token_seq_from_starts, window_start  # noqa: F401 (reference)
 from kernels_numba.ptx import (
     SIM,
     ex2_f32,
@@ -140,7 +140,7 @@ def _make_kernel(cfg: FlashConfig):
     U32 = np.uint64(0xFFFFFFFF)
     S32 = np.uint64(32)
 
-    def flash_prefill(q, k_cache, v_cache, block_tables, seq_query_start, positions, qscale, out):
+    def flash_prefill(q, k_cache, v_cache, block_tables, seq_query_start, positions, qscale, window, out):
         grid_wait()      # PDL: first, before any read of what an earlier kernel wrote
         grid_trigger()
         h = cuda.blockIdx.x
@@ -191,23 +191,25 @@ def _make_kernel(cfg: FlashConfig):
 
         kv_end = positions[t1 - 1] + 1
         n_kt = (kv_end + BK - 1) // BK
+        kt_lo = window_start(positions[t0] + 1, window, BK) // BK     # the block's first tile
 
-        # ---- prologue: K tile 0 into registers
+        # ---- prologue: K tile kt_lo into registers
         for i in range(NKI):
             idx = tid + NT * i
             j = idx // PC
             c = idx - j * PC
-            if j < kv_end:
-                bi = j // bs
+            pos = kt_lo * BK + j
+            if pos < kv_end:
+                bi = pos // bs
                 blk = max(block_tables[seq, bi], 0)
-                a, b = ldg_u64x2(k_cache, (blk, j - bi * bs, hk, 2 * c))
+                a, b = ldg_u64x2(k_cache, (blk, pos - bi * bs, hk, 2 * c))
             else:
                 a = np.uint64(0)
                 b = np.uint64(0)
             kr[2 * i] = a
             kr[2 * i + 1] = b
 
-        for kt in range(n_kt):
+        for kt in range(kt_lo, n_kt):
             k0 = kt * BK
             # K(kt) registers -> shared (S(kt-1) reads finished before the last barrier)
             for i in range(NKI):
@@ -235,7 +237,7 @@ def _make_kernel(cfg: FlashConfig):
                     vr[2 * i + 1] = b
             cuda.syncthreads()
 
-            run = active and k0 <= wlast  # warp-uniform
+            run = active and k0 <= wlast and (window == 0 or k0 + BK > wfirst - window + 1)  # warp-uniform
             if run:
                 # ---- S = Q K^T (log2 units)
                 for i in range(NS * 4):
@@ -264,6 +266,19 @@ def _make_kernel(cfg: FlashConfig):
                         if key > qp1:
                             s[4 * nt + 2] = NEG
                         if key + 1 > qp1:
+                            s[4 * nt + 3] = NEG
+                # keys before a row's window; a row with no key yet in this tile gets P = 1 here
+                # (NEG - NEG), which the rescale by ex2(NEG - m) = 0 at its first real key wipes
+                if window > 0 and k0 <= wlast - window:
+                    for nt in range(NS):
+                        key = k0 + 8 * nt + 2 * t
+                        if key <= qp0 - window:
+                            s[4 * nt] = NEG
+                        if key + 1 <= qp0 - window:
+                            s[4 * nt + 1] = NEG
+                        if key <= qp1 - window:
+                            s[4 * nt + 2] = NEG
+                        if key + 1 <= qp1 - window:
                             s[4 * nt + 3] = NEG
                 mx0 = NEG
                 mx1 = NEG
@@ -411,10 +426,12 @@ def flash_prefill_attention(
     max_query_len: int | None = None,
     config: FlashConfig | None = None,
     stream=0,
+    window: int = 0,
 ) -> None:
     """Causal attention for prefill segments on the tensor cores (see module docstring); the
     arguments are those of attention.prefill_attention. Allocates nothing; the grid depends only
-    on (Hq, max_query_len, S), so keep max_query_len fixed under CUDA-graph capture."""
+    on (Hq, max_query_len, S), so keep max_query_len fixed under CUDA-graph capture. window > 0:
+    each query reads its last `window` positions (sliding-window attention)."""
     num_tokens, hq, hd = q.shape
     num_seqs = seq_query_start.shape[0] - 1
     if num_tokens == 0 or num_seqs == 0:
@@ -426,5 +443,5 @@ def flash_prefill_attention(
     qlen = num_tokens if max_query_len is None else max_query_len
     tiles = max(1, -(-qlen // cfg.block_q))
     _kernel(cfg)[(hq, tiles, num_seqs), cfg.threads, stream](
-        q, kc, vc, block_tables, seq_query_start, positions, np.float32(scale * LOG2E), out
+        q, kc, vc, block_tables, seq_query_start, positions, np.float32(scale * LOG2E), np.int32(window), out
     )

@@ -422,7 +422,7 @@ def mla_decode(q_abs, cache_layer, block_tables, token_seq, positions, scale: fl
         q_abs, cache, block_tables, token_seq, positions, np.float32(scale), np.int32(part), out, scratch)
     if parts > 1:
         _merge_partitions_kernel[(num_heads, num_tokens), min(128, max(32, dv)), stream](
-            scratch, positions, np.int32(part), np.int32(parts), out)
+            scratch, positions, np.int32(part), np.int32(parts), np.int32(0), np.int32(1), out)
 
 
 # ---------------------------------------------------------------- per-head products

@@ -17,7 +17,7 @@ MMA_BF16 = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 MMA_TF32 = "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"
 SIG = (types.Array(types.float32, 3, "A"), types.Array(types.uint64, 4, "C"),
        types.Array(types.uint64, 4, "C"), types.Array(types.int32, 2, "C"),
-       types.Array(types.int32, 1, "C"), types.Array(types.int32, 1, "C"), types.float32, types.int32,
+       types.Array(types.int32, 1, "C"), types.Array(types.int32, 1, "C"), types.float32, types.int32, types.int32,
        types.Array(types.float32, 3, "C"), types.Array(types.float32, 3, "C"))
 
 
@@ -46,8 +46,8 @@ def test_bf16_out_variant_and_merge_compile():
     from kernels_numba import attention as A
     cfg = FD.flash_decode_config(128, 4, 16, out_bf16=True)
     U16_2 = types.Array(types.uint16, 2, "C")
-    sig = SIG[:8] + (U16_2, SIG[9])
+    sig = SIG[:9] + (U16_2, SIG[10])
     ptx = ptx_of(type("K", (), {"py_func": FD.py_kernel(cfg)}), sig, max_static_shared=4 * 4 * 4 * 130)
     assert "st.global.u16" in ptx and ptx.count(MMA_BF16) == 16
-    merge = ptx_of(A._merge_partitions_bf16_kernel, (SIG[9], SIG[5], types.int32, types.int32, U16_2))
+    merge = ptx_of(A._merge_partitions_bf16_kernel, (SIG[10], SIG[5], types.int32, types.int32, types.int32, types.int32, U16_2))
     assert "st.global.u16" in merge

@@ -18,7 +18,7 @@ def _sig(q_layout="A"):
     return (types.Array(types.float32, 3, q_layout), types.Array(types.uint64, 4, "C"),
             types.Array(types.uint64, 4, "C"), types.Array(types.int32, 2, "C"),
             types.Array(types.int32, 1, "C"), types.Array(types.int32, 1, "C"), types.float32,
-            types.Array(types.float32, 3, "C"))
+            types.int32, types.Array(types.float32, 3, "C"))
 
 
 @pytest.mark.parametrize("hd,over", [(64, {}), (128, {}), (128, {"block_k": 32, "v_early": True})])

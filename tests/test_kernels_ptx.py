@@ -61,7 +61,7 @@ def test_attention_kernels(hd, hq, hk):
     from kernels_numba import attention as A
 
     cfg = A.decode_config(hd, hq // hk)
-    p = ptx_of(A._decode_kernel(cfg), (F32_3A, U64_4, U64_4, I32_2, I32_1, I32_1, F32, I32, F32_3, F32_3))
+    p = ptx_of(A._decode_kernel(cfg), (F32_3A, U64_4, U64_4, I32_2, I32_1, I32_1, F32, I32, I32, F32_3, F32_3))
     assert p.count("ld.global.nc.v2.u64") >= 2  # K and V rows, 16 bytes a lane a load
     assert "shfl.sync.bfly.b32" in p and "bar.sync" in p
     info = sass_info(p)
@@ -70,13 +70,13 @@ def test_attention_kernels(hd, hq, hk):
 
     if hd <= 256:
         pc = A.prefill_config(hd, hq // hk)
-        p = ptx_of(A._prefill_kernel(pc), (F32_3A, U64_4, U64_4, I32_2, I32_1, I32_1, F32, F32_3))
+        p = ptx_of(A._prefill_kernel(pc), (F32_3A, U64_4, U64_4, I32_2, I32_1, I32_1, F32, I32, F32_3))
         assert "ld.global.nc.v2.u64" in p and "shfl.sync.bfly.b32" in p and "ld.shared.f32" in p
         info = sass_info(p)
         if info is not None:
             assert info[1] == 0, f"prefill kernel {pc} spills ({info[0]} registers)"
 
-    ptx_of(A._merge_partitions_kernel, (F32_3, I32_1, I32, I32, F32_3))
+    ptx_of(A._merge_partitions_kernel, (F32_3, I32_1, I32, I32, I32, I32, F32_3))
 
 
 def test_convert_kernel_uses_vector_loads_and_bf16x2():

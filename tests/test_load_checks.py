@@ -1,6 +1,6 @@
 """What the loaders must read or refuse so that no checkpoint gives silently wrong answers:
 - sliding windows as transformers applies them (Mistral, Qwen2/Qwen3 use_sliding_window, GGUF);
-- the CUDA backend (no windowed kernels) refuses a context longer than the window;
+- the CUDA backend takes a context past the window (its kernels attend inside it);
 - DeepSeek routing keys absent from a config take transformers' defaults;
 - a tokenizer with more ids than the model's vocabulary is refused at load.
 The logits side of each is tests/test_conformance.py."""
@@ -63,41 +63,15 @@ def test_gguf_sliding_window_key(tmp_path):
     assert windows(load_gguf(tmp_path / "full.gguf")[0]) == [0, 0]
 
 
-def test_cuda_refuses_a_context_past_the_window():
-    from metrale.models.config import refuse_window_beyond
-    c = hf_model_config({**CFG, "model_type": "mistral", "sliding_window": 32})   # max_position 128
-    with pytest.raises(ValueError, match="sliding_window=32.*max_model_len=128"):
-        refuse_window_beyond(c, 128)
-    refuse_window_beyond(c, 32)                       # inside the window full attention is exact
-    refuse_window_beyond(hf_model_config(CFG), 128)   # no window: nothing to refuse
-
-
-def test_the_default_context_is_capped_at_the_window(caplog):
-    """scheduler.max_model_len unset: the CUDA backend takes the window as its context (said once);
-    a model without a window keeps its own; Gemma-style models cap at the smallest window."""
-    from dataclasses import replace
-    from metrale.models.config import cap_to_window
-    c = hf_model_config({**CFG, "model_type": "mistral", "sliding_window": 32})
-    with caplog.at_level("WARNING", logger="metrale"):
-        assert cap_to_window(c, 128) == 32
-    assert "max_model_len 128 -> 32" in caplog.text and "device=cpu" in caplog.text
-    assert cap_to_window(c, 16) == 16
-    assert cap_to_window(hf_model_config(CFG), 128) == 128
-    some = replace(c, sliding_layers=(False, True))            # layer 0 full, layer 1 windowed
-    assert cap_to_window(some, 128) == 32
-    assert cap_to_window(replace(c, sliding_layers=(False, False)), 128) == 128
-
-
-def test_engine_on_cuda_refuses_before_loading_weights(tmp_path):
-    """make_backend refuses on device=cuda before any CUDA import (so this runs on CPU)."""
+def test_cuda_takes_a_context_past_the_window_and_refuses_before_loading_weights(tmp_path):
+    """The CUDA kernels attend inside the window (tests/kernels_sim/test_window_attention_sim.py):
+    a context past it is not refused; make_backend refuses this tiny shape's dims before any CUDA
+    import (so this runs on CPU)."""
     from metrale.models.assemble import make_backend
     from metrale.settings import compose
     c = hf_model_config({**CFG, "model_type": "mistral", "sliding_window": 32})
-    with pytest.raises(ValueError, match="sliding_window=32 is smaller than max_model_len=64"):
-        make_backend("cuda", compose(["device=cpu", "scheduler.max_model_len=64"]), c, None)
-    # unset, the context is capped at the window; the next check (this tiny shape's dims) refuses
     with pytest.raises(ValueError, match="hidden_size to be a multiple of 64"):
-        make_backend("cuda", compose(["device=cpu"]), c, None)
+        make_backend("cuda", compose(["device=cpu", "scheduler.max_model_len=128"]), c, None)
 
 
 # ---------------------------------------------------------------------------- DeepSeek routing

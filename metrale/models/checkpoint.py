@@ -331,6 +331,9 @@ def random_model_config(preset: dict, name: str) -> ModelConfig:
     if preset.get("model_type") in ("qwen3_next", "metrale_hybrid"):   # hybrid presets: a config.json's fields
         from metrale.models.hybrid import hybrid_model_config
         return hybrid_model_config(preset, name)
+    from metrale.models.gemma import GEMMA3_TYPES, gemma3_model_config
+    if preset.get("model_type") in GEMMA3_TYPES:                    # Gemma presets: a config.json's fields
+        return gemma3_model_config(preset, name)
     keys = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
             "num_kv_heads", "head_dim", "rope_theta", "tie_word_embeddings", "max_position")
     scaling = check_rope_scaling(dict(preset["rope_scaling"]) if preset.get("rope_scaling") else None, name)

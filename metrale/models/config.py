@@ -214,27 +214,3 @@ class ModelConfig:
         if self.is_mla:
             return self.num_layers * self.latent_dim * dtype_bytes
         return 2 * self.num_kv_layers * self.kv_size * dtype_bytes
-
-
-def cap_to_window(config: ModelConfig, max_model_len: int, backend: str = "cuda") -> int:
-    """A default context (scheduler.max_model_len unset) capped at the smallest sliding window, for
-    a backend without windowed attention (full attention is exact inside the window), said once."""
-    windows = [config.layer_window(i) for i in range(config.num_layers) if config.layer_window(i)]
-    if windows and min(windows) < max_model_len:
-        import logging
-        logging.getLogger("metrale").warning(
-            "%s: max_model_len %d -> %d, its sliding window (the %s backend has no windowed attention; "
-            "device=cpu runs the whole context)", config.name or config.architecture, max_model_len,
-            min(windows), backend)
-        return min(windows)
-    return max_model_len
-
-
-def refuse_window_beyond(config: ModelConfig, max_model_len: int, backend: str = "cuda") -> None:
-    """Backends without windowed kernels run full causal attention, which equals sliding-window
-    attention only while the context fits the window: refuse a max_model_len past the smallest window."""
-    windows = [config.layer_window(i) for i in range(config.num_layers) if config.layer_window(i)]
-    if windows and min(windows) < max_model_len:
-        raise ValueError(f"{config.name or config.architecture}: sliding_window={min(windows)} is smaller than "
-                         f"max_model_len={max_model_len} and the {backend} backend has no windowed attention; "
-                         f"set scheduler.max_model_len={min(windows)} or use device=cpu")

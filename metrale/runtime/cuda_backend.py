@@ -25,7 +25,7 @@ from kernels_numba import (activation, argmax, attention, convert, embedding, fl
 from kernels_numba.bf16 import from_bf16_bits
 from kernels_numba.random_init import fill_normal_bf16
 from metrale.models.checkpoint import WeightStream
-from metrale.models.config import ModelConfig, cap_to_window, refuse_window_beyond
+from metrale.models.config import ModelConfig
 from metrale.models.families import KV, LATENT, STATE, Family, compose_ops, family_for, resolve
 from metrale.models.rope import model_rope
 from metrale.runtime.backend import Backend
@@ -282,7 +282,7 @@ class CudaOps:
         if self.g.max_query_len >= self.b.prefill_min_tokens:
             prefill = flash_prefill.flash_prefill_attention if self.b.flash_prefill else attention.prefill_attention
             prefill(q, kc, vc, self.block_tables, self.seq_query_start, self.positions, scale,
-                    out, max_query_len=self.g.max_query_len, stream=self.s)
+                    out, max_query_len=self.g.max_query_len, stream=self.s, window=self.cfg.layer_window(layer))
         else:
             self._decode_attention(q, layer, out)
         return self.b.view("attn", self.g.tokens, (self.g.tokens, self.cfg.q_size))
@@ -292,7 +292,7 @@ class CudaOps:
         decode = flash_decode.flash_decode_attention if self.b.flash_decode else attention.paged_attention
         decode(q, self.b.kv.k64[layer], self.b.kv.v64[layer], self.block_tables, self.token_seq, self.positions,
                self._scale(), out, scratch=self.b.attn_scratch, max_context=self.g.max_context,
-               stream=self.s)
+               stream=self.s, window=self.cfg.layer_window(layer))
 
     def attention_linear_residual(self, q, layer, weight, residual):
         """residual += attention(q) @ weight.T. When cuBLASLt runs the product of a decode step, the
@@ -417,8 +417,6 @@ class CudaBackend(Backend):
         self.quantized = dict(quantized or {}) if self.native else {}
         self.quant_mma_rows = int(levers.quant_mma_rows)
         self.max_model_len = min(c.max_position, cfg.scheduler.max_model_len or c.max_position)
-        if cfg.scheduler.max_model_len is None:        # the default context: the window, where one is smaller
-            self.max_model_len = cap_to_window(c, self.max_model_len)
         self.max_seqs = self.num_state_slots = int(cfg.scheduler.max_num_seqs)
         self.max_tokens = max(int(cfg.scheduler.max_num_batched_tokens), self.graph_sizes[-1] if self.graph_sizes else 1)
         self.max_rows = max(self.max_seqs, self.graph_sizes[-1] if self.graph_sizes else 1)
@@ -488,7 +486,6 @@ class CudaBackend(Backend):
         if tensor > 1:
             raise ValueError(f"parallel.tensor={tensor}: tensor parallelism runs on the NumPy backend so far "
                              "(python -m metrale.parallel.tp, docs/parallel.md); the CUDA side is not built")
-        refuse_window_beyond(self.config, self.max_model_len)   # no windowed kernels: full attention is exact inside it
         self.part.check()
         for name, dim in self.part.gemm_dims():
             if dim % 64:

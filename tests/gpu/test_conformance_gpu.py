@@ -1,7 +1,8 @@
 """The conformance cases of issue 20 on the CUDA backend (run on a GPU: pytest -m gpu
 tests/gpu/test_conformance_gpu.py), against the NumPy backend with the device's bf16 weights (the
 NumPy backend itself is checked against transformers by tests/test_conformance.py):
-- sliding window: refused past the window (no windowed kernels), exact inside it;
+- sliding window: prefill chunks and decode steps past the window equal the windowed NumPy forward
+  (tensor-core and FP32 attention kernels);
 - DeepSeek-V3 without scoring_func / topk_method routes with sigmoid + noaux_tc on the device too."""
 from dataclasses import replace
 
@@ -22,34 +23,43 @@ MISTRAL = ModelConfig("mistral", vocab_size=4096, hidden_size=512, intermediate_
                       num_kv_heads=4, head_dim=64, max_position=512, name="mistral-window", sliding_window=WINDOW)
 
 
-def dense_cfg(max_model_len: int):
+def dense_cfg(max_model_len: int, *levers: str):
     return compose([f"cache.block_size={BS}", "cache.num_blocks=64", f"scheduler.max_model_len={max_model_len}",
-                    "scheduler.max_num_seqs=4", "scheduler.max_num_batched_tokens=256", "device=cuda"])
+                    "scheduler.max_num_seqs=4", "scheduler.max_num_batched_tokens=256", "device=cuda", *levers])
 
 
 def rel_err(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def test_window_smaller_than_the_context_is_refused():
+def check_past_the_window(config, levers=(), prompt=200, steps=6, chunk=120) -> None:
+    """A prompt longer than the window in two prefill chunks (the second reads cached positions),
+    then decode steps past it: every step's logits on CUDA beside the windowed NumPy twin's, fed the
+    twin's greedy tokens; and the window matters (full attention gives other logits)."""
     from metrale.runtime.cuda_backend import CudaBackend
-    with pytest.raises(ValueError, match="sliding_window=64"):
-        CudaBackend(MISTRAL, None, cfg=dense_cfg(512))
-
-
-def test_inside_the_window_cuda_matches_the_windowed_numpy_backend():
-    from metrale.runtime.cuda_backend import CudaBackend
-    cu = CudaBackend(MISTRAL, None, cfg=dense_cfg(WINDOW))
+    cu = CudaBackend(config, None, cfg=dense_cfg(512, *levers))
     weights = dict(cu.export_weights())
-    cpu = NumpyBackend(MISTRAL, iter(weights.items()), num_blocks=64, block_size=BS)
-    ids = np.random.default_rng(0).integers(0, MISTRAL.vocab_size, WINDOW)
-    table = np.arange(1, 1 + WINDOW // BS, dtype=np.int32)
-    batch = lambda: build_batch([Segment(ids.astype(np.int32), 0, table, "all")], BS)  # noqa: E731
-    a, b = cu.forward(batch()), cpu.forward(batch())
-    assert np.isfinite(a).all() and rel_err(a, b) < 2e-2, rel_err(a, b)
-    # a window as long as the context drops nothing: the windowed NumPy forward is the full one
-    full = NumpyBackend(replace(MISTRAL, sliding_window=0), iter(weights.items()), num_blocks=64, block_size=BS)
-    assert rel_err(full.forward(batch()), b) < 1e-5
+    twin = NumpyBackend(config, iter(weights.items()), num_blocks=64, block_size=BS)
+    full = NumpyBackend(replace(config, sliding_window=0), iter(weights.items()), num_blocks=64, block_size=BS)
+    ids = np.random.default_rng(0).integers(0, config.vocab_size, prompt).astype(np.int32)
+    table = np.arange(1, 1 + -(-(prompt + steps) // BS), dtype=np.int32)
+    errs, pos, apart = [], 0, []
+    for end in [chunk, prompt] + list(range(prompt + 1, prompt + steps)):
+        batch = lambda: build_batch([Segment(ids[pos:end], pos, table, "last")], BS)  # noqa: E731
+        a, b, f = cu.forward(batch())[0], twin.forward(batch())[0], full.forward(batch())[0]
+        assert np.isfinite(a).all()
+        errs.append(rel_err(a, b))
+        apart.append(rel_err(f, b))
+        pos = end
+        ids = np.append(ids, np.int32(b.argmax())) if end >= prompt else ids
+    assert max(errs) < 3e-2, errs
+    assert min(apart[1:]) > 5 * max(errs), (apart, errs)     # past the window the window matters
+
+
+@pytest.mark.parametrize("kernels", ["mma", "fma"])
+def test_past_the_window_cuda_matches_the_windowed_numpy_backend(kernels):
+    check_past_the_window(MISTRAL, (f"levers.prefill_attention_kernel={kernels}",
+                                    f"levers.decode_attention_kernel={kernels}"))
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ bf16 weights (the NumPy Gemma 3 forward itself is checked against transformers b
 tests/test_conformance.py): random weights of a shape with 270M's 256-dim heads and one kv head,
 sliding and full layers with their own RoPE bases, query_pre_attn_scalar apart from head_dim, the
 embedding scale, tied embeddings and logit softcapping; greedy tokens of a mixed batch with decode
-graphs, prefill logits, graphs on = graphs off (run on a GPU: pytest -m gpu tests/gpu/test_gemma_gpu.py)."""
+graphs, prefill logits, graphs on = graphs off, prefill chunks and decode steps past the window (run on a GPU: pytest -m gpu tests/gpu/test_gemma_gpu.py)."""
 import math
 
 import numpy as np
@@ -40,17 +40,7 @@ def test_graphs_on_equals_graphs_off(pair):
     check_graphs_on_equals_off(pair[0], GEMMA3)
 
 
-def test_the_default_context_is_the_window():
-    """scheduler.max_model_len unset (the model's 512 positions): the backend takes the window's 128."""
-    from metrale.runtime.cuda_backend import CudaBackend
-    from metrale.settings import compose
-    be = CudaBackend(GEMMA3, None, cfg=compose([f"cache.block_size={BS}", "cache.num_blocks=64", "device=cuda"]))
-    assert be.max_model_len == 128
-
-
-def test_a_context_past_the_window_is_refused():
-    from metrale.runtime.cuda_backend import CudaBackend
-    from metrale.settings import compose
-    over = [f"cache.block_size={BS}", "cache.num_blocks=64", "scheduler.max_model_len=256", "device=cuda"]
-    with pytest.raises(ValueError, match="sliding_window=128"):
-        CudaBackend(GEMMA3, None, cfg=compose(over))
+def test_past_the_window_matches_numpy():
+    """Sliding layers (window 128) and a full one, through a 200-token prompt and decode steps."""
+    from test_conformance_gpu import check_past_the_window
+    check_past_the_window(GEMMA3)
