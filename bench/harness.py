@@ -52,9 +52,16 @@ def prompts(engine, spec: PointSpec, batch: int | None = None, length: int | Non
 
 
 def _timed(engine, prompts, params) -> float:
+    """Seconds of one generate; a request that ended with an error (or short) fails the point."""
     t0 = time.perf_counter()
-    engine.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - t0
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    want = params.max_tokens if params.ignore_eos else None
+    for o in outs:
+        if str(o.finish_reason).startswith("error") or (want is not None and len(o.token_ids) != want):
+            raise RuntimeError(f"benchmark request {o.request_id} ended '{o.finish_reason}' after "
+                               f"{len(o.token_ids)} tokens")
+    return seconds
 
 
 def decode_tok_s(engine, spec: PointSpec, batch_prompts) -> float:

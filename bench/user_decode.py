@@ -61,11 +61,12 @@ def main(argv: list[str] | None = None) -> int:
         *args.overrides])
     out = []
     for batch in args.batch:
-        ahead = engine.ahead if engine.ahead is not None else AheadLoop(engine)
+        ahead = engine.ahead if engine.ahead is not None else (
+            AheadLoop(engine) if engine.backend.supports_overlap else None)   # a family without it: sync only
         engine.ahead = None
         sync = user_tok_s(engine, batch, args.tokens, args.reps)
         engine.ahead = ahead
-        over = user_tok_s(engine, batch, args.tokens, args.reps)
+        over = user_tok_s(engine, batch, args.tokens, args.reps) if ahead is not None else sync
         replay = replay_tok_s(engine, batch, 16 + args.tokens // 2) if engine.backend.name == "cuda" else float("nan")
         mem = engine.memory_report()
         r = {"model": args.model, "batch": batch, "tokens": args.tokens, "replay_tok_s": replay,

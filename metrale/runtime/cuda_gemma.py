@@ -50,7 +50,8 @@ class GemmaCudaOps:
 
 class GemmaCuda(DenseCuda):
     ops = (GemmaCudaOps,)
-    carries_norm_sums = feeds_tokens = mixed_graphs = quantized_weights = False
+    feeds_tokens = True            # embed_scaled is CudaOps.embed (which feeds) + a scale
+    carries_norm_sums = mixed_graphs = quantized_weights = False
 
     def weight_bytes(self) -> int:
         c = self.config

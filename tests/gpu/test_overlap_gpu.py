@@ -1,7 +1,7 @@
 """The host a step ahead on the CUDA backend (levers.overlap): the fed embedding takes each row's
 token from the last step's argmax on the device, and greedy ids equal the synchronous loop's; penalized
 rows, ahead with their pending token counted by the device pipeline, give the synchronous loop's
-tokens too."""
+tokens too. Dense (SmolLM2 shape) and Gemma 3 (270M shape: scaled embedding, softcap) families."""
 import numpy as np
 import pytest
 
@@ -10,9 +10,9 @@ from metrale import Engine, SamplingParams
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def engine():
-    return Engine(model="smollm2-135m-shape", device="cuda", cache={"num_blocks": 4096},
+@pytest.fixture(scope="module", params=["smollm2-135m-shape", "gemma3-270m-shape"])
+def engine(request):
+    return Engine(model=request.param, device="cuda", cache={"num_blocks": 4096},
                   scheduler={"max_num_seqs": 32}, levers={"graph_batch_sizes": [1, 2, 4, 8, 16, 32]})
 
 
