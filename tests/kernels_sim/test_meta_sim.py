@@ -14,6 +14,7 @@ class _Pool:
 
 def test_verify_steps_pad_to_the_graph_geometry(monkeypatch):
     monkeypatch.setattr(cb, "cu", lambda *a: None)
+    monkeypatch.setattr(cb, "copy_rows_htod", lambda *a: None)
     monkeypatch.setattr(cb, "_ptr", lambda a: 0)          # the simulator has no device pointers
     meta = cb.MetaBuffers(_Pool(), 256, 256, 256, max_blocks=8)
     segs = [Segment(np.arange(4, dtype=np.int32), 20, np.array([2 * i, 2 * i + 1], np.int32), "all")
@@ -30,3 +31,23 @@ def test_verify_steps_pad_to_the_graph_geometry(monkeypatch):
     assert (token_seq[192:] >= 48).all() and (token_seq[192:] < g.seqs).all()
     slots = h[o["slot_mapping"]:o["slot_mapping"] + g.tokens]
     assert (slots[192:] == -1).all()                             # padding writes nowhere
+
+
+def test_a_step_copies_only_the_table_columns_it_uses(monkeypatch):
+    """A decode step of 3 sequences (2 and 3 blocks) in a 4-sequence geometry of a model whose
+    tables have 512 columns: the fields in one copy, then 4 rows x 3 columns of the table grid
+    (pitch 512), padding rows reading block 0."""
+    copies, rows = [], []
+    monkeypatch.setattr(cb, "cu", lambda name, *a: copies.append((name, a[2])))
+    monkeypatch.setattr(cb, "copy_rows_htod", lambda dst, src, pitch, width, n, stream: rows.append((pitch, width, n)))
+    monkeypatch.setattr(cb, "_ptr", lambda a: 0)
+    meta = cb.MetaBuffers(_Pool(), 64, 8, 8, max_blocks=512)
+    tables = [np.array([5, 6], np.int32), np.array([7, 8, 9], np.int32), np.array([1, 2], np.int32)]
+    batch = build_batch([Segment(np.array([3], np.int32), 20 + i, t, "last") for i, t in enumerate(tables)], 16)
+    meta.upload(batch, cb.Geometry(4, 4, 4, 64, 1), stream=type("S", (), {"handle": 0})())
+    assert copies == [("cuMemcpyHtoDAsync", 4 * meta.table_offset)]
+    assert rows == [(4 * 512, 4 * 3, 4)]
+    t = meta.table_offset
+    grid = meta.host[t:t + 4 * 512].reshape(4, 512)
+    np.testing.assert_array_equal(grid[:3, :3], batch.block_tables)
+    assert (grid[3, :3] == 0).all()
