@@ -5,7 +5,7 @@
 # TOKENS tokens, warm: each shape served once before), the CPU per token of the server and engine
 # processes, then Engine.generate on the same prompts in batches of 1 and 64 (bench.loadtest's
 # library mode). Prints a table; JSON per point in $OUT/s8_serve/.
-#   bash bench/device/s8_serve.sh     (carry .whl .snap; MODEL=..., TOKENS=..., DEVICE=cpu to try it here, SERVE_ARGS=...)
+#   bash bench/device/s8_serve.sh     (carry .whl .snap; MODEL=..., TOKENS=..., MODES="true false", DEVICE=cpu to try it here, SERVE_ARGS=...)
 source "$(dirname "$0")/common.sh"
 MODEL=${MODEL:-smollm2-135m-shape}
 DEVICE=${DEVICE:-cuda}
@@ -17,7 +17,7 @@ load() {  # load CLIENTS REQUESTS MAX_TOKENS [extra loadtest args]
   timeout 150 python3 -m bench.loadtest --url http://127.0.0.1:$PORT --model $MODEL --clients $1 --requests $2 \
       --max-tokens $3 --duration 90 --prompt-words 16 "${@:4}" 2>&1
 }
-for mode in true false; do
+for mode in ${MODES:-true false}; do
   stamp "serve server.engine_process=$mode ($MODEL)"
   python3 -m metrale serve device=$DEVICE model=$MODEL server.port=$PORT server.engine_process=$mode \
       ${SERVE_ARGS:-} > $RES/server_$mode.txt 2>&1 &
