@@ -37,9 +37,9 @@ def main(argv: list[str] | None = None) -> int:
         return code
     logging.basicConfig(level=getattr(logging, str(cfg.log_level).upper(), logging.WARNING),
                         format="%(levelname)s %(name)s: %(message)s")
-    if int(cfg.parallel.tensor) > 1:       # one process a rank (metrale/parallel/tp.py)
-        from metrale.parallel.tp import main as tensor_parallel
-        return tensor_parallel(argv)
+    if max(int(cfg.parallel.tensor), int(cfg.parallel.expert)) > 1:   # one process a rank (parallel/tp.py)
+        from metrale.parallel.tp import main as ranks_main
+        return ranks_main(argv)
     return _generate(cfg)
 
 

@@ -187,6 +187,7 @@ class ServerConfig:
 class ParallelConfig:
     """Several ranks for one model (docs/parallel.md)."""
     tensor: int = 1                      # tensor-parallel ranks (dense family; CPU so far: python -m metrale.parallel.tp)
+    expert: int = 1                      # expert-parallel ranks (MoE families: 1/N of the routed experts each; CPU so far)
 
 
 @dataclass
@@ -238,7 +239,7 @@ MINIMUMS: dict[str, int] = {
     "spec.gate.probe_interval": 0, "spec.gate.max_batch": 0, "spec.gate.measured_min_steps": 0,
     "state.snapshots": 0, "levers.cpu_threads": 0,
     "server.replicas": 0,
-    "parallel.tensor": 1,
+    "parallel.tensor": 1, "parallel.expert": 1,
 }
 
 

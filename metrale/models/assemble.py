@@ -16,8 +16,8 @@ log = logging.getLogger("metrale")
 
 def load_model(cfg) -> tuple[ModelConfig, Tokenizer, object]:
     from omegaconf import OmegaConf
-    if int(OmegaConf.select(cfg, "parallel.tensor", default=1)) > 1:   # rank 0 here, the others spawned
-        from metrale.parallel.tp import local_leader
+    if max(int(OmegaConf.select(cfg, f"parallel.{k}", default=1)) for k in ("tensor", "expert")) > 1:
+        from metrale.parallel.tp import local_leader       # rank 0 here, the others spawned
         return local_leader(cfg)
     source = resolve_model(cfg.model)
     t0 = time.perf_counter()

@@ -73,6 +73,8 @@ class MoeNumpyOps:
         gu, down = w[p + "experts_gate_up"], w[p + "experts_down"]
         if self.b.ep is None:
             out = local_experts(h, ids, weights, gu, down)
+        elif self.b.ep.replicated:          # every rank runs this batch: its experts' share, all-reduced
+            out = self.b.ep.reduce_local(h, ids, weights, lambda rows, local: expert_mlp(rows, local, gu, down))
         else:
             out = self.b.ep.dispatch_combine(h, ids, weights, lambda rows, local: expert_mlp(rows, local, gu, down))
         if p + "shared_gate_up" in w:

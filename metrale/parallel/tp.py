@@ -293,9 +293,10 @@ def batch_segments(batch: ForwardBatch) -> list[Segment]:
 
 
 class TPRank:
-    """One rank's step loop. Per step every rank enters the same collectives in the same order:
-    broadcast(message), 2 all-reduces a layer + 1 (embedding), then gather(logits slices or greedy
-    pairs) to rank 0."""
+    """One rank's step loop (tensor- or expert-parallel: every rank runs the step's whole batch).
+    Per step every rank enters the same collectives in the same order: broadcast(message), then
+    TP: 2 all-reduces a layer + 1 (embedding) and gather(logits slices or greedy pairs) to rank 0;
+    EP: one all-reduce a MoE layer (rank 0's logits are whole)."""
 
     def __init__(self, comm: Communicator, backend: TpNumpyBackend):
         self.comm, self.backend = comm, backend
@@ -305,6 +306,10 @@ class TPRank:
         """This rank's share of a step; rank 0 gets (full logits | token ids, hidden rows)."""
         self.steps += 1
         local, hidden = self.backend.forward(batch, num_layers, return_hidden=True)
+        if getattr(self.backend, "tp", None) is None:   # expert-parallel: every rank has the whole logits
+            if self.comm.rank:
+                return None, None
+            return (local if mode == LOGITS else np.argmax(local, axis=-1).astype(np.int32)), hidden
         lo = self.backend.tp.vocab_range[0]
         if mode == LOGITS:       # rows of different widths: gathered as columns
             parts = gather(self.comm, np.ascontiguousarray(local.T))
@@ -344,7 +349,7 @@ class TpLeader(Backend):
         b = rank.backend
         self.rank, self.shard = rank, b
         self.followers = list(followers or ())        # processes this leader started (local_leader)
-        self.config, self.family = b.full_config, b.family
+        self.config, self.family = getattr(b, "full_config", b.config), b.family
         self.block_size, self.num_blocks, self.weights, self.dtype = b.block_size, b.num_blocks, b.weights, b.dtype
         self.stopped = False
 
@@ -366,11 +371,12 @@ class TpLeader(Backend):
         return self.num_blocks * self.block_size
 
     def export_weights(self):
-        raise NotImplementedError("a tensor-parallel leader holds only rank 0's shards (drafters that copy "
-                                  "the target's weights do not run with parallel.tensor > 1 yet)")
+        raise NotImplementedError("a tensor- or expert-parallel leader holds only rank 0's shards (drafters that "
+                                  "copy the target's weights do not run with parallel.tensor / expert > 1 yet)")
 
     def memory_report(self):
-        return {**self.shard.memory_report(), "tensor_parallel": self.rank.comm.world_size}
+        kind = "expert_parallel" if getattr(self.shard, "tp", None) is None else "tensor_parallel"
+        return {**self.shard.memory_report(), kind: self.rank.comm.world_size}
 
     def close(self):
         if not self.stopped:
@@ -384,9 +390,68 @@ class TpLeader(Backend):
 
 # ----------------------------------------------------------------------- building a rank
 
+def parallel_world(cfg) -> int:
+    """The ranks of parallel.tensor / parallel.expert (one of them > 1 at most; 1: no ranks)."""
+    from omegaconf import OmegaConf
+    tensor = int(OmegaConf.select(cfg, "parallel.tensor", default=1))
+    expert = int(OmegaConf.select(cfg, "parallel.expert", default=1))
+    if tensor > 1 and expert > 1:
+        raise ValueError(f"parallel.tensor={tensor} with parallel.expert={expert}: one kind of ranks at a time")
+    return max(tensor, expert)
+
+
+def expert_slice(stream: WeightStream, ep) -> WeightStream:
+    """A MoE stream with only this rank's experts (the stacked experts_* tensors cut to its range)."""
+    lo, hi = ep.expert_range
+    for name, a in stream:
+        yield name, (a[lo:hi] if name.endswith((".experts_gate_up", ".experts_down")) else a)
+
+
+def load_expert_rank(cfg, comm: Communicator):
+    """(config, tokenizer, TPRank) of one expert-parallel rank: the whole model but 1/N of the
+    routed experts, every step's batch run in full (models/moe.py: reduce_local)."""
+    from metrale.models.assemble import _load_hf, _default_tokenizer, refuse_tokenizer_beyond_vocab
+    from metrale.models.checkpoint import load_gguf, random_model_config
+    from metrale.models.families import family_for
+    from metrale.models.registry import resolve_model
+    from metrale.models.tokenizer import Tokenizer
+    from metrale.parallel.ep import ExpertParallel
+    from metrale.runtime.select import resolve_device
+    if resolve_device(cfg.device) != "cpu":
+        raise ValueError("parallel.expert > 1 runs on device=cpu only so far (the CUDA side: docs/parallel.md)")
+    source = resolve_model(cfg.model)
+    if source.kind == "hf":
+        config, _, weights = _load_hf(source.path)
+        tokenizer = Tokenizer.from_pretrained_dir(source.path)
+    elif source.kind == "gguf":
+        config, fields, weights = load_gguf(source.path)
+        tokenizer = Tokenizer.from_gguf(fields)
+    else:
+        config, tokenizer, weights = random_model_config(source.preset, source.name), _default_tokenizer(), None
+    if source.kind in ("gguf", "hf"):
+        refuse_tokenizer_beyond_vocab(tokenizer.vocab_size, config)
+    if config.is_hybrid:
+        raise ValueError(f"parallel.expert={comm.world_size}: hybrid models (recurrent state) do not run on "
+                         "several ranks yet")
+    if not config.n_routed_experts:
+        raise ValueError(f"parallel.expert={comm.world_size}: {config.name or config.architecture} has no routed "
+                         "experts (a MoE family: Qwen3-MoE, DeepSeek-V2/V3, Qwen3-Next MoE)")
+    ep = ExpertParallel(comm, config.n_routed_experts, replicated=True)
+    family = family_for(config)
+    full = weights if weights is not None else (lambda: family.random_weights(config, int(cfg.seed)))
+    backend = NumpyBackend.from_config(cfg, config, lambda: expert_slice(full(), ep), family, ep=ep)
+    return config, tokenizer, TPRank(comm, backend)
+
+
 def load_rank(cfg, comm: Communicator):
     """(full config, tokenizer, TPRank) of one rank for a composed config (cfg.model: an HF
-    directory is read shard by shard; a GGUF file or a random preset is cut tensor by tensor)."""
+    directory is read shard by shard; a GGUF file or a random preset is cut tensor by tensor).
+    parallel.expert > 1: load_expert_rank."""
+    world, kind = parallel_world(cfg), "expert" if int(cfg.parallel.expert) > 1 else "tensor"
+    if world != comm.world_size:
+        raise ValueError(f"parallel.{kind}={world} but {comm.world_size} ranks were started")
+    if kind == "expert":
+        return load_expert_rank(cfg, comm)
     from metrale.models.assemble import _default_tokenizer, refuse_tokenizer_beyond_vocab
     from metrale.models.checkpoint import load_gguf, load_hf_dir, random_model_config, random_weights
     from metrale.models.registry import resolve_model
@@ -394,9 +459,6 @@ def load_rank(cfg, comm: Communicator):
     from metrale.runtime.select import resolve_device
     if resolve_device(cfg.device) != "cpu":
         raise ValueError("parallel.tensor > 1 runs on device=cpu only so far (the CUDA side: docs/parallel.md)")
-    world = int(cfg.parallel.tensor)
-    if world != comm.world_size:
-        raise ValueError(f"parallel.tensor={world} but {comm.world_size} ranks were started")
     source = resolve_model(cfg.model)
     reader = None
     if source.kind == "hf":
@@ -433,13 +495,13 @@ def tp_engine(cfg, comm: Communicator):
 
 
 def local_leader(cfg) -> tuple[ModelConfig, object, "TpLeader"]:
-    """parallel.tensor=N inside the caller's process (Engine(...), serve): rank 0 here, ranks
+    """parallel.tensor=N or parallel.expert=N inside the caller's process (Engine(...), serve): rank 0 here, ranks
     1..N-1 spawned as follower processes joined by queues (CPU). The leader's close() stops them;
     they are daemons, so they also end with this process. A rank that fails to load here stops
     the followers before the error propagates."""
     import multiprocessing as mp
     from metrale.parallel.comm import QueueCommunicator
-    world = int(cfg.parallel.tensor)
+    world = parallel_world(cfg)
     ctx = mp.get_context("spawn")
     boxes = [ctx.Queue() for _ in range(world)]
     followers = [ctx.Process(target=_follower_main, args=(r, cfg, boxes), daemon=True, name=f"metrale-tp-rank{r}")
@@ -487,7 +549,7 @@ def launch_tp(overrides: list[str], prompts: list, params=None, timeout: float =
     from metrale.parallel.launch import launch
     from metrale.settings import compose
     cfg = compose(list(overrides))
-    world = int(cfg.parallel.tensor)
+    world = parallel_world(cfg)
     ctx = mp.get_context("spawn")
     boxes = [ctx.Queue() for _ in range(world)]
     report = launch(world, _rank_main, (list(overrides), boxes, prompts, params, chat), pin_devices=False,
@@ -510,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(out["text"][0])
     n = len(out["token_ids"][0])
-    print(f"[metrale] {n} tokens on {cfg.parallel.tensor} CPU ranks in {time.perf_counter() - t0:.2f} s "
+    print(f"[metrale] {n} tokens on {parallel_world(cfg)} CPU ranks in {time.perf_counter() - t0:.2f} s "
           "(start-up included)", file=sys.stderr)
     return 0
 

@@ -505,6 +505,10 @@ class CudaBackend(Backend):
     def _check_config(self) -> None:
         """What the kernels cannot run, refused before the device is touched."""
         tensor = int(self.cfg.parallel.tensor) if "parallel" in self.cfg else 1
+        expert = int(self.cfg.parallel.get("expert", 1)) if "parallel" in self.cfg else 1
+        if expert > 1:
+            raise ValueError(f"parallel.expert={expert}: expert parallelism through the Engine runs on the NumPy "
+                             "backend so far (docs/parallel.md); on CUDA, bench/ep_bench.py's ep_generate")
         if tensor > 1:
             raise ValueError(f"parallel.tensor={tensor}: tensor parallelism runs on the NumPy backend so far "
                              "(python -m metrale.parallel.tp, docs/parallel.md); the CUDA side is not built")

@@ -192,15 +192,16 @@ class NumpyBackend(Backend):
         self._hidden: np.ndarray | None = None
 
     @classmethod
-    def from_config(cls, cfg, config: ModelConfig, weights, family: Family) -> "NumpyBackend":
+    def from_config(cls, cfg, config: ModelConfig, weights, family: Family, ep=None) -> "NumpyBackend":
         """The CPU backend of a composed config: cache.num_blocks (or cache.cpu_kv_tokens worth of
         blocks), a state slot per sequence that can run; `weights` a zero-argument stream factory, or
-        None for the family's random weights."""
+        None for the family's random weights; ep: this rank's ExpertParallel (parallel.expert > 1)."""
         from omegaconf import OmegaConf
-        tensor = OmegaConf.select(cfg, "parallel.tensor", default=1)
-        if tensor > 1:     # one rank per process: metrale/parallel/tp.py builds the ranks (docs/parallel.md)
-            raise ValueError(f"parallel.tensor={tensor}: Engine / load_model start the ranks "
-                             "(metrale.parallel.tp.local_leader); this entry point builds one unsplit backend")
+        for kind in ("tensor", "expert"):
+            n = OmegaConf.select(cfg, f"parallel.{kind}", default=1)
+            if n > 1 and not (kind == "expert" and ep is not None):   # one rank a process: parallel/tp.py
+                raise ValueError(f"parallel.{kind}={n}: Engine / load_model start the ranks "
+                                 "(metrale.parallel.tp.local_leader); this entry point builds one unsplit backend")
         block_size = int(cfg.cache.block_size)
         num_blocks = cfg.cache.num_blocks or max(1, cfg.cache.cpu_kv_tokens // block_size)
         if weights is None and family.random_weights is None:
@@ -212,7 +213,7 @@ class NumpyBackend(Backend):
         backend = cls(config, stream, num_blocks=int(num_blocks), block_size=block_size, dtype=cfg.levers.numpy_dtype,
                       family=family, ops_class=cpu_ops.CpuOps if fast else None,
                       num_state_slots=int(cfg.scheduler.max_num_seqs), num_state_checkpoints=0,
-                      state_norm_bound=StateOptions.of(cfg).norm_bound)
+                      state_norm_bound=StateOptions.of(cfg).norm_bound, ep=ep)
         if fast:
             cpu_ops.start(backend, cfg)
         return backend

@@ -171,9 +171,9 @@ class EngineProcess:
         ctx = multiprocessing.get_context("spawn")
         cmd_r, cmd_w = os.pipe()
         ev_r, ev_w = os.pipe()
-        # a daemonic process may not start processes: a tensor-parallel engine spawns its ranks
-        # (close() and the pipes' end stop it either way)
-        single = int(OmegaConf.select(cfg, "parallel.tensor", default=1)) <= 1
+        # a daemonic process may not start processes: a tensor- or expert-parallel engine spawns its
+        # ranks (close() and the pipes' end stop it either way)
+        single = max(int(OmegaConf.select(cfg, f"parallel.{k}", default=1)) for k in ("tensor", "expert")) <= 1
         process = ctx.Process(target=child_main, name="metrale-engine", daemon=single,
                               args=(cfg, _FdHandle(cmd_r), _FdHandle(ev_w), build))
         try:
