@@ -141,6 +141,9 @@ def main() -> None:
     ap.add_argument("--split", action="store_true",
                     help="only the split heuristic (auto vs 1-4 partitions) over more batches and contexts")
     ap.add_argument("--no-floor", action="store_true", help="skip the node-floor and barrier probes")
+    ap.add_argument("--offline", action="store_true",
+                    help="offline serving's decode shapes (SmolLM2 / 1B heads, 136-256 rows, 1,024 keys): "
+                         "splits, warps and keys")
     args = ap.parse_args()
     from metrale.runtime.cuda.stream import Stream
     from kernels_numba import pdl
@@ -163,6 +166,10 @@ def main() -> None:
                                                                    (64, 512), (4, 4096))]
         shapes.append(("smollm2-135m", 9, 3, 64, 32, 512))
         variants = [(None, 4, 16), (1, 4, 16), (2, 4, 16), (3, 4, 16), (4, 4, 16)]
+    if args.offline:      # run_all's offline forwards: ~125k KV tokens read a forward at ~1.4 TB/s (session 16)
+        shapes = [("smollm2-135m", 9, 3, 64, 136, 1024), ("smollm2-135m", 9, 3, 64, 256, 1024),
+                  ("llama-3.2-1b", 32, 8, 64, 136, 1024)]
+        variants = [(None, 4, 16), (2, 4, 16), (4, 4, 16), (None, 8, 16), (None, 4, 32), (2, 4, 32), (None, 8, 32)]
     record["attention"] = attention_sweep(stream, shapes, args.layers, variants)
     if args.out:
         with open(args.out, "w") as f:
