@@ -22,18 +22,7 @@ def load_model(cfg) -> tuple[ModelConfig, Tokenizer, object]:
     source = resolve_model(cfg.model)
     t0 = time.perf_counter()
     device = resolve_device(cfg.device)
-    if source.kind == "gguf":
-        config, fields, weights = load_gguf(source.path, keep_quantized=_keeps_quantized(cfg, device))
-        tokenizer = Tokenizer.from_gguf(fields)
-    elif source.kind == "hf":
-        config, _, weights = _load_hf(source.path)
-        tokenizer = Tokenizer.from_pretrained_dir(source.path)
-    else:
-        config = random_model_config(source.preset, source.name)
-        tokenizer = _default_tokenizer()
-        weights = None   # each backend builds its own (the CUDA one on the device)
-    if source.kind in ("gguf", "hf"):   # a random preset borrows a tokenizer: its ids are not the model's
-        refuse_tokenizer_beyond_vocab(tokenizer.vocab_size, config)
+    config, tokenizer, weights = read_model(source, keep_quantized=_keeps_quantized(cfg, device))
     backend = make_backend(device, cfg, config, weights)
     log.info("loaded %s on %s in %.2f s", source.name, device, time.perf_counter() - t0)
     return config, tokenizer, backend
@@ -70,6 +59,21 @@ def _default_tokenizer():
     except ModelNotFoundError:
         return ByteTokenizer()
     return Tokenizer.from_gguf(read_gguf_fields(_gguf_reader(path)))
+
+
+def read_model(source, keep_quantized: bool = False) -> tuple[ModelConfig, Tokenizer, object]:
+    """(config, tokenizer, weights) of a resolved model: weights a zero-argument stream factory, or
+    None for a random preset (each backend builds its own; the CUDA one on the device)."""
+    if source.kind == "gguf":
+        config, fields, weights = load_gguf(source.path, keep_quantized=keep_quantized)
+        tokenizer = Tokenizer.from_gguf(fields)
+    elif source.kind == "hf":
+        config, _, weights = _load_hf(source.path)
+        tokenizer = Tokenizer.from_pretrained_dir(source.path)
+    else:
+        return random_model_config(source.preset, source.name), _default_tokenizer(), None
+    refuse_tokenizer_beyond_vocab(tokenizer.vocab_size, config)   # a random preset's borrowed ids are not its own
+    return config, tokenizer, weights
 
 
 def _load_hf(path):

@@ -410,26 +410,14 @@ def expert_slice(stream: WeightStream, ep) -> WeightStream:
 def load_expert_rank(cfg, comm: Communicator):
     """(config, tokenizer, TPRank) of one expert-parallel rank: the whole model but 1/N of the
     routed experts, every step's batch run in full (models/moe.py: reduce_local)."""
-    from metrale.models.assemble import _load_hf, _default_tokenizer, refuse_tokenizer_beyond_vocab
-    from metrale.models.checkpoint import load_gguf, random_model_config
+    from metrale.models.assemble import read_model
     from metrale.models.families import family_for
     from metrale.models.registry import resolve_model
-    from metrale.models.tokenizer import Tokenizer
     from metrale.parallel.ep import ExpertParallel
     from metrale.runtime.select import resolve_device
     if resolve_device(cfg.device) != "cpu":
         raise ValueError("parallel.expert > 1 runs on device=cpu only so far (the CUDA side: docs/parallel.md)")
-    source = resolve_model(cfg.model)
-    if source.kind == "hf":
-        config, _, weights = _load_hf(source.path)
-        tokenizer = Tokenizer.from_pretrained_dir(source.path)
-    elif source.kind == "gguf":
-        config, fields, weights = load_gguf(source.path)
-        tokenizer = Tokenizer.from_gguf(fields)
-    else:
-        config, tokenizer, weights = random_model_config(source.preset, source.name), _default_tokenizer(), None
-    if source.kind in ("gguf", "hf"):
-        refuse_tokenizer_beyond_vocab(tokenizer.vocab_size, config)
+    config, tokenizer, weights = read_model(resolve_model(cfg.model))
     if config.is_hybrid:
         raise ValueError(f"parallel.expert={comm.world_size}: hybrid models (recurrent state) do not run on "
                          "several ranks yet")
@@ -452,26 +440,15 @@ def load_rank(cfg, comm: Communicator):
         raise ValueError(f"parallel.{kind}={world} but {comm.world_size} ranks were started")
     if kind == "expert":
         return load_expert_rank(cfg, comm)
-    from metrale.models.assemble import _default_tokenizer, refuse_tokenizer_beyond_vocab
-    from metrale.models.checkpoint import load_gguf, load_hf_dir, random_model_config, random_weights
+    from metrale.models.assemble import read_model
+    from metrale.models.checkpoint import random_weights
     from metrale.models.registry import resolve_model
-    from metrale.models.tokenizer import Tokenizer
     from metrale.runtime.select import resolve_device
     if resolve_device(cfg.device) != "cpu":
         raise ValueError("parallel.tensor > 1 runs on device=cpu only so far (the CUDA side: docs/parallel.md)")
     source = resolve_model(cfg.model)
-    reader = None
-    if source.kind == "hf":
-        config, _, _ = load_hf_dir(source.path)
-        tokenizer = Tokenizer.from_pretrained_dir(source.path)
-        reader = SliceReader(source.path)
-    elif source.kind == "gguf":
-        config, fields, weights = load_gguf(source.path)
-        tokenizer = Tokenizer.from_gguf(fields)
-    else:
-        config, tokenizer, weights = random_model_config(source.preset, source.name), _default_tokenizer(), None
-    if source.kind in ("gguf", "hf"):
-        refuse_tokenizer_beyond_vocab(tokenizer.vocab_size, config)
+    config, tokenizer, weights = read_model(source)
+    reader = SliceReader(source.path) if source.kind == "hf" else None    # an HF directory: read shard by shard
     tp = TensorParallel.of(config, comm)
     if reader is not None:
         stream = hf_shard_stream(reader, config, tp)
