@@ -18,6 +18,7 @@ from metrale.parallel.tp import TpLeader, load_rank
 from metrale.runtime.batch import Segment, build_batch
 from metrale.runtime.numpy_backend import NumpyBackend
 from metrale.settings import compose
+from test_tp import write_word_tokenizer
 
 CONFORMANCE = Path(__file__).parent / "fixtures" / "conformance"
 BS = 4
@@ -25,14 +26,8 @@ BS = 4
 
 def with_tokenizer(src: Path, dst: Path) -> Path:
     """A copy of a conformance checkpoint with a word-level tokenizer over its vocabulary."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
     shutil.copytree(src, dst)
-    vocab = json.loads((dst / "config.json").read_text())["vocab_size"]
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(dst / "tokenizer.json"))
-    (dst / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w2", "bos_token": "w1"}))
-    return dst
+    return write_word_tokenizer(dst, json.loads((dst / "config.json").read_text())["vocab_size"])
 
 
 @pytest.fixture(scope="module")

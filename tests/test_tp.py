@@ -34,7 +34,6 @@ SHAPES = {
 def write_checkpoint(path, shape: dict, seed: int = 0, hidden=32, ffn=96, layers=2):
     """A random dense HF directory (config.json, model.safetensors, a word-level tokenizer)."""
     from safetensors.numpy import save_file
-    from tokenizers import Tokenizer, models, pre_tokenizers
     rng = np.random.default_rng(seed)
     h, k, v = shape["num_attention_heads"], shape["num_key_value_heads"], shape["vocab_size"]
     hd = shape.get("head_dim", hidden // h)
@@ -60,7 +59,13 @@ def write_checkpoint(path, shape: dict, seed: int = 0, hidden=32, ffn=96, layers
     path.mkdir()
     (path / "config.json").write_text(json.dumps(cfg))
     save_file(w, str(path / "model.safetensors"))
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(v)}, unk_token="w0"))
+    return write_word_tokenizer(path, v)
+
+
+def write_word_tokenizer(path, vocab: int):
+    """A word-level tokenizer (w0 .. w{vocab-1}, w1 BOS, w2 EOS) into an HF directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w2", "bos_token": "w1"}))
