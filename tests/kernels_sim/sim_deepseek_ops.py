@@ -1,6 +1,7 @@
 """MlaCudaOps (MLA + MoE as kernel launches) under the simulator against the NumPy backend
 of the MLA family with the same bf16 weights: a ragged step (a prefill chunk after an earlier
-chunk, a decode row), and the expert-parallel exchange with one rank (host communicator).
+chunk, a decode row), and the expert-parallel exchange with one rank (host communicator) against
+the local experts inside the same step.
 The real backend needs the driver; here a stand-in holds the same buffers (activation_plan)."""
 from types import SimpleNamespace
 
@@ -88,6 +89,11 @@ def model(tmp_path_factory):
     path = DS.write_random_checkpoint(tmp_path_factory.mktemp("ds"), hf, seed=3)
     config, _, stream = load_deepseek_dir(path)
     weights = {n: (bf16_round(a) if a.ndim >= 2 else a) for n, a in stream()}   # what the device holds
+    # noaux_tc's correction bias + 0.5 on experts 2, 3 and 6 (groups 1 and 3): every token of the
+    # steps below picks two of those three (the weights are still the unbiased scores), so 3 of the
+    # grouped GEMMs' 9 tiles run instead of 4 to 6 (each active tile costs seconds of simulation)
+    hot = np.isin(np.arange(config.n_routed_experts), (2, 3, 6))
+    weights["layers.0.router_bias"] = (weights["layers.0.router_bias"] + np.float32(0.5) * hot).astype(np.float32)
     return config, weights
 
 
@@ -113,16 +119,35 @@ def test_deepseek_ops_match_numpy(model):
     assert _rel(got, want) < 2e-2, _rel(got, want)
 
 
-def test_expert_parallel_exchange_one_rank(model):
+def test_expert_parallel_exchange_one_rank(model, monkeypatch):
     """The EP path (gather, all_to_all_v, local experts, un-permute) with a one-rank host
-    communicator gives the local path's logits."""
+    communicator: inside the step, its residual update equals the local path's (moe.moe_experts on
+    the same h, routing, weights and residual: the only op the two paths run differently; a local
+    forward of its own cost a minute of simulation), and the step's logits match the NumPy backend's."""
+    from kernels_numba import moe
     from metrale.parallel import ExpertParallel, run_ranks
+    from metrale.runtime import cuda_moe
     config, weights = model
     batch = build_batch([Segment(np.array([5, 9, 17], np.int32), 0, np.arange(1, dtype=np.int32), "all")], BS)
-    want = SimBackend(config, weights).forward(batch)
+    ep_experts, updates = cuda_moe.ep_experts, []
+
+    def both_paths(b, h, ids, topk_w, gu, down, residual):
+        local = cuda.to_device(residual.copy_to_host())
+        moe.moe_experts(h, ids, topk_w, gu, down, local, b.part.moe_ws, accumulate=True, stream=b.stream.numba)
+        before = residual.copy_to_host()
+        ep_experts(b, h, ids, topk_w, gu, down, residual)
+        updates.append((before, residual.copy_to_host(), local.copy_to_host()))
+
+    monkeypatch.setattr(cuda_moe, "ep_experts", both_paths)
     got = run_ranks(1, lambda comm: SimBackend(config, weights, ep=ExpertParallel(comm, config.n_routed_experts)).forward(batch),
                     timeout=600)[0]
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert len(updates) == 1                                 # the one MoE layer
+    before, ep_out, local_out = updates[0]
+    assert np.abs(local_out - before).max() > 1e-2           # the experts added something
+    np.testing.assert_allclose(ep_out, local_out, rtol=1e-5, atol=1e-5)
+    want = NumpyBackend(config, weights, num_blocks=NB, block_size=BS).forward(batch)
+    assert np.isfinite(got).all()
+    assert _rel(got, want) < 2e-2, _rel(got, want)
 
 
 def test_head_linear_and_copy_heads():

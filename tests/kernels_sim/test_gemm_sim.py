@@ -55,9 +55,8 @@ def test_fma_path(T, u, bias, residual):
 
 
 @pytest.mark.parametrize("T,N,K,mt,nt,u,bias,residual", [
-    (1, 64, 64, 1, 1, 2, False, False),
-    (5, 64, 576, 1, 2, 1, True, False),     # 18 chunks over 8 warps: partial steps
-    (16, 64, 128, 1, 1, 2, False, True),
+    (5, 64, 576, 1, 2, 1, True, False),     # 18 chunks over 8 warps: partial steps; rows past T in the slab
+    (16, 64, 128, 1, 1, 2, False, True),    # a full slab (T = 1's config: its rows past T are T = 5's)
     (40, 64, 64, 2, 1, 1, True, True),      # two slabs of 32 rows, the second partial
     (20, 64, 64, 4, 2, 1, False, False)])
 def test_skinny_path(T, N, K, mt, nt, u, bias, residual):

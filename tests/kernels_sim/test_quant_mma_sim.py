@@ -1,8 +1,11 @@
 """The Q4_K / Q6_K tensor-core GEMV (kernels_numba/quant_mma.py) under the simulator: x's quantization into
-the mma fragments equals quant_layout.q8_quantize (rows past T zero), and the product of 1, 3 and 8
-rows equals gguf's dequantization of the same blocks times the q8-rounded x (float64), with bias,
-residual into the output itself, an output column offset and a row count that is not a multiple
-of the 16-row tile (one or two tiles a warp); columns outside the part's window untouched."""
+the mma fragments equals quant_layout.q8_quantize in the documented layout, every byte (rows past T
+zero, one and two n-tiles; _want_x builds the same bytes in NumPy and feeds the products, whose
+quantize_x launch cost ten times their own), and the product of 1, 3 and 8 rows (13 on Q6_K; 1, 5
+and 11 on the fragment layout) equals gguf's dequantization of the same blocks times the q8-rounded x
+(float64), with bias, residual into the output itself, an output column offset and a row count that
+is not a multiple of the 16-row tile (one or two tiles a warp); columns outside the part's window
+untouched."""
 import numpy as np
 import pytest
 
@@ -18,38 +21,65 @@ from kernels_numba import quant_mma as M  # noqa: E402
 K = 512
 
 
-def _fragments(x: np.ndarray, T: int, xq: np.ndarray, xsc: np.ndarray) -> None:
-    q, d8 = L.q8_quantize(x)
-    G = K // 32
-    v = np.arange(32)
-    off = ((v & 15) >> 2) * 16 + (v >> 4) * 4 + (v & 3)         # token 0's byte of each value, even group
-    for n in range(8):
-        got = np.stack([xq[:, n * 64 + off], xq[:, n * 64 + off + 8]], axis=1).reshape(G, 32).view(np.int8)
-        want = q[n].reshape(G, 32) if n < T else np.zeros((G, 32), np.int8)
-        np.testing.assert_array_equal(got, want)
-        np.testing.assert_array_equal(xsc[:, 2 * n], d8[n] if n < T else 0)
-        s = want.astype(np.int64).sum(-1)
-        np.testing.assert_allclose(xsc[:, 2 * n + 1], (d8[n] if n < T else 0) * s, rtol=1e-6)
-        np.testing.assert_allclose(xsc[:, 16 + n], (d8[n] if n < T else 0) * want[:, :16].astype(np.int64).sum(-1),
-                                   rtol=1e-6)
+def _want_x(x: np.ndarray, T: int, nt: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (xq, xsc) quantize_x writes for x's first T rows in nt n-tiles, every byte (rows past T
+    zero), built in NumPy from q8_quantize and the module docstring's layouts: token n of n-tile u,
+    value v of group 2p + e at xq[p, 512 u + 16 (4 n + c) + 8 e + 4 (v >> 4) + (v & 3)],
+    c = (v & 15) >> 2; (d8, d8 * sum q, d8 * sum of q's values 0..15) at xsc[group, 24 u + 2 n],
+    [.., 24 u + 2 n + 1], [.., 24 u + 16 + n]."""
+    Kx = x.shape[1]
+    G = Kx // 32
+    rows = np.zeros((8 * nt, Kx), np.float32)
+    rows[:T] = x[:T]
+    q, d8 = L.q8_quantize(rows)
+    q = q.reshape(nt, 8, G, 32)
+    u, n, gi, v = np.meshgrid(*map(np.arange, (nt, 8, G, 32)), indexing="ij")
+    xq = np.zeros((G // 2, 512 * nt), np.uint8)
+    xq[gi >> 1, 512 * u + 16 * (4 * n + ((v & 15) >> 2)) + 8 * (gi & 1) + 4 * (v >> 4) + (v & 3)] = q.view(np.uint8)
+    d8 = d8.reshape(nt, 8, G)
+    s = q.astype(np.int64).sum(-1).astype(np.float32)
+    s0 = q[..., :16].astype(np.int64).sum(-1).astype(np.float32)
+    xsc = np.zeros((G, 24 * nt), np.float32)
+    u, n, gi = np.meshgrid(*map(np.arange, (nt, 8, G)), indexing="ij")
+    xsc[gi, 24 * u + 2 * n] = d8
+    xsc[gi, 24 * u + 2 * n + 1] = d8 * s
+    xsc[gi, 24 * u + 16 + n] = d8 * s0
+    return xq, xsc
+
+
+KX = 256         # quantize_x's width here (8 groups, 4 pairs); the products read _want_x's bytes at K = 512
+
+
+@pytest.mark.parametrize("T", [1, 13])        # one n-tile, rows past T; two, the second partial
+def test_quantize_x_writes_the_fragment_layout(T):
+    """quantize_x's xq / xsc equal _want_x byte for byte, every byte written (rows past T zeros):
+    the buffers the products below are given (and the fused norm / activation quantizations are
+    checked against) are quantize_x's."""
+    rng = np.random.default_rng(40 + T)
+    nt = M.n_tiles(T)
+    x = rng.standard_normal((T, KX)).astype(np.float32)
+    x[0, :32] *= 50                                              # one group of large values
+    x[T - 1, 64:96] = 0                                          # a group of zeros: d8 = 0
+    xq = cuda.to_device(np.full((KX // 64, 512 * nt), 9, np.uint8))
+    xsc = cuda.to_device(np.full((KX // 32, 24 * nt), 9, np.float32))
+    M.quantize_x(cuda.to_device(x), T, xq, xsc, tiles=nt)
+    want_xq, want_xsc = _want_x(x, T, nt)
+    np.testing.assert_array_equal(xq.copy_to_host(), want_xq)
+    np.testing.assert_array_equal(xsc.copy_to_host(), want_xsc)
 
 
 @pytest.mark.parametrize("qt,T,warps,tiles", [(L.Q4_K, 1, 2, 1), (L.Q4_K, 3, 4, 1), (L.Q4_K, 8, 2, 1),
                                               (L.Q4_K, 3, 2, 2), (L.Q6_K, 1, 2, 1), (L.Q6_K, 8, 2, 1),
                                               (L.Q6_K, 13, 2, 1)])
 def test_product_equals_reference(qt, T, warps, tiles):
+    """x's fragments from _want_x (quantize_x's bytes: test_quantize_x_writes_the_fragment_layout)."""
     rng = np.random.default_rng(T)
     N = 40                                                       # two full tiles and a half one
     data = L.random_blocks(qt, N, K, rng, scale=K ** -0.5 / 0.03)
     w = L.gguf_dequantize(qt, data)
     x = rng.standard_normal((T, K)).astype(np.float32)
     x[0, :32] *= 50                                              # one group of large values
-    nt = M.n_tiles(T)
-    xq = cuda.to_device(np.zeros((K // 64, 512 * nt), np.uint8))
-    xsc = cuda.to_device(np.zeros((K // 32, 24 * nt), np.float32))
-    M.quantize_x(cuda.to_device(x), T, xq, xsc, tiles=nt)
-    if T <= 8:
-        _fragments(x, T, xq.copy_to_host(), xsc.copy_to_host())
+    xq, xsc = map(cuda.to_device, _want_x(x, T, M.n_tiles(T)))
     res = rng.standard_normal((T, N + 8)).astype(np.float32)
     bias = rng.standard_normal(N + 8).astype(np.float32)
     out = cuda.to_device(res)
@@ -76,10 +106,7 @@ def test_q4k_fragment_layout_product_and_dequant(T):
     assert sum(v.nbytes for v in host.values()) == M.mq_nbytes(N, K)
     planes = {k: cuda.to_device(v) for k, v in host.items()}
     x = rng.standard_normal((T, K)).astype(np.float32)
-    nt = M.n_tiles(T)
-    xq = cuda.to_device(np.zeros((K // 64, 512 * nt), np.uint8))
-    xsc = cuda.to_device(np.zeros((K // 32, 24 * nt), np.float32))
-    M.quantize_x(cuda.to_device(x), T, xq, xsc, tiles=nt)
+    xq, xsc = map(cuda.to_device, _want_x(x, T, M.n_tiles(T)))         # quantize_x's bytes
     res = rng.standard_normal((T, N + 4)).astype(np.float32)
     out = cuda.to_device(res)
     M.gemv_mq(xq, xsc, planes, out, T, N, n_off=2, residual=out, warps=2)
@@ -95,46 +122,50 @@ def test_q4k_fragment_layout_product_and_dequant(T):
     assert np.array_equal(from_bf16_bits(h[8:]), from_bf16_bits(to_bf16_bits(w)))
 
 
-@pytest.mark.parametrize("T", [1, 5, 12])
+KF = 256         # the fused quantizations' width: 8 groups, a loop of 8 over them in norm_quantize_x's warp
+
+
+@pytest.mark.parametrize("T", [1, 12])        # one n-tile; two, the second partial
 def test_norm_quantize_equals_rms_norm_then_quantize(T):
     """norm_quantize_x: the normed rows equal rmsnorm.rms_norm's and xq / xsc equal quantize_x of
-    them, byte for byte, n-tiles past T included (zeros); rows of out past T untouched."""
+    them (_want_x: quantize_x's bytes, checked against it above), byte for byte, n-tiles past T
+    included (zeros), every byte of the buffers written; rows of out past T untouched."""
     from kernels_numba import rmsnorm
     rng = np.random.default_rng(20 + T)
     nt = M.n_tiles(T)
-    x = rng.standard_normal((T, K)).astype(np.float32) * 3
-    w = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
-    ref = cuda.device_array((T, K), np.float32)
+    x = rng.standard_normal((T, KF)).astype(np.float32) * 3
+    w = (1 + 0.1 * rng.standard_normal(KF)).astype(np.float32)
+    ref = cuda.device_array((T, KF), np.float32)
     rmsnorm.rms_norm(cuda.to_device(x), cuda.to_device(w), 1e-5, ref)
-    xq0 = cuda.to_device(np.full((K // 64, 512 * nt), 7, np.uint8))
-    xsc0 = cuda.to_device(np.full((K // 32, 24 * nt), 7, np.float32))
-    M.quantize_x(ref, T, xq0, xsc0, tiles=nt)
-    xq = cuda.to_device(np.full((K // 64, 512 * nt), 9, np.uint8))
-    xsc = cuda.to_device(np.full((K // 32, 24 * nt), 9, np.float32))
-    out = cuda.to_device(np.full((8 * nt, K), np.nan, np.float32))
+    ref = ref.copy_to_host()
+    xq = cuda.to_device(np.full((KF // 64, 512 * nt), 9, np.uint8))
+    xsc = cuda.to_device(np.full((KF // 32, 24 * nt), 9, np.float32))
+    out = cuda.to_device(np.full((8 * nt, KF), np.nan, np.float32))
     M.norm_quantize_x(cuda.to_device(x), cuda.to_device(w), 1e-5, T, xq, xsc, out, tiles=nt)
     got = out.copy_to_host()
-    np.testing.assert_array_equal(got[:T], ref.copy_to_host())
+    np.testing.assert_array_equal(got[:T], ref)
     assert np.isnan(got[T:]).all()
-    np.testing.assert_array_equal(xq.copy_to_host(), xq0.copy_to_host())
-    np.testing.assert_array_equal(xsc.copy_to_host(), xsc0.copy_to_host())
+    want_xq, want_xsc = _want_x(ref, T, nt)
+    np.testing.assert_array_equal(xq.copy_to_host(), want_xq)
+    np.testing.assert_array_equal(xsc.copy_to_host(), want_xsc)
 
 
 @pytest.mark.parametrize("T", [1, 12])
 def test_silu_quantize_equals_silu_mul_then_quantize(T):
     """silu_quantize_x: the activation equals activation.silu_mul's and xq / xsc equal quantize_x
-    of it, byte for byte."""
+    of it (_want_x), byte for byte, every byte of the buffers written."""
     from kernels_numba import activation
     rng = np.random.default_rng(30 + T)
     nt = M.n_tiles(T)
-    gu = cuda.to_device((rng.standard_normal((T, 2 * K)) * 2).astype(np.float32))
-    ref = cuda.device_array((T, K), np.float32)
+    gu = cuda.to_device((rng.standard_normal((T, 2 * KF)) * 2).astype(np.float32))
+    ref = cuda.device_array((T, KF), np.float32)
     activation.silu_mul(gu, ref)
-    xq0, xsc0 = cuda.device_array((K // 64, 512 * nt), np.uint8), cuda.device_array((K // 32, 24 * nt), np.float32)
-    M.quantize_x(ref, T, xq0, xsc0, tiles=nt)
-    xq, xsc = cuda.device_array((K // 64, 512 * nt), np.uint8), cuda.device_array((K // 32, 24 * nt), np.float32)
-    out = cuda.to_device(np.full((T, K), np.nan, np.float32))
+    ref = ref.copy_to_host()
+    xq = cuda.to_device(np.full((KF // 64, 512 * nt), 9, np.uint8))
+    xsc = cuda.to_device(np.full((KF // 32, 24 * nt), 9, np.float32))
+    out = cuda.to_device(np.full((T, KF), np.nan, np.float32))
     M.silu_quantize_x(gu, T, xq, xsc, out, tiles=nt)
-    np.testing.assert_array_equal(out.copy_to_host(), ref.copy_to_host())
-    np.testing.assert_array_equal(xq.copy_to_host(), xq0.copy_to_host())
-    np.testing.assert_array_equal(xsc.copy_to_host(), xsc0.copy_to_host())
+    np.testing.assert_array_equal(out.copy_to_host(), ref)
+    want_xq, want_xsc = _want_x(ref, T, nt)
+    np.testing.assert_array_equal(xq.copy_to_host(), want_xq)
+    np.testing.assert_array_equal(xsc.copy_to_host(), want_xsc)

@@ -89,11 +89,12 @@ def _sim_patches(monkeypatch):
     monkeypatch.setattr(gemm, "FMA_MAX_T", 16)   # the mma GEMMs are slow here (test_gemm_sim has them)
 
 
-@pytest.mark.parametrize("T,mma_rows", [(1, 0), (3, 0), (9, 0), (3, 2), (1, 1), (9, 1)])
+@pytest.mark.parametrize("T,mma_rows", [(1, 0), (9, 0), (3, 2), (1, 1), (9, 1)])
 def test_norm_linear_gemv_and_bf16_roads(T, mma_rows):
-    """A qkv-like weight (Q4_K rows over Q6_K rows) with a bias: T <= 8 the quant GEMV (with
-    mma_rows 2 at T = 3: the Q4_K part on the tensor-core GEMV, the Q6_K part on the dp4a one; with 1,
-    the Q4_K part in the fragment layout), T = 9 the scratch's bf16 image and the bf16 GEMM; with 1,
+    """A qkv-like weight (Q4_K rows over Q6_K rows) with a bias: T <= 8 the quant GEMV (the dp4a
+    road at one row, its kernel at T = 1..3 test_quant_gemv_sim's; with mma_rows 2 at T = 3: the
+    Q4_K part on the tensor-core GEMV, the Q6_K part on the dp4a one; with 1, the Q4_K part in the
+    fragment layout), T = 9 the scratch's bf16 image and the bf16 GEMM; with 1,
     T = 9 is the tensor-core kernels of n-tiles (the Q4_K part in the fragment layout, Q6_K on its
     planes; the chunks test below has the fragment layout's dequantization)."""
     dq, w = _weight([(L.Q4_K, 64, K), (L.Q6_K, 64, K)], seed=T, fragments=mma_rows == 1)
@@ -115,29 +116,27 @@ def test_norm_linear_gemv_and_bf16_roads(T, mma_rows):
 
 def test_chunks_road_on_fragment_tiles():
     """T = 9 on a Q4_K weight of 128 rows in the fragment layout, scratch of 64 rows: two chunks of
-    four 16-row tiles each, into a residual."""
+    four 16-row tiles each, each into its column window of out (norm_linear; the chunks into a
+    residual are the next test's)."""
     dq, w = _weight([(L.Q4_K, 128, K)], seed=11, fragments=True)
     wb = from_bf16_bits(to_bf16_bits(w.astype(np.float32))).astype(np.float64)
     rng = np.random.default_rng(12)
     x = rng.standard_normal((9, K)).astype(np.float32)
+    nw = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
     ops = _ops(9, 128, scratch_elems=64 * K)
-    res = rng.standard_normal((9, 128)).astype(np.float32)
-    d_res = cuda.to_device(res)
-    ops.linear_residual(cuda.to_device(x), dq, d_res)
-    assert _relerr(d_res.copy_to_host(), x.astype(np.float64) @ wb.T + res) < 1e-5
+    got = ops.norm_linear(cuda.to_device(x), cuda.to_device(nw), dq).copy_to_host()
+    assert _relerr(got, _rms(x, nw) @ wb.T) < 1e-5
 
 
 def test_chunks_road_across_parts_and_into_a_residual():
     """T = 9 on a 128-row weight (Q8_0 96 rows over Q4_0 32) with a scratch of 64 rows: two chunks,
-    the second across the parts, each its column window of out (norm_linear) or of the residual."""
+    the second across the parts, each accumulating into its column window of the residual
+    (linear_residual; the chunks into out are the test above's)."""
     dq, w = _weight([(L.Q8_0, 96, K), (L.Q4_0, 32, K)], seed=5)
     wb = from_bf16_bits(to_bf16_bits(w.astype(np.float32))).astype(np.float64)
     rng = np.random.default_rng(6)
     x = rng.standard_normal((9, K)).astype(np.float32)
-    nw = np.ones(K, np.float32)
     ops = _ops(9, 128, scratch_elems=64 * K)
-    got = ops.norm_linear(cuda.to_device(x), cuda.to_device(nw), dq).copy_to_host()
-    assert _relerr(got, _rms(x, nw) @ wb.T) < 1e-5
     res = rng.standard_normal((9, 128)).astype(np.float32)
     d_res = cuda.to_device(res)
     assert ops.linear_residual(cuda.to_device(x), dq, d_res) is d_res
