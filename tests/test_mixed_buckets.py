@@ -75,12 +75,15 @@ def host_upload(batch, g):
     m.hosts = [np.full(off + max_seqs * max_blocks, 12345, np.int32) for _ in range(2)]
     m.host = m.hosts[1]         # upload writes the other one first
     m.device = None
-    orig_cu, orig_ptr = cb.cu, cb._ptr
+    orig_cu, orig_ptr, orig_rows = cb.cu, cb._ptr, cb.copy_rows_htod
+    copies = []
     cb.cu, cb._ptr = (lambda *a: None), (lambda a: 0)
+    cb.copy_rows_htod = lambda dst, src, pitch, width, rows, stream: copies.append((pitch, width, rows))
     try:
         m.upload(batch, g, FakeStream())
     finally:
-        cb.cu, cb._ptr = orig_cu, orig_ptr
+        cb.cu, cb._ptr, cb.copy_rows_htod = orig_cu, orig_ptr, orig_rows
+    assert copies == [(4 * max_blocks, 4 * max(1, batch.block_tables.shape[1]), g.seqs)]   # the columns used
     get = lambda name, n: m.host[m.offsets[name]:m.offsets[name] + n].copy()   # noqa: E731
     tables = m.host[m.table_offset:m.table_offset + g.seqs * max_blocks].reshape(g.seqs, max_blocks)
     return {"token_ids": get("token_ids", g.tokens), "positions": get("positions", g.tokens),
@@ -112,15 +115,15 @@ def test_upload_pads_a_mixed_step_to_its_bucket():
     for name in ("token_ids", "positions", "slot_mapping", "token_seq", "logits_indices"):
         np.testing.assert_array_equal(h[name][:len(getattr(batch, name))], getattr(batch, name))
     np.testing.assert_array_equal(h["seq_query_start"][:S + 1], batch.seq_query_start)
-    np.testing.assert_array_equal(h["tables"][:S, :batch.block_tables.shape[1]], batch.block_tables)
-    assert (h["tables"][:S, batch.block_tables.shape[1]:] == 0).all()
+    width = batch.block_tables.shape[1]          # the columns a step copies (no kernel reads past them)
+    np.testing.assert_array_equal(h["tables"][:S, :width], batch.block_tables)
     # padding tokens: id 0, position 0, written nowhere, in padding segments of <= qb tokens
     assert (h["token_ids"][T:] == 0).all() and (h["positions"][T:] == 0).all() and (h["slot_mapping"][T:] == -1).all()
     sq = h["seq_query_start"]
     assert sq[0] == 0 and sq[-1] == tb and (np.diff(sq) >= 0).all()
     assert np.diff(sq).max() <= qb, "a segment longer than the attention grid covers"
     np.testing.assert_array_equal(h["token_seq"], np.repeat(np.arange(sb), np.diff(sq)))
-    assert (h["tables"][S:] == 0).all() and (h["context_lens"][S:] == 1).all()
+    assert (h["tables"][S:, :width] == 0).all() and (h["context_lens"][S:] == 1).all()
     # padding logits rows read a valid token
     assert (h["logits_indices"] < tb).all() and (h["logits_indices"] >= 0).all()
 
