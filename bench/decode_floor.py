@@ -166,7 +166,7 @@ def main() -> None:
                                                                    (64, 512), (4, 4096))]
         shapes.append(("smollm2-135m", 9, 3, 64, 32, 512))
         variants = [(None, 4, 16), (1, 4, 16), (2, 4, 16), (3, 4, 16), (4, 4, 16)]
-    if args.offline:      # run_all's offline forwards: ~125k KV tokens read a forward at ~1.4 TB/s (session 16)
+    if args.offline:      # run_all's offline decode shapes (docs/performance.md, "What an offline forward is made of")
         shapes = [("smollm2-135m", 9, 3, 64, 136, 1024), ("smollm2-135m", 9, 3, 64, 256, 1024),
                   ("llama-3.2-1b", 32, 8, 64, 136, 1024)]
         variants = [(None, 4, 16), (2, 4, 16), (4, 4, 16), (None, 8, 16), (None, 4, 32), (2, 4, 32), (None, 8, 32)]

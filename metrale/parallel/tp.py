@@ -302,11 +302,16 @@ class TPRank:
         self.comm, self.backend = comm, backend
         self.steps = 0
 
+    @property
+    def experts_only(self) -> bool:
+        """An expert-parallel rank: its backend is the whole model but experts (no vocab slice)."""
+        return getattr(self.backend, "tp", None) is None
+
     def execute(self, mode: int, batch: ForwardBatch, num_layers: int | None):
         """This rank's share of a step; rank 0 gets (full logits | token ids, hidden rows)."""
         self.steps += 1
         local, hidden = self.backend.forward(batch, num_layers, return_hidden=True)
-        if getattr(self.backend, "tp", None) is None:   # expert-parallel: every rank has the whole logits
+        if self.experts_only:                   # every rank has the whole logits
             if self.comm.rank:
                 return None, None
             return (local if mode == LOGITS else np.argmax(local, axis=-1).astype(np.int32)), hidden
@@ -375,7 +380,7 @@ class TpLeader(Backend):
                                   "copy the target's weights do not run with parallel.tensor / expert > 1 yet)")
 
     def memory_report(self):
-        kind = "expert_parallel" if getattr(self.shard, "tp", None) is None else "tensor_parallel"
+        kind = "expert_parallel" if self.rank.experts_only else "tensor_parallel"
         return {**self.shard.memory_report(), kind: self.rank.comm.world_size}
 
     def close(self):

@@ -140,7 +140,7 @@ class MetaBuffers:
         grid[S:, :width] = 0                       # padding sequences read block 0
         cu("cuMemcpyHtoDAsync", _ptr(self.device), self.host.ctypes.data, t * 4, stream.handle)
         # the tables' first `width` columns only: no kernel reads a column past a step's context
-        # (a 131,072-position model has 8,192 columns: the whole grid was 1 MB a step at 32 rows)
+        # (docs/performance.md, "The block-table copy")
         copy_rows_htod(_ptr(self.device) + 4 * t, self.host.ctypes.data + 4 * t, 4 * mb, 4 * width, g.seqs,
                        stream.handle)
 
