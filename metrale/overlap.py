@@ -14,9 +14,11 @@ sampled rows whose sampling reads nothing the last token changes but the penalty
 `SamplingState.device_only`), drawn by the device pipeline with the seeded draw counter one step
 further, their tokens copied where the next embedding reads them. A penalized row's counts are
 packed one token short: the pipeline counts the pending token itself, read from the step before's
-drawn tokens (`Sampler.launch_ahead(prev=...)`). Not ahead: speculation, recurrent state, grammars,
-logprobs, a min_tokens ban, anything waiting for admission. Any other step first reads the one in
-flight and runs synchronously.
+drawn tokens (`Sampler.launch_ahead(prev=...)`). Not ahead: verify blocks, recurrent state,
+grammars, logprobs, a min_tokens ban, anything waiting for admission. Any other step first reads the
+one in flight and runs synchronously. With speculation, steps run ahead while no sequence has a
+draft (the speculator is asked each step, on the tokens the host has); a draft found sends the loop
+back to a synchronous step, which proposes it and verifies it.
 """
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ class AheadLoop:
     def eligible(self, scheduled, states) -> bool:
         """A step of decode rows (ScheduledSeqs) the device alone can draw, that can start running ahead."""
         e = self.engine
-        return (e.speculator is None and e.recurrent is None and not e.scheduler.waiting
+        return (e.recurrent is None and not e.scheduler.waiting
                 and len(states) == len(scheduled) and all(s.num_tokens == 1 and not s.draft for s in scheduled)
                 and e.sampler.can_run_ahead(states))
 
@@ -95,16 +97,24 @@ class AheadLoop:
 
     # ------------------------------------------------------------------ the loop
     def start(self, step) -> StepOutput:
-        """Launches a prepared decode step (runner.prepare's), then advances."""
+        """Launches a prepared decode step (runner.prepare's), then advances (the speculator, if
+        any, proposed nothing for it on the same tokens a check now would see)."""
         self.inflight = Inflight([s.seq for s in step.scheduled], self._launch_rows(step.batch, step.states, None, None, 0))
-        return self.advance()
+        return self.advance(ask_speculator=False)
 
-    def advance(self) -> StepOutput:
+    def advance(self, ask_speculator: bool = True) -> StepOutput:
         """Queues the next step if it can run ahead, then reads the one in flight: its output for
-        Scheduler.postprocess, which drops rows of sequences that ended meanwhile."""
+        Scheduler.postprocess, which drops rows of sequences that ended meanwhile. With a
+        speculator, each step queued ahead first asks it (Speculator.lets_ahead): a sequence with
+        a draft sends the loop back to a synchronous step."""
         cur = self.inflight
         nxt = None
         rows = self._next_rows(cur)
+        spec = self.engine.speculator
+        if spec is not None and ask_speculator:
+            live = [s for s in cur.seqs if not s.is_finished and s.request_id in self.engine.requests]
+            if not spec.lets_ahead(live, self.engine.requests):
+                rows = None
         if rows is not None:
             nxt = self._launch(rows, cur)
             self.steps_ahead += 1

@@ -28,6 +28,7 @@ class NoisyOracle:
     """Proposes the plain run's continuation with some tokens corrupted (to (t + 1) % vocab):
     every acceptance length runs."""
     name = "oracle"
+    lookup_only = False
 
     def __init__(self, truth: dict, error_rate: float, vocab: int, seed: int = 0):
         self.truth, self.error_rate, self.vocab = truth, error_rate, vocab

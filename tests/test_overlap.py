@@ -4,10 +4,11 @@ and the loop really runs ahead."""
 import numpy as np
 import pytest
 
-from fake_model import EOS, VOCAB, FakeBackend, FakeTokenizer, fake_engine
+from fake_model import EOS, VOCAB, FakeBackend, FakeTokenizer, fake_engine, reference_continuation
 from metrale import Engine, SamplingParams
 from metrale.overlap import AheadLoop
 from metrale.settings import compose
+from metrale.spec.drafter import Draft
 
 
 def _params(i: int, mode: str, max_tokens: int, stop) -> SamplingParams:
@@ -199,3 +200,66 @@ def test_penalized_rows_through_arrivals_and_aborts(seed):
     ahead, e, _ = _run(True, seed, mode="penalized")
     _same(ahead, sync, aborted)
     assert e.ahead.steps_ahead > 0
+
+
+# ---------------------------------------------------------------------- speculation beside the loop ahead
+
+
+class EveryEighthOracle:
+    """A lookup-only drafter with drafts at every eighth position only: the true continuation with
+    some tokens corrupted (both accept and reject run), nothing elsewhere (those steps run ahead)."""
+    name = "every_eighth"
+    lookup_only = True
+
+    def __init__(self, error_rate: float, seed: int = 0):
+        self.error_rate, self.rng, self.asked = error_rate, np.random.default_rng(seed), 0
+
+    def propose(self, seqs, ks):
+        out = []
+        for s, k in zip(seqs, ks):
+            self.asked += 1
+            if s.num_tokens % 8:
+                out.append(Draft())
+                continue
+            truth = reference_continuation(s.token_ids, k)
+            toks = [t if self.rng.random() > self.error_rate else t % (VOCAB - 1) + 1 for t in truth]
+            out.append(Draft(toks, [1.0] * k))
+        return out
+
+    def release(self, seq):
+        pass
+
+
+@pytest.mark.parametrize("error_rate", [0.0, 0.4])
+@pytest.mark.parametrize("num_blocks", [256, 40])
+def test_speculation_beside_the_loop_ahead(error_rate, num_blocks):
+    """Steps with no draft run ahead, a draft sends the loop back to a verify step: the tokens are
+    plain decoding's (greedy and seeded sampled rows), through arrivals, preemption and finishes;
+    both kinds of step really ran and no block leaks."""
+    rng = np.random.default_rng(11)
+    prompts = [[int(t) for t in rng.integers(1, 90, int(n))] for n in rng.integers(2, 14, 5)]
+    params = [SamplingParams(max_tokens=int(n), temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True)
+              for i, n in enumerate(rng.integers(20, 60, len(prompts)))]
+    e = fake_engine(num_blocks=num_blocks, **{"levers.overlap": True, "scheduler.max_num_seqs": 8,
+                                              "spec.method": "ngram", "spec.num_drafts": 3,
+                                              "spec.gate.verify_cost": 0.0})
+    e.speculator.drafter = EveryEighthOracle(error_rate)
+    outs = e.generate(prompts, params, use_tqdm=False)
+    for p, sp, o in zip(prompts, params, outs):
+        assert list(o.token_ids) == reference_continuation(p, sp.max_tokens)
+    st = e.speculator.stats()
+    assert e.ahead.steps_ahead > 10 and st["verifies"] >= 3
+    assert (st["accepted"] > 0) == (error_rate < 1.0)
+    e.blocks.check_no_leaks([])
+
+
+def test_ngram_speculation_runs_ahead_between_drafts():
+    """The n-gram drafter on a periodic prompt: verify steps while its matches hold, steps ahead
+    where it has none (a prompt with no repeat), the same tokens as plain decoding."""
+    prompts = [[1, 2, 3, 4, 5] * 6, [int(t) for t in np.random.default_rng(3).permutation(np.arange(1, 90))[:20]]]
+    sp = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    e = fake_engine(num_blocks=128, **{"levers.overlap": True, "spec.method": "ngram", "spec.num_drafts": 3,
+                                       "spec.gate.verify_cost": 0.0})
+    outs = e.generate(prompts, sp, use_tqdm=False)
+    assert [list(o.token_ids) for o in outs] == [reference_continuation(p, 30) for p in prompts]
+    assert e.ahead.steps_ahead > 0 and e.speculator.stats()["verifies"] > 0

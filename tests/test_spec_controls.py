@@ -58,6 +58,7 @@ class MarkerTokenizer(FakeTokenizer):
 class Replay:
     """Proposes what the plain run generated next, some tokens replaced by random ones (EOS included)."""
     name = "replay"
+    lookup_only = False
 
     def __init__(self, outputs: dict, vocab: int, error_rate: float, seed: int = 0, with_q: bool = False):
         self.outputs, self.vocab, self.error_rate = outputs, vocab, error_rate
@@ -178,6 +179,7 @@ def test_min_tokens_cuts_drafts_at_masked_eos():
 
     class Eos:
         name = "eos"
+        lookup_only = False
 
         def propose(self, seqs, ks):
             return [Draft([EOS] * k, [1.0] * k) for k in ks]
@@ -232,6 +234,7 @@ def test_drafts_the_grammar_refuses_are_not_verified(smol_tokenizer):
 
     class Bad:
         name = "bad"
+        lookup_only = False
 
         def propose(self, seqs, ks):
             return [Draft([bad] * k, [1.0] * k) for k in ks]

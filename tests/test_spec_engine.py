@@ -10,6 +10,7 @@ from metrale.spec.drafter import Draft
 class NoisyOracle:
     """Proposes the true continuation with some tokens corrupted: both accept and reject paths run."""
     name = "oracle"
+    lookup_only = False
 
     def __init__(self, error_rate: float, seed: int = 0):
         self.error_rate, self.rng = error_rate, np.random.default_rng(seed)

@@ -271,6 +271,7 @@ def random_drafter(model_config: ModelConfig, target_weights: dict[str, np.ndarr
 class DFlashDrafter:
     name = "dflash"
     needs_hidden = True
+    lookup_only = False
 
     def __init__(self, model: DFlashModel, num_drafts: int):
         self.model, self.length = model, num_drafts + 1      # the block: last token + num_drafts MASKs

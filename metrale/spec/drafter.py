@@ -33,6 +33,7 @@ class Draft:
 
 class Drafter(Protocol):
     name: str
+    lookup_only: bool     # drafting is a host lookup (no forward): the engine may ask it while a step runs ahead
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         """One draft of at most ks[i] tokens for each sequence (which is decoding: one token
@@ -95,6 +96,7 @@ class NgramDrafter:
     the H200). tests/test_spec_units.py holds the definition it is checked against."""
 
     name = "ngram"
+    lookup_only = True
 
     def __init__(self, max_n: int = 4, min_n: int = 1):
         if not 1 <= min_n <= max_n:

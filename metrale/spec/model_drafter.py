@@ -17,6 +17,8 @@ from metrale.spec.drafter import Draft
 
 
 class ModelDrafter:
+    lookup_only = False
+
     def __init__(self, backend, *, num_layers: int | None = None, shares_target_cache: bool = False,
                  name: str = "draft"):
         self.backend, self.num_layers, self.shared = backend, num_layers, shares_target_cache

@@ -209,6 +209,7 @@ class _Track:
 class MtpDrafter:
     name = "mtp"
     needs_hidden = True
+    lookup_only = False
 
     def __init__(self, head: MtpHead):
         self.head = head

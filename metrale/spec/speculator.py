@@ -173,6 +173,52 @@ class Speculator:
             if n < k:
                 blocks.trim(seq)
 
+    def lets_ahead(self, seqs: list[Sequence], states: dict) -> bool:
+        """In place of propose for a step the engine queues ahead (its sequences' last token still
+        on the device): whether that step may run with no draft. The gate's step clock, shadows and
+        host time advance as in propose; a sequence the gate would draft for and whose drafter has
+        a draft now (a lookup-only drafter is asked; any other would spend a forward) sends the
+        engine back to a synchronous step, which proposes with that token known."""
+        if not isinstance(self.gate, AdaptiveGate) or self.needs_hidden:
+            return False                      # duck-typed gates of tests; hidden rows need every step
+        clock = self.gate.clock if self.gate.measure else None
+        t0 = clock() if clock else 0.0
+        ok = self._nothing_to_draft(seqs, states)
+        if clock:
+            self.gate.add_host_time(clock() - t0)
+        return ok
+
+    def _nothing_to_draft(self, seqs: list[Sequence], states: dict) -> bool:
+        for seq, before, k in self._pending.values():
+            self.committed(seq, before, k, 0)
+        self._pending.clear()
+        self._rows.clear()
+        if self._shadow:
+            self._resolve_shadows()
+        if not self.gate.begin_step(len(seqs)):
+            return True
+        wanting, ks, shadowed = [], [], []
+        for seq in seqs:
+            state = states.get(seq.request_id)
+            if state is None:
+                continue
+            left = (state.params.max_tokens or 1 << 30) - len(seq.output_token_ids) - 1   # the pending token
+            want = self.gate.drafts_for(seq.request_id, left=left)
+            k = min(want, left - 1, state.max_model_len - seq.num_tokens - 2)
+            if k > 0:
+                wanting.append(seq)
+                ks.append(k)
+            elif (self.gate.shadow and want == 0 and left > 1 and seq.request_id not in self._shadow
+                  and self.gate.wants_shadow(seq.request_id)):
+                shadowed.append(seq)
+        if shadowed:
+            self._start_shadows(shadowed)
+        if not wanting:
+            return True
+        if not self.drafter.lookup_only:
+            return False
+        return not any(d.cut(k, self.min_confidence).tokens for d, k in zip(self.drafter.propose(wanting, ks), ks))
+
     def _start_shadows(self, seqs: list[Sequence]) -> None:
         """Free drafts the gate does not verify: kept to compare with what each sequence emits
         (gate.observe_shadow), the evidence a probe would have bought."""
