@@ -6,7 +6,7 @@ source "$(dirname "$0")/common.sh"
 smollm2_ready || exit 0
 [ -d /tmp/site/hydra ] || { echo "FRESH MACHINE: packages missing, carry .whl"; exit 3; }
 stamp "tests/gpu"
-timeout ${LIMIT:-560} python3 -m pytest -q -m gpu -p no:warnings -p no:cacheprovider tests/gpu ${PYTEST_ARGS:-} \
+timeout ${LIMIT:-560} python3 -m pytest -q -m gpu -p no:warnings -p no:cacheprovider ${FILES:-tests/gpu} ${PYTEST_ARGS:-} \
     --durations=12 > $OUT/tests_gpu.txt 2>&1
 echo "exit $?"
 grep -E "passed|failed|error|^FAILED|^ERROR" $OUT/tests_gpu.txt | cut -c1-250 | tail -25
