@@ -3,10 +3,13 @@ forward replaced by a zero-cost stub (the next token is a function of the last),
 the scheduler, batch building, sampling bookkeeping, detokenization and (with --spec) the
 speculator. CPU, no GPU needed.
 
-    python -m bench.host_loop --batch 32 --tokens 64 [--spec ngram] [--ahead] [--profile]
+    python -m bench.host_loop --batch 32 --tokens 64 [--spec ngram] [--ahead] [--served] [--profile]
 
 --ahead runs the loop a step ahead (levers.overlap, metrale/overlap.py) as the CUDA backend does:
 decode steps are built by AheadLoop._launch and read a step late (the stub computes at once).
+--served steps the engine as the server's engine process does (metrale/server/engine_child.py):
+the EngineLoop's step and dispatch, every request streamed (a delta a step, detokenized), each
+step's deltas packed into one message written to a pipe that a thread drains.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=100, help="prompt tokens a request")
     ap.add_argument("--spec", default=None, help="ngram: every draft accepted (a cycle of 7 tokens)")
     ap.add_argument("--ahead", action="store_true", help="the loop a step ahead, as on CUDA")
+    ap.add_argument("--served", action="store_true", help="the engine process's loop: streamed deltas, one message a step")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     from metrale import Engine, SamplingParams
@@ -51,21 +55,46 @@ def main() -> None:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(5, V - 5, args.prompt) for _ in range(args.batch)]
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-    eng.generate(prompts, params, use_tqdm=False)                 # warm-up
+    run = served_runner(eng) if args.served else (lambda ps, p: eng.generate(ps, p, use_tqdm=False))
+    run(prompts, params)                                           # warm-up
     steps = eng.stats["steps"]
-    t = time.perf_counter()
-    eng.generate(prompts, params, use_tqdm=False)
-    dt = time.perf_counter() - t
+    t, cpu = time.perf_counter(), time.process_time()
+    run(prompts, params)
+    dt, cpu = time.perf_counter() - t, time.process_time() - cpu
     steps = eng.stats["steps"] - steps
-    print(f"{args.batch} x {args.tokens} tokens{' spec ' + args.spec if args.spec else ''}"
+    print(f"{args.batch} x {args.tokens} tokens{' spec ' + args.spec if args.spec else ''}{' served' if args.served else ''}"
           f"{' ahead (' + str(eng.ahead.steps_ahead) + ' steps queued ahead)' if args.ahead else ''}: {dt * 1e3:.1f} ms "
-          f"host time, {steps} steps, {dt / steps * 1e3:.2f} ms a step")
+          f"host time, {steps} steps, {dt / steps * 1e3:.2f} ms a step ({cpu / steps * 1e3:.2f} ms of CPU)")
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()
-        eng.generate(prompts, params, use_tqdm=False)
+        run(prompts, params)
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+def served_runner(eng):
+    """run(prompts, params) through the engine process's loop, on this thread: adds as its command
+    reader applies them, then EngineLoop steps (poll, dispatch to the outbox) until all end."""
+    import concurrent.futures
+    import os
+    import threading
+
+    from metrale.driver import EngineLoop, _Live
+    from metrale.server.engine_child import _Outbox, _Sink
+    r, w = os.pipe()
+    threading.Thread(target=lambda: [None for _ in iter(lambda: os.read(r, 1 << 20), b"")], daemon=True).start()
+    out, loop = _Outbox(w), EngineLoop(eng)
+    counter = iter(range(1 << 30))
+
+    def run(prompts, params) -> None:
+        for p in prompts:
+            key = next(counter)
+            live = _Live(out, _Sink(key, out), time.perf_counter(), {0})
+            loop._apply(("add", f"s{key}", [int(t) for t in p], params, live, concurrent.futures.Future(), False))
+        while eng.has_unfinished():
+            loop._step()
+    return run
 
 
 if __name__ == "__main__":

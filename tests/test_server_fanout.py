@@ -175,7 +175,10 @@ def test_smollm2_chat_n_logprobs_equal_engine(smol, smollm2):
     for c, o in zip(out.choices, smol.expected.outputs):
         assert c.message.content == o.text
         items = c.logprobs.content
-        assert [i.logprob for i in items] == pytest.approx([e[t] for e, t in zip(o.logprobs, o.token_ids.tolist())])
+        # float32 logprobs of two runs batched differently (the second can reuse the first's cached
+        # prefix): 2e-6 apart on an AMD EPYC box
+        assert [i.logprob for i in items] == pytest.approx([e[t] for e, t in zip(o.logprobs, o.token_ids.tolist())],
+                                                           rel=1e-4, abs=1e-5)
         special = smollm2.tokenizer.special_token_ids
         assert "".join(i.token for i, t in zip(items, o.token_ids.tolist()) if t not in special) == o.text
         assert all(len(i.top_logprobs) == 2 and i.top_logprobs[0].logprob >= i.logprob for i in items)

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from metrale.models.tokenizer import IncrementalDecoder, Tokenizer, read_gguf_fields
+from metrale.models.tokenizer import IncrementalDecoder, StreamDecoder, Tokenizer, read_gguf_fields
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 _GGUF = sorted(
@@ -260,6 +260,31 @@ def test_feed_bulk_equals_feeding_one_by_one(tok):
                     break
             outs.append((st.output().text, streamed))
         assert outs[0][0] == outs[1][0] == outs[1][1] == outs[0][1]
+
+
+def test_stream_decoder_gives_the_python_decoders_pieces(tok):
+    """StreamDecoder (tokenizers' DecodeStream, what Tokenizer.incremental_decoder returns) emits
+    the pieces IncrementalDecoder (the Python window algorithm) emits, token by token and at flush:
+    multi-byte characters, random byte-level ids, special tokens kept or skipped, a long prompt, a
+    prompt that ends mid-character, and feeding again after a flush."""
+    texts = ["emoji: 🙂👍🏽🇫🇷 done 👩‍👩‍👧!", "中文：你好世界 naïve café", "Paris.<|im_end|>\nok", " leading  spaces\t\n"]
+    rng = np.random.default_rng(1)
+    cases = [(tok.encode("<|im_start|>assistant\n"), tok.encode(t)) for t in texts]
+    cases += [((), tok.encode(t)) for t in texts]
+    cases += [(rng.integers(0, tok.vocab_size, int(n)).tolist(), rng.integers(0, tok.vocab_size, 40).tolist())
+              for n in (0, 3, 300) for _ in range(8)]
+    x = tok.encode("x 你好 y")
+    cut = next(k for k in range(1, len(x)) if tok.decode(x[:k]).endswith("\ufffd"))
+    cases.append((x[:cut], x[cut:]))
+    assert isinstance(tok.incremental_decoder(), StreamDecoder)
+    for skip in (True, False):
+        for prompt, ids in cases:
+            want, got = IncrementalDecoder(tok, prompt, skip), StreamDecoder(tok, prompt, skip)
+            half = len(ids) // 2
+            w = [want.feed(i) for i in ids[:half]] + [want.flush()] + [want.feed(i) for i in ids[half:]] + [want.flush()]
+            g = [got.feed(i) for i in ids[:half]] + [got.flush()] + [got.feed(i) for i in ids[half:]] + [got.flush()]
+            assert g == w, (skip, prompt[-6:], ids)
+            assert got.text == want.text
 
 
 # ------------------------------------------------------------------ errors and the HF-dir constructor

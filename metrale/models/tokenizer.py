@@ -34,6 +34,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 __all__ = ["Tokenizer", "IncrementalDecoder", "read_gguf_fields", "bytes_to_unicode"]
 
@@ -365,7 +366,7 @@ class Tokenizer:
         return [self._tk.id_to_token(int(i)) for i in ids]
 
     def incremental_decoder(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
-        return IncrementalDecoder(self, prompt_ids, skip_special_tokens=skip_special_tokens)
+        return StreamDecoder(self, prompt_ids, skip_special_tokens=skip_special_tokens)
 
     # -- chat ---------------------------------------------------------------------------------
 
@@ -755,6 +756,42 @@ class IncrementalDecoder:
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += piece
         return piece
+
+
+class StreamDecoder(IncrementalDecoder):
+    """IncrementalDecoder's contract on `tokenizers.decoders.DecodeStream`: one Rust call per token
+    (the same window algorithm) instead of two decodes and their Python slicing (~2-3 us a token
+    less). The last few prompt ids are its left context; ids of a character the prompt leaves
+    incomplete are stepped silently, so the output completes (and emits) it. `flush` decodes what
+    is held back since the last emitted piece (IncrementalDecoder's offsets track it)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
+        super().__init__(tokenizer, prompt_ids, skip_special_tokens)
+        self._hf = tokenizer._tk
+        self._stream = DecodeStream(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip_special_tokens)
+        for i in self.ids[self.read_offset:]:
+            self._stream.step(self._hf, i)
+
+    def feed(self, token_id: int) -> str:
+        token_id = int(token_id)
+        self.ids.append(token_id)
+        piece = self._stream.step(self._hf, token_id)
+        if piece is None:
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        self.text += piece
+        return piece
+
+    def feed_bulk(self, token_ids: Iterable[int]) -> str:
+        return "".join([self.feed(t) for t in token_ids])
+
+    def flush(self) -> str:
+        piece = super().flush()
+        self._stream = DecodeStream([], skip_special_tokens=self.skip_special_tokens)   # as flush leaves the window: empty
+        return piece
+
+    __call__ = feed
 
 
 class ByteTokenizer:
