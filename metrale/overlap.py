@@ -65,7 +65,7 @@ class AheadLoop:
     def eligible(self, scheduled, states) -> bool:
         """A step of decode rows (ScheduledSeqs) the device alone can draw, that can start running ahead."""
         e = self.engine
-        return (e.recurrent is None and not e.scheduler.waiting
+        return ((e.speculator is None or e.speculator.runs_ahead) and e.recurrent is None and not e.scheduler.waiting
                 and len(states) == len(scheduled) and all(s.num_tokens == 1 and not s.draft for s in scheduled)
                 and e.sampler.can_run_ahead(states))
 

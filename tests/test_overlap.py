@@ -263,3 +263,32 @@ def test_ngram_speculation_runs_ahead_between_drafts():
     outs = e.generate(prompts, sp, use_tqdm=False)
     assert [list(o.token_ids) for o in outs] == [reference_continuation(p, 30) for p in prompts]
     assert e.ahead.steps_ahead > 0 and e.speculator.stats()["verifies"] > 0
+
+
+class HiddenReadingOracle(EveryEighthOracle):
+    """Stands for MTP: a drafter that reads each step's hidden rows (which steps ahead keep none of)."""
+    name = "hidden_reader"
+    needs_hidden = True
+    lookup_only = False
+
+    def __init__(self):
+        super().__init__(0.0)
+        self.observed = 0
+
+    def tap(self, backend):
+        return backend
+
+    def observe(self, sampled, emitted, hidden):
+        self.observed += 1
+
+
+def test_a_drafter_reading_hidden_rows_keeps_every_step_synchronous():
+    e = fake_engine(num_blocks=128, **{"levers.overlap": True, "spec.method": "ngram", "spec.num_drafts": 3,
+                                       "spec.gate.verify_cost": 0.0})
+    e.speculator.drafter = HiddenReadingOracle()
+    e.runner.backend.take_hidden = lambda: None          # what HiddenTap adds to a backend
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    outs = e.generate(prompts, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert [list(o.token_ids) for o in outs] == [reference_continuation(p, 30) for p in prompts]
+    assert e.ahead.steps_ahead == 0 and e.speculator.stats()["verifies"] > 0
+    assert e.speculator.drafter.observed == e.stats["steps"]        # the drafter saw every step

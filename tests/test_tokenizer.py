@@ -287,6 +287,35 @@ def test_stream_decoder_gives_the_python_decoders_pieces(tok):
             assert got.text == want.text
 
 
+def test_stream_decoder_on_a_byte_fallback_tokenizer():
+    """A SentencePiece GGUF tokenizer (Replace, ByteFallback, Fuse, Strip decoders): a failed byte
+    run decodes to U+FFFD over characters already emitted, which DecodeStream refuses; the decoder
+    then goes on with the Python algorithm, so random ids give IncrementalDecoder's pieces and
+    never an error."""
+    pieces = ["\u2581", "a", "b", "ab", "\u2581a", "\u2581ab", "\u2581b"]
+    toks = ["<unk>", "<s>", "</s>"] + pieces + [f"<0x{b:02X}>" for b in range(256)]
+    fields = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": toks,
+              "tokenizer.ggml.scores": [0.0] * 3 + [-float(i) for i in range(len(pieces))] + [0.0] * 256,
+              "tokenizer.ggml.token_type": [2, 3, 3] + [1] * len(pieces) + [6] * 256,
+              "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0}
+    tk = Tokenizer.from_gguf(fields)
+    emoji = tk.encode("\U0001F600")
+    cases = [(tk.encode("ab "), emoji + [3 + len(pieces) + 0xE4] + tk.encode("a"))]   # the reproduction
+    rng = np.random.default_rng(2)
+    byte_ids = np.arange(3 + len(pieces), len(toks))
+    for _ in range(150):
+        ids = [int(rng.choice(byte_ids)) if rng.random() < 0.7 else int(rng.integers(3, 3 + len(pieces)))
+               for _ in range(int(rng.integers(1, 30)))]
+        cases.append((tk.encode("b a") if rng.random() < 0.5 else [], ids))
+    fell_back = 0
+    for prompt, ids in cases:
+        want, got = IncrementalDecoder(tk, prompt), StreamDecoder(tk, prompt)
+        fed = [got.feed(i) for i in ids]
+        fell_back += got._python
+        assert fed + [got.flush()] == [want.feed(i) for i in ids] + [want.flush()], ids
+    assert fell_back > 10          # DecodeStream refused those windows
+
+
 # ------------------------------------------------------------------ errors and the HF-dir constructor
 
 

@@ -763,19 +763,31 @@ class StreamDecoder(IncrementalDecoder):
     (the same window algorithm) instead of two decodes and their Python slicing (~2-3 us a token
     less). The last few prompt ids are its left context; ids of a character the prompt leaves
     incomplete are stepped silently, so the output completes (and emits) it. `flush` decodes what
-    is held back since the last emitted piece (IncrementalDecoder's offsets track it)."""
+    is held back since the last emitted piece (IncrementalDecoder's offsets track it). DecodeStream
+    refuses a window whose text does not extend the last one (a byte-fallback decoder turning a
+    failed byte run into U+FFFD, emitted characters included); from there on the Python algorithm,
+    which cuts by length, decodes (`_python`)."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
         super().__init__(tokenizer, prompt_ids, skip_special_tokens)
-        self._hf = tokenizer._tk
+        self._hf, self._python = tokenizer._tk, False
         self._stream = DecodeStream(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip_special_tokens)
-        for i in self.ids[self.read_offset:]:
-            self._stream.step(self._hf, i)
+        try:
+            for i in self.ids[self.read_offset:]:
+                self._stream.step(self._hf, i)
+        except Exception:
+            self._python = True
 
     def feed(self, token_id: int) -> str:
+        if self._python:
+            return super().feed(token_id)
         token_id = int(token_id)
+        try:
+            piece = self._stream.step(self._hf, token_id)
+        except Exception:                         # "Invalid prefix encountered while decoding stream"
+            self._python = True
+            return super().feed(token_id)
         self.ids.append(token_id)
-        piece = self._stream.step(self._hf, token_id)
         if piece is None:
             return ""
         self.prefix_offset = self.read_offset
@@ -788,7 +800,7 @@ class StreamDecoder(IncrementalDecoder):
 
     def flush(self) -> str:
         piece = super().flush()
-        self._stream = DecodeStream([], skip_special_tokens=self.skip_special_tokens)   # as flush leaves the window: empty
+        self._stream, self._python = DecodeStream([], skip_special_tokens=self.skip_special_tokens), False   # an empty window, as flush leaves it
         return piece
 
     __call__ = feed

@@ -173,14 +173,19 @@ class Speculator:
             if n < k:
                 blocks.trim(seq)
 
+    @property
+    def runs_ahead(self) -> bool:
+        """Whether steps may run ahead beside this speculator (lets_ahead then decides each one):
+        not with a drafter that reads every step's hidden rows (the steps ahead keep none), nor
+        with the duck-typed gates of tests, which have no step clock."""
+        return isinstance(self.gate, AdaptiveGate) and not self.needs_hidden
+
     def lets_ahead(self, seqs: list[Sequence], states: dict) -> bool:
         """In place of propose for a step the engine queues ahead (its sequences' last token still
         on the device): whether that step may run with no draft. The gate's step clock, shadows and
         host time advance as in propose; a sequence the gate would draft for and whose drafter has
         a draft now (a lookup-only drafter is asked; any other would spend a forward) sends the
         engine back to a synchronous step, which proposes with that token known."""
-        if not isinstance(self.gate, AdaptiveGate) or self.needs_hidden:
-            return False                      # duck-typed gates of tests; hidden rows need every step
         clock = self.gate.clock if self.gate.measure else None
         t0 = clock() if clock else 0.0
         ok = self._nothing_to_draft(seqs, states)
