@@ -83,7 +83,11 @@ def served_runner(eng):
     from metrale.driver import EngineLoop, _Live
     from metrale.server.engine_child import _Outbox, _Sink
     r, w = os.pipe()
-    threading.Thread(target=lambda: [None for _ in iter(lambda: os.read(r, 1 << 20), b"")], daemon=True).start()
+
+    def drain() -> None:                # the server's reader side: frames are read and dropped
+        while os.read(r, 1 << 20):
+            pass
+    threading.Thread(target=drain, daemon=True).start()
     out, loop = _Outbox(w), EngineLoop(eng)
     counter = iter(range(1 << 30))
 

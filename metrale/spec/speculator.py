@@ -122,35 +122,22 @@ class Speculator:
             self.gate.add_host_time(clock() - t0)
 
     def _propose(self, running: list[Sequence], states: dict, blocks) -> None:
-        for seq, before, k in self._pending.values():          # proposed last step, never verified
-            self.committed(seq, before, k, 0)
-        self._pending.clear()
-        self._rows.clear()
         for seq in running:
             seq.draft_tokens, seq.draft_probs = [], None
         decoding = [s for s in running if s.num_uncomputed == 1]
-        if self._shadow:
-            self._resolve_shadows()
-        if not self.gate.begin_step(len(decoding)):
+        if not self._begin(len(decoding)):
             return
         seqs, ks, shadowed = [], [], []
-        budgeted = isinstance(self.gate, AdaptiveGate)      # gates of tests may be duck-typed
-        shadow = budgeted and self.gate.shadow
+        budgeted = isinstance(self.gate, AdaptiveGate)
         spare = (self.max_rows - len(running)) if self.max_rows else 1 << 30   # rows left for drafts
-        for seq in decoding:
-            state = states.get(seq.request_id)
-            if state is None:
-                continue
-            left = (state.params.max_tokens or 1 << 30) - len(seq.output_token_ids)
-            want = self.gate.drafts_for(seq.request_id, left=left) if budgeted else self.gate.drafts_for(seq.request_id)
-            k = min(want, left - 1, state.max_model_len - seq.num_tokens - 1, spare)
+        for seq, want, left, k in self._sized(decoding, states, pending=0):
+            k = min(k, spare)
             if k > 0 and blocks.grow(seq, seq.num_tokens + k):
                 seqs.append(seq)
                 ks.append(k)
                 spare -= k
                 self._shadow.pop(seq.request_id, None)
-            elif (shadow and want == 0 and left > 1 and seq.request_id not in self._shadow
-                  and self.gate.wants_shadow(seq.request_id)):
+            elif self._wants_shadow(seq, want, left):
                 shadowed.append(seq)
         if shadowed:
             self._start_shadows(shadowed)
@@ -194,27 +181,14 @@ class Speculator:
         return ok
 
     def _nothing_to_draft(self, seqs: list[Sequence], states: dict) -> bool:
-        for seq, before, k in self._pending.values():
-            self.committed(seq, before, k, 0)
-        self._pending.clear()
-        self._rows.clear()
-        if self._shadow:
-            self._resolve_shadows()
-        if not self.gate.begin_step(len(seqs)):
+        if not self._begin(len(seqs)):
             return True
         wanting, ks, shadowed = [], [], []
-        for seq in seqs:
-            state = states.get(seq.request_id)
-            if state is None:
-                continue
-            left = (state.params.max_tokens or 1 << 30) - len(seq.output_token_ids) - 1   # the pending token
-            want = self.gate.drafts_for(seq.request_id, left=left)
-            k = min(want, left - 1, state.max_model_len - seq.num_tokens - 2)
+        for seq, want, left, k in self._sized(seqs, states, pending=1):
             if k > 0:
                 wanting.append(seq)
                 ks.append(k)
-            elif (self.gate.shadow and want == 0 and left > 1 and seq.request_id not in self._shadow
-                  and self.gate.wants_shadow(seq.request_id)):
+            elif self._wants_shadow(seq, want, left):
                 shadowed.append(seq)
         if shadowed:
             self._start_shadows(shadowed)
@@ -223,6 +197,34 @@ class Speculator:
         if not self.drafter.lookup_only:
             return False
         return not any(d.cut(k, self.min_confidence).tokens for d, k in zip(self.drafter.propose(wanting, ks), ks))
+
+    def _begin(self, num_decoding: int) -> bool:
+        """A step's prologue: last step's unverified drafts commit with none accepted, shadows resolve
+        against what the sequences emitted, and the gate opens the step (False: no drafts in it)."""
+        for seq, before, k in self._pending.values():
+            self.committed(seq, before, k, 0)
+        self._pending.clear()
+        self._rows.clear()
+        if self._shadow:
+            self._resolve_shadows()
+        return self.gate.begin_step(num_decoding)
+
+    def _sized(self, seqs: list[Sequence], states: dict, *, pending: int):
+        """(seq, want, left, k) per sequence with a request state: the drafts the gate wants, the
+        tokens left to max_tokens and the drafts that fit; `pending` tokens are still on the device."""
+        budgeted = isinstance(self.gate, AdaptiveGate)      # gates of tests may be duck-typed
+        for seq in seqs:
+            state = states.get(seq.request_id)
+            if state is None:
+                continue
+            left = (state.params.max_tokens or 1 << 30) - len(seq.output_token_ids) - pending
+            want = self.gate.drafts_for(seq.request_id, left=left) if budgeted else self.gate.drafts_for(seq.request_id)
+            yield seq, want, left, min(want, left - 1, state.max_model_len - seq.num_tokens - 1 - pending)
+
+    def _wants_shadow(self, seq: Sequence, want: int, left: int) -> bool:
+        """A free draft the gate keeps to compare with what the sequence emits (no verify)."""
+        return (isinstance(self.gate, AdaptiveGate) and self.gate.shadow and want == 0 and left > 1
+                and seq.request_id not in self._shadow and self.gate.wants_shadow(seq.request_id))
 
     def _start_shadows(self, seqs: list[Sequence]) -> None:
         """Free drafts the gate does not verify: kept to compare with what each sequence emits
