@@ -10,6 +10,7 @@ when the caller knows them (the reverse of an earlier exchange), saves the count
 """
 from __future__ import annotations
 
+import multiprocessing.queues
 import queue
 import threading
 from typing import Callable, Protocol, Sequence
@@ -23,6 +24,10 @@ class Communicator(Protocol):
 
     def all_to_all_v(self, send: np.ndarray, send_counts: Sequence[int],
                      recv_counts: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def finish(self) -> None:
+        """This rank sends nothing more: return once what it sent has left the process (a rank
+        that exits next must not drop its last collective's pieces)."""
 
 
 def _offsets(counts: np.ndarray) -> np.ndarray:
@@ -131,6 +136,9 @@ class FakeCommunicator:
         self.calls += 1
         return _join(self, pieces, send, recv_counts)
 
+    def finish(self) -> None:
+        pass                     # the boxes are shared memory: nothing in flight
+
 
 class QueueCommunicator:
     """Ranks as processes: boxes[r] (a multiprocessing Queue made by the parent, one per rank) is
@@ -166,6 +174,13 @@ class QueueCommunicator:
                 self._early[(call, s)] = p
         self.calls += 1
         return _join(self, pieces, send, recv_counts)
+
+    def finish(self) -> None:
+        # a queue's feeder thread writes the pieces later; os._exit (metrale.parallel.launch) would kill it
+        for dst, box in enumerate(self.boxes):
+            if dst != self.rank and isinstance(box, multiprocessing.queues.Queue):
+                box.close()
+                box.join_thread()
 
 
 def run_ranks(size: int, fn: Callable[[FakeCommunicator], object], timeout: float = 60.0) -> list:

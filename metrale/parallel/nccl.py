@@ -93,6 +93,9 @@ class Nccl4pyCommunicator:
         """Destroy the communicator: every rank of the node must call it (it waits for them)."""
         self._comm.destroy()
 
+    def finish(self) -> None:
+        pass                     # each exchange is enqueued on the stream before it returns
+
     def abort(self) -> None:
         """Tear the communicator down without waiting for the peers (after a failure)."""
         self._comm.abort()

@@ -331,6 +331,7 @@ class TPRank:
     def stop(self) -> None:
         plan = StepPlan(self.steps, Command.STOP, [[]])
         broadcast(self.comm, np.concatenate([np.array([LOGITS], np.int32), encode_plan(plan)]))
+        self.comm.finish()
 
     def follow(self) -> int:
         """Ranks > 0: run the broadcast steps until STOP; returns the number of steps run."""
