@@ -10,6 +10,8 @@ the gaps between them; with --profile, cProfile of the polls (top functions prin
 
 runs `python -m metrale serve ...` itself (uvicorn in the main thread, as users run it) with the
 loop thread's polls timed and profiled; the report is written to OUT.txt when the server stops.
+--serve-trace instead of --serve: no profiler; every poll recorded in OUT.txt.jsonl (its time,
+the queues before it, the loop ahead, its deltas, the mixed-graph counters).
 """
 from __future__ import annotations
 
@@ -44,20 +46,31 @@ def in_thread(fn, *args):
     return box["v"]
 
 
-def instrument(engine, log: list, prof: cProfile.Profile | None = None) -> None:
-    """Times every engine.poll (and profiles it with `prof`) on whatever thread calls it."""
+def instrument(engine, log: list, prof: cProfile.Profile | None = None, trace: list | None = None) -> None:
+    """Times every engine.poll (and profiles it with `prof`) on whatever thread calls it; with
+    `trace`, one record a poll: its start and end, the queue lengths before it, whether a step was
+    in flight (the loop ahead), the deltas it gave and the backend's mixed-graph counters after it."""
     poll = engine.poll
+    stats = getattr(engine.backend, "mixed_stats", None)
 
     def timed():
         t0 = time.perf_counter()
+        before = (len(engine.scheduler.waiting), len(engine.scheduler.running),
+                  engine.ahead is not None and engine.ahead.inflight is not None) if trace is not None else None
         if prof is not None:
             prof.enable()
+        deltas = []
         try:
-            return poll()
+            deltas = poll()
+            return deltas
         finally:
             if prof is not None:
                 prof.disable()
-            log.append((t0, time.perf_counter()))
+            t1 = time.perf_counter()
+            log.append((t0, t1))
+            if trace is not None:
+                trace.append((t0, t1, *before, len(deltas), sum(len(d.token_ids) for d in deltas),
+                              dict(stats) if stats is not None else {}))
     engine.poll = timed
 
 
@@ -81,6 +94,16 @@ def served(engine, clients: int, tokens: int, profile: bool) -> dict:
             "report": report(log, prof)}
 
 
+def write_trace(trace: list, path: str) -> None:
+    """The poll trace as JSON lines (times in ms from the first poll)."""
+    import json
+    t_first = trace[0][0] if trace else 0.0
+    with open(path, "w") as f:
+        for t0, t1, waiting, running, ahead, n, tokens, mixed in trace:
+            f.write(json.dumps({"t": round((t0 - t_first) * 1e3, 3), "ms": round((t1 - t0) * 1e3, 3), "waiting": waiting,
+                                "running": running, "ahead": ahead, "deltas": n, "tokens": tokens, **mixed}) + "\n")
+
+
 def report(log: list, prof: cProfile.Profile | None) -> str:
     polls = np.array([b - a for a, b in log]) * 1e3
     gaps = np.array([log[i + 1][0] - log[i][1] for i in range(len(log) - 1)]) * 1e3
@@ -94,32 +117,38 @@ def report(log: list, prof: cProfile.Profile | None) -> str:
     return "\n".join(lines)
 
 
-def serve_profiled(out_path: str, argv: list[str]) -> int:
+def serve_profiled(out_path: str, argv: list[str], trace: bool = False) -> int:
     """`python -m metrale serve argv` with the engine loop's polls timed and profiled (in the
-    engine process when server.engine_process is on: the engine is built there)."""
+    engine process when server.engine_process is on: the engine is built there); with `trace`,
+    not profiled: each poll recorded (instrument's trace) into out_path + ".jsonl"."""
     from functools import partial
     from metrale.server.serve import main as serve_main
-    return serve_main(argv, build=partial(profiled_engine, out_path))
+    return serve_main(argv, build=partial(profiled_engine, out_path, trace))
 
 
-def profiled_engine(out_path: str, cfg):
-    """Engine(cfg=cfg) whose loop thread times and profiles its polls, the report written to
-    out_path when the loop ends."""
+def profiled_engine(out_path: str, trace: bool, cfg):
+    """Engine(cfg=cfg) whose loop thread times (and profiles, or traces) its polls, the report
+    written to out_path when the loop ends."""
     from metrale import driver as loop_mod
     from metrale.engine import Engine
     log: list = []
-    prof = cProfile.Profile()
+    steps: list | None = [] if trace else None
+    prof = None if trace else cProfile.Profile()
     run = loop_mod.EngineLoop._run
 
     def profiled(self):
-        instrument(self.engine, log)
-        prof.enable()
+        instrument(self.engine, log, trace=steps)
+        if prof is not None:
+            prof.enable()
         try:
             run(self)
         finally:
-            prof.disable()
+            if prof is not None:
+                prof.disable()
             with open(out_path, "w") as f:
                 f.write(report(log, prof))
+            if steps is not None:
+                write_trace(steps, out_path + ".jsonl")
     loop_mod.EngineLoop._run = profiled
     return Engine(cfg=cfg)
 
@@ -127,8 +156,8 @@ def profiled_engine(out_path: str, cfg):
 def main(argv: list[str] | None = None) -> int:
     import sys
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--serve"]:
-        return serve_profiled(argv[1], argv[3:] if argv[2:3] == ["serve"] else argv[2:])
+    if argv[:1] in (["--serve"], ["--serve-trace"]):
+        return serve_profiled(argv[1], argv[3:] if argv[2:3] == ["serve"] else argv[2:], trace=argv[0] == "--serve-trace")
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*")
     p.add_argument("--tokens", type=int, default=256)

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Session 19: where a 64-stream wave's first token goes (issue 19: served 0.76-0.79 of the library
+# at 64 streams, the loss in TTFT). The server under bench.serve_profile --serve-trace (every poll
+# of the engine process recorded) at 64 clients x 4 requests x TOKENS tokens, for each lever
+# setting in VARIANTS ("name:overrides,comma,separated"), then Engine.generate at batch 64 on the
+# same prompts. Traces and JSON in $OUT/s19/.
+#   bash bench/device/s19_a.sh     (carry .whl with the base and the server's wheels)
+source "$(dirname "$0")/common.sh"
+MODEL=${MODEL:-smollm2-135m-shape}
+TOKENS=${TOKENS:-128}
+PORT=8314
+RES=$OUT/s19; mkdir -p $RES
+load() { timeout 150 python3 -m bench.loadtest --url http://127.0.0.1:$PORT --model $MODEL --clients $1 \
+    --requests $2 --max-tokens $3 --duration 90 --prompt-words 16 "${@:4}" 2>&1 | tail -4; }
+for v in ${VARIANTS:-default: nomixed:levers.mixed_graphs=false}; do
+  name=${v%%:*}; over=$(echo "${v#*:}" | tr ',' ' ')
+  stamp "serve $name ($over)"
+  python3 -m bench.serve_profile --serve-trace $RES/$name.txt serve device=${DEVICE:-cuda} model=$MODEL \
+      server.port=$PORT server.engine_process=true $over > $RES/server_$name.txt 2>&1 &
+  SPID=$!
+  for i in $(seq 1 240); do curl -sf http://127.0.0.1:$PORT/health >/dev/null && break
+      kill -0 $SPID 2>/dev/null || { echo "the server exited:"; tail -5 $RES/server_$name.txt; break; }; sleep 1; done
+  load 64 64 32 > /dev/null
+  load 1 2 32 > /dev/null
+  echo "MARK" > /dev/null
+  load 64 256 $TOKENS --server-pid $SPID --json $RES/serve_$name.json
+  kill -TERM $SPID; wait $SPID
+  for i in $(seq 1 20); do [ -s $RES/$name.txt ] && break; sleep 1; done
+  head -1 $RES/$name.txt
+done
+stamp "library"
+timeout 200 python3 - "$MODEL" "$TOKENS" "$RES" "${DEVICE:-cuda}" <<'PY'
+import json, sys
+from bench.loadtest import run_library, summarize
+from metrale import Engine
+model, tokens, res, device = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+engine = Engine(model=model, device=device)
+run_library(engine, clients=64, requests=64, max_tokens=32, prompt_words=16)
+stats, wall = run_library(engine, clients=64, requests=256, max_tokens=tokens, prompt_words=16)
+s = summarize(stats, wall)
+print(f"--- library, batch 64: {s['out_tok_per_s']:.0f} tok/s ({s['requests']} requests in {wall:.2f} s)")
+json.dump({"clients": 64, "library": True, **s}, open(f"{res}/library_64.json", "w"), indent=1)
+PY
+stamp done
