@@ -42,6 +42,7 @@ class Stats:
     chunks: int = 0                # streamed events that carried text
     done: int = 0
     errors: list[str] = field(default_factory=list)
+    timeline: list[list] = field(default_factory=list)     # per request: sent, first text, end (perf_counter)
 
 
 def make_prompt(i: int, words: int) -> str:
@@ -96,6 +97,7 @@ class Connection:
 
 async def one_request(conn: Connection, body: dict, stats: Stats) -> None:
     t0 = time.perf_counter()
+    stats.timeline.append(times := [t0, None, None])      # sent, first text, end
     last, first, usage = None, None, None
     try:
         async for payload in conn.post_stream("/v1/completions", body):
@@ -112,7 +114,7 @@ async def one_request(conn: Connection, body: dict, stats: Stats) -> None:
             now = time.perf_counter()
             stats.chunks += 1
             if first is None:
-                first = now
+                first = times[1] = now
                 stats.ttft.append(now - t0)
             else:
                 stats.itl.append(now - last)
@@ -121,7 +123,8 @@ async def one_request(conn: Connection, body: dict, stats: Stats) -> None:
         conn.close()
         stats.errors.append(f"{type(exc).__name__}: {exc}")
         return
-    stats.latency.append(time.perf_counter() - t0)
+    times[2] = time.perf_counter()
+    stats.latency.append(times[2] - t0)
     stats.tokens += usage["completion_tokens"] if usage else 0
     stats.done += 1
 
@@ -281,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-words", type=int, default=16)
     p.add_argument("--records", help="write bench records (a .json file or a directory)")
     p.add_argument("--json", help="write the summary (tok/s, TTFT / ITL percentiles) to this JSON file")
+    p.add_argument("--timeline", help="write each request's (sent, first text, end) time.perf_counter() values "
+                   "to this JSON file (bench.serve_profile --serve-trace's clock)")
     p.add_argument("--server-pid", type=int, help="with --url: report the CPU that server process and its "
                    "children (the engine process) spent per output token")
     args = p.parse_args(argv)
@@ -342,6 +347,8 @@ def report(args, argv, stats: Stats, wall: float, what: str, cpu: dict | None = 
                 for name, key, unit in (("output throughput", "out_tok_per_s", "tok/s"),
                                         ("TTFT p50", "ttft_p50_ms", "ms"), ("ITL p50", "itl_p50_ms", "ms"))]
         write_records(recs, args.records)
+    if args.timeline:
+        Path(args.timeline).write_text(json.dumps(stats.timeline))
     if args.json:
         Path(args.json).write_text(json.dumps({"clients": args.clients, "max_tokens": args.max_tokens,
                                                "library": args.library, **s}, indent=1))

@@ -95,12 +95,13 @@ def served(engine, clients: int, tokens: int, profile: bool) -> dict:
 
 
 def write_trace(trace: list, path: str) -> None:
-    """The poll trace as JSON lines (times in ms from the first poll)."""
+    """The poll trace as JSON lines (times in ms from the first poll; `abs`: time.perf_counter(), the
+    system's monotonic clock on Linux, comparable with bench.loadtest --timeline's)."""
     import json
     t_first = trace[0][0] if trace else 0.0
     with open(path, "w") as f:
         for t0, t1, waiting, running, ahead, n, tokens, mixed in trace:
-            f.write(json.dumps({"t": round((t0 - t_first) * 1e3, 3), "ms": round((t1 - t0) * 1e3, 3), "waiting": waiting,
+            f.write(json.dumps({"abs": t0, "t": round((t0 - t_first) * 1e3, 3), "ms": round((t1 - t0) * 1e3, 3), "waiting": waiting,
                                 "running": running, "ahead": ahead, "deltas": n, "tokens": tokens, **mixed}) + "\n")
 
 

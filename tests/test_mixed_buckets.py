@@ -204,3 +204,68 @@ def test_warm_up_steps_respect_a_short_context():
     assert all(int(x.num_seqs) <= 64 for x in batches)
     b.max_model_len = 32
     assert b.warm_mixed_batches() == []
+
+
+class _Graph:
+    """CudaGraph.capture's stand-in: records the capture (fn not run: capture executes nothing)
+    and counts replays; `fail` makes the capture raise, as a kernel compiling inside it does."""
+    fail = False
+
+    def __init__(self):
+        self.replays = 0
+
+    @classmethod
+    def capture(cls, stream, fn, *, warmup=1, mode="thread_local"):
+        assert warmup == 0                    # the bucket's kernels are compiled: no eager warm-up run
+        if cls.fail:
+            raise RuntimeError("cuStreamEndCapture: a kernel compiled during capture")
+        return cls()
+
+    def replay(self):
+        self.replays += 1
+
+    def close(self):
+        pass
+
+
+def _backend_for_first_steps(monkeypatch, compiled: bool):
+    from metrale.runtime import cuda_backend
+    from metrale.runtime.cuda_backend import CudaBackend, Geometry
+    monkeypatch.setattr(cuda_backend, "CudaGraph", _Graph)
+    b = object.__new__(CudaBackend)
+    b.stream, b.graphs, b._mixed_lru, b._mixed_seen = FakeStream(), {}, {}, set()
+    b._mixed_compiled, b._mixed_capture_failed = compiled, False
+    b.mixed_stats = {"captures": 0, "replays": 0, "evictions": 0, "eager_steps": 0}
+    b.eager_runs = []
+    b._run = b.eager_runs.append
+    return b, Geometry(1024, 64, 64, 0, 64, None, mixed=True)
+
+
+def test_first_step_of_a_compiled_bucket_is_captured_and_replayed(monkeypatch):
+    """warm_mixed compiled the kernels: a bucket's first step is captured and replayed (no eager
+    step), its later steps replay the same graph."""
+    b, g = _backend_for_first_steps(monkeypatch, compiled=True)
+    b._first_mixed_step(g)
+    assert b.eager_runs == [] and g in b.graphs and b.graphs[g].replays == 1
+    assert b.mixed_stats == {"captures": 1, "replays": 0, "evictions": 0, "eager_steps": 0}
+
+
+def test_first_step_runs_eagerly_until_its_kernels_are_compiled(monkeypatch):
+    """Without warm_mixed, a bucket's first step runs eagerly (compiling its kernels), its second is
+    captured with no warm-up and replayed."""
+    b, g = _backend_for_first_steps(monkeypatch, compiled=False)
+    b._first_mixed_step(g)
+    assert b.eager_runs == [g] and g not in b.graphs and b.mixed_stats["eager_steps"] == 1
+    b._first_mixed_step(g)
+    assert b.eager_runs == [g] and b.graphs[g].replays == 1 and b.mixed_stats["captures"] == 1
+
+
+def test_a_failed_capture_runs_the_step_eagerly(monkeypatch, caplog):
+    """A capture that raises leaves no graph; the step is computed eagerly and the failure logged once."""
+    b, g = _backend_for_first_steps(monkeypatch, compiled=True)
+    monkeypatch.setattr(_Graph, "fail", True)
+    with caplog.at_level("WARNING", logger="metrale"):
+        b._first_mixed_step(g)
+        b._first_mixed_step(g)
+    assert b.eager_runs == [g, g] and not b.graphs and b.mixed_stats["eager_steps"] == 2
+    assert sum("capture failed" in r.message for r in caplog.records) == 1

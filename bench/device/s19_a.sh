@@ -4,7 +4,8 @@
 # of the engine process recorded) at 64 clients x 4 requests x TOKENS tokens, for each lever
 # setting in VARIANTS ("name:overrides,comma,separated"), then Engine.generate at batch 64 on the
 # same prompts. Traces and JSON in $OUT/s19/.
-#   bash bench/device/s19_a.sh     (carry .whl with the base and the server's wheels)
+#   bash bench/device/s19_a.sh     (carry .whl: the base and the server wheels; TESTS="tests/gpu/..." adds GPU tests)
+#   python -m bench.wave_timeline $OUT/s19/default.txt.jsonl $OUT/s19/timeline_default.json  (here, after)
 source "$(dirname "$0")/common.sh"
 MODEL=${MODEL:-smollm2-135m-shape}
 TOKENS=${TOKENS:-128}
@@ -12,7 +13,7 @@ PORT=8314
 RES=$OUT/s19; mkdir -p $RES
 load() { timeout 150 python3 -m bench.loadtest --url http://127.0.0.1:$PORT --model $MODEL --clients $1 \
     --requests $2 --max-tokens $3 --duration 90 --prompt-words 16 "${@:4}" 2>&1 | tail -4; }
-for v in ${VARIANTS:-default: nomixed:levers.mixed_graphs=false}; do
+for v in ${VARIANTS:-default:}; do
   name=${v%%:*}; over=$(echo "${v#*:}" | tr ',' ' ')
   stamp "serve $name ($over)"
   python3 -m bench.serve_profile --serve-trace $RES/$name.txt serve device=${DEVICE:-cuda} model=$MODEL \
@@ -22,8 +23,7 @@ for v in ${VARIANTS:-default: nomixed:levers.mixed_graphs=false}; do
       kill -0 $SPID 2>/dev/null || { echo "the server exited:"; tail -5 $RES/server_$name.txt; break; }; sleep 1; done
   load 64 64 32 > /dev/null
   load 1 2 32 > /dev/null
-  echo "MARK" > /dev/null
-  load 64 256 $TOKENS --server-pid $SPID --json $RES/serve_$name.json
+  load 64 256 $TOKENS --server-pid $SPID --json $RES/serve_$name.json --timeline $RES/timeline_$name.json
   kill -TERM $SPID; wait $SPID
   for i in $(seq 1 20); do [ -s $RES/$name.txt ] && break; sleep 1; done
   head -1 $RES/$name.txt
@@ -41,4 +41,9 @@ s = summarize(stats, wall)
 print(f"--- library, batch 64: {s['out_tok_per_s']:.0f} tok/s ({s['requests']} requests in {wall:.2f} s)")
 json.dump({"clients": 64, "library": True, **s}, open(f"{res}/library_64.json", "w"), indent=1)
 PY
-stamp done
+
+if [ -n "${TESTS:-}" ]; then
+  stamp "GPU tests: $TESTS"
+  gpu_tests s19 ${TESTS_LIMIT:-240} $TESTS
+fi
+stamp end

@@ -465,6 +465,8 @@ class CudaBackend(Backend):
         self.mixed_ladder = token_ladder(self.max_tokens)
         self._mixed_lru: dict[Geometry, None] = {}      # mixed geometries in self.graphs, oldest first
         self._mixed_seen: set[Geometry] = set()         # mixed geometries run once (eagerly): captured next time
+        self._mixed_compiled = False                    # warm_mixed compiled every mixed bucket's kernels
+        self._mixed_capture_failed = False              # (logged once)
         self.mixed_stats = {"captures": 0, "replays": 0, "evictions": 0, "eager_steps": 0}
         self._argmax_host = cuda.pinned_array(self.max_rows, dtype=np.int32)
         self._ahead = [PendingTokens(cuda.pinned_array(self.max_rows, dtype=np.int32), Event(timing=False))
@@ -475,6 +477,7 @@ class CudaBackend(Backend):
                 self._capture_ladder()
             if self.mixed_graphs and bool(levers.warm_mixed) and self.states is None:
                 self._warm_mixed()
+                self._mixed_compiled = True
         except BaseException:         # free the device memory and graphs now, not in a finalizer at exit
             self.close()
             raise
@@ -798,15 +801,34 @@ class CudaBackend(Backend):
             self.graphs[g].replay()
             if g.mixed:
                 self._mixed_used(g, captured=False)
-        elif g.mixed and g not in self._mixed_seen:   # a bucket's first step runs eagerly: most are rare
-            self._mixed_seen.add(g)
-            self.mixed_stats["eager_steps"] += 1
-            self._run(g)
+        elif g.mixed:
+            self._first_mixed_step(g)
         else:  # first use: the warm-up run computes this step, then the graph is captured
             self.graphs[g] = CudaGraph.capture(self.stream, lambda: self._run(g), warmup=1)
             if g.mixed:
                 self._mixed_used(g, captured=True)
         return g
+
+    def _first_mixed_step(self, g: Geometry) -> None:
+        """A mixed bucket not captured yet. Once its kernels are compiled (warm_mixed at start-up,
+        or an eager step of the bucket before), it is captured with no eager warm-up and replayed:
+        its first step costs one capture, and every later one a replay. Before that, or when the
+        capture fails (a kernel that compiles inside it), the step runs eagerly."""
+        if g in self._mixed_seen or self._mixed_compiled:
+            try:
+                graph = CudaGraph.capture(self.stream, lambda: self._run(g), warmup=0)
+            except Exception as exc:   # noqa: BLE001 - the eager run below computes the step
+                if not self._mixed_capture_failed:
+                    log.warning("a mixed-step graph capture failed (%s); such steps run eagerly first", exc)
+                self._mixed_capture_failed = True
+            else:
+                self.graphs[g] = graph
+                graph.replay()
+                self._mixed_used(g, captured=True)
+                return
+        self._mixed_seen.add(g)
+        self.mixed_stats["eager_steps"] += 1
+        self._run(g)
 
     def _mixed_used(self, g: Geometry, captured: bool) -> None:
         """LRU of the mixed graphs: past MAX_MIXED_GRAPHS the least recently used is destroyed

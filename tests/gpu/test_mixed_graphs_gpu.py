@@ -42,7 +42,7 @@ def test_engine_mixed_workload_same_greedy_tokens(pair):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 49152, int(n)) for n in (700, 90, 300, 65, 1000, 130, 20, 450)]
     p = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    on.generate(prompts, p, use_tqdm=False)          # a bucket's first step runs eagerly, its second captures
+    on.generate(prompts, p, use_tqdm=False)          # a bucket's first step is captured (warm_mixed compiled it)
     a = on.generate(prompts, p, use_tqdm=False)
     b = off.generate(prompts, p, use_tqdm=False)
     stats = on.backend.mixed_stats
@@ -57,8 +57,7 @@ def test_engine_mixed_workload_same_greedy_tokens(pair):
 
 def chunked_step_logits(backend, replays: int = 3):
     """One mixed step (decode rows + a 200-token chunk + a fresh 90-token prompt) after its
-    contexts were prefilled, run `replays` times (the first eagerly, the second captures, later
-    ones replay)."""
+    contexts were prefilled, run `replays` times (the first captures its bucket, all replay)."""
     bs = backend.block_size
     rng = np.random.default_rng(7)
     ctx = [rng.integers(0, 49152, n).astype(np.int32) for n in (40, 377, 90, 9, 260)]
@@ -89,7 +88,7 @@ def test_mixed_step_logits_close_and_replayed(pair):
     assert graphed and g.mixed and g in on.backend.graphs, g
     assert not off.backend._geometry(batch)[1]
     assert np.isfinite(a1).all() and np.isfinite(a2).all() and np.isfinite(a3).all()
-    assert rel_err(a2, a1) < 1e-5, rel_err(a2, a1)        # the capture's run computes the eager step's logits
+    assert rel_err(a2, a1) < 1e-5, rel_err(a2, a1)        # replays repeat the first step's logits
     assert rel_err(a3, a1) < 1e-5, rel_err(a3, a1)        # and so does the replay
     assert rel_err(a1, b1) < 5e-3, rel_err(a1, b1)
     assert (np.argmax(a1, -1) == np.argmax(b1, -1)).all()
@@ -111,8 +110,6 @@ def test_forward_greedy_prefill_of_many_lengths(pair):
         assert rel_err(a, b) < 5e-3, (n, rel_err(a, b))
         assert (np.argmax(a, -1) == np.argmax(b, -1)).mean() > 0.95
         batches.append(batch)
-    for batch in batches:                               # the second use of each bucket captures
-        on.backend.forward_greedy(batch)
     before = on.backend.mixed_stats["captures"]
     for batch in batches:
         on.backend.forward_greedy(batch)
@@ -128,7 +125,7 @@ def test_lru_bounds_the_mixed_graphs(pair, monkeypatch):
         ids = np.random.default_rng(n).integers(0, 49152, n).astype(np.int32)
         batch = build_batch([Segment(ids, 0, np.arange(-(-n // bs), dtype=np.int32) + 1)], bs)
         on.backend.forward_greedy(batch)
-        on.backend.forward_greedy(batch)                 # the second use captures
+        on.backend.forward_greedy(batch)                 # a replay
         assert mixed_graph_count(on.backend) <= 2
     assert on.backend.mixed_stats["evictions"] > 0
 
