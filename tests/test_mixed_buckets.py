@@ -216,10 +216,13 @@ class _Graph:
 
     @classmethod
     def capture(cls, stream, fn, *, warmup=1, mode="thread_local"):
-        assert warmup == 0                    # the bucket's kernels are compiled: no eager warm-up run
-        if cls.fail:
+        if cls.fail and not warmup:
             raise RuntimeError("cuStreamEndCapture: a kernel compiled during capture")
-        return cls()
+        for _ in range(warmup):
+            fn()
+        graph = cls()
+        graph.warmup = warmup
+        return graph
 
     def replay(self):
         self.replays += 1
@@ -234,7 +237,7 @@ def _backend_for_first_steps(monkeypatch, compiled: bool):
     monkeypatch.setattr(cuda_backend, "CudaGraph", _Graph)
     b = object.__new__(CudaBackend)
     b.stream, b.graphs, b._mixed_lru, b._mixed_seen = FakeStream(), {}, {}, set()
-    b._mixed_compiled, b._mixed_capture_failed = compiled, False
+    b._mixed_compiled, b._mixed_capture_failed = compiled, set()
     b.mixed_stats = {"captures": 0, "replays": 0, "evictions": 0, "eager_steps": 0}
     b.eager_runs = []
     b._run = b.eager_runs.append
@@ -246,7 +249,7 @@ def test_first_step_of_a_compiled_bucket_is_captured_and_replayed(monkeypatch):
     step), its later steps replay the same graph."""
     b, g = _backend_for_first_steps(monkeypatch, compiled=True)
     b._first_mixed_step(g)
-    assert b.eager_runs == [] and g in b.graphs and b.graphs[g].replays == 1
+    assert b.eager_runs == [] and b.graphs[g].warmup == 0 and b.graphs[g].replays == 1
     assert b.mixed_stats == {"captures": 1, "replays": 0, "evictions": 0, "eager_steps": 0}
 
 
@@ -257,15 +260,20 @@ def test_first_step_runs_eagerly_until_its_kernels_are_compiled(monkeypatch):
     b._first_mixed_step(g)
     assert b.eager_runs == [g] and g not in b.graphs and b.mixed_stats["eager_steps"] == 1
     b._first_mixed_step(g)
-    assert b.eager_runs == [g] and b.graphs[g].replays == 1 and b.mixed_stats["captures"] == 1
+    assert b.eager_runs == [g] and b.graphs[g].warmup == 0 and b.graphs[g].replays == 1
+    assert b.mixed_stats["captures"] == 1
 
 
 def test_a_failed_capture_runs_the_step_eagerly(monkeypatch, caplog):
-    """A capture that raises leaves no graph; the step is computed eagerly and the failure logged once."""
+    """A capture with no warm-up that raises leaves no graph: the step runs eagerly, the failure is
+    logged once, and the bucket's next step is captured after an eager warm-up run (which computes
+    that step: no replay), as before the change."""
     b, g = _backend_for_first_steps(monkeypatch, compiled=True)
     monkeypatch.setattr(_Graph, "fail", True)
     with caplog.at_level("WARNING", logger="metrale"):
         b._first_mixed_step(g)
+        assert b.eager_runs == [g] and not b.graphs and b.mixed_stats["eager_steps"] == 1
         b._first_mixed_step(g)
-    assert b.eager_runs == [g, g] and not b.graphs and b.mixed_stats["eager_steps"] == 2
-    assert sum("capture failed" in r.message for r in caplog.records) == 1
+    assert b.eager_runs == [g, g] and b.graphs[g].warmup == 1 and b.graphs[g].replays == 0
+    assert b.mixed_stats["captures"] == 1
+    assert sum("capture with no warm-up run failed" in r.message for r in caplog.records) == 1

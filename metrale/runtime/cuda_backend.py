@@ -466,7 +466,7 @@ class CudaBackend(Backend):
         self._mixed_lru: dict[Geometry, None] = {}      # mixed geometries in self.graphs, oldest first
         self._mixed_seen: set[Geometry] = set()         # mixed geometries run once (eagerly): captured next time
         self._mixed_compiled = False                    # warm_mixed compiled every mixed bucket's kernels
-        self._mixed_capture_failed = False              # (logged once)
+        self._mixed_capture_failed: set[Geometry] = set()  # buckets captured after a warm-up run
         self.mixed_stats = {"captures": 0, "replays": 0, "evictions": 0, "eager_steps": 0}
         self._argmax_host = cuda.pinned_array(self.max_rows, dtype=np.int32)
         self._ahead = [PendingTokens(cuda.pinned_array(self.max_rows, dtype=np.int32), Event(timing=False))
@@ -812,15 +812,22 @@ class CudaBackend(Backend):
     def _first_mixed_step(self, g: Geometry) -> None:
         """A mixed bucket not captured yet. Once its kernels are compiled (warm_mixed at start-up,
         or an eager step of the bucket before), it is captured with no eager warm-up and replayed:
-        its first step costs one capture, and every later one a replay. Before that, or when the
-        capture fails (a kernel that compiles inside it), the step runs eagerly."""
+        its first step costs one capture, and every later one a replay. Before that it runs
+        eagerly. A capture that fails (something compiled or allocated inside it) runs the step
+        eagerly, and the bucket's next step is captured after an eager warm-up run, as graphs of
+        decode steps are."""
+        if g in self._mixed_capture_failed:
+            self.graphs[g] = CudaGraph.capture(self.stream, lambda: self._run(g), warmup=1)
+            self._mixed_used(g, captured=True)
+            return
         if g in self._mixed_seen or self._mixed_compiled:
             try:
                 graph = CudaGraph.capture(self.stream, lambda: self._run(g), warmup=0)
             except Exception as exc:   # noqa: BLE001 - the eager run below computes the step
                 if not self._mixed_capture_failed:
-                    log.warning("a mixed-step graph capture failed (%s); such steps run eagerly first", exc)
-                self._mixed_capture_failed = True
+                    log.warning("a mixed-step graph capture with no warm-up run failed (%s); that bucket "
+                                "runs eagerly once more", exc)
+                self._mixed_capture_failed.add(g)
             else:
                 self.graphs[g] = graph
                 graph.replay()
