@@ -132,6 +132,31 @@ def test_queue_communicator_times_out_on_a_missing_peer():
         comm.all_to_all_v(np.zeros((2, 1)), [1, 1])
 
 
+def _send_and_exit(boxes, rows: int) -> None:
+    """Rank 1 of a 2-rank broadcast that leaves with os._exit right after its last send, as
+    metrale.parallel.launch's children do."""
+    comm = QueueCommunicator(1, boxes, timeout=30)
+    comm.all_to_all_v(np.ones((rows, 1024), np.float32), [rows, 0])
+    comm.finish()
+    os._exit(0)
+
+
+def test_last_collective_survives_the_exit_after_finish():
+    """A rank's last pieces are written by its queue's feeder thread after all_to_all_v returns:
+    os._exit right after would drop them (the STOP that CI's TP run lost; rank 1 waited 120 s).
+    finish() returns once they have left: all 32 MB arrive."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    boxes = [ctx.Queue() for _ in range(2)]
+    child = ctx.Process(target=_send_and_exit, args=(boxes, 8192))    # 32 MB: a long write
+    child.start()
+    try:
+        recv, counts = QueueCommunicator(0, boxes, timeout=30).all_to_all_v(np.zeros((0, 1024), np.float32), [0, 0])
+    finally:
+        child.join(10)
+    assert counts.tolist() == [0, 8192] and recv.shape == (8192, 1024) and (recv == 1).all()
+
+
 def test_ep_bench_dry_run(tmp_path):
     """The two-GPU script's own code on CPU: spawned ranks, the phases and their messages, the
     EP == alone check, records and the raw log."""

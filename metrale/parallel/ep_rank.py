@@ -42,7 +42,6 @@ class EPRank:
 
     def stop(self) -> None:
         self.lead(StepPlan(self.steps, Command.STOP, [[] for _ in range(self.comm.world_size)]))
-        self.comm.finish()
 
     def follow(self) -> int:
         """Ranks > 0: run plans until STOP; returns the number of steps run."""

@@ -331,7 +331,6 @@ class TPRank:
     def stop(self) -> None:
         plan = StepPlan(self.steps, Command.STOP, [[]])
         broadcast(self.comm, np.concatenate([np.array([LOGITS], np.int32), encode_plan(plan)]))
-        self.comm.finish()
 
     def follow(self) -> int:
         """Ranks > 0: run the broadcast steps until STOP; returns the number of steps run."""
@@ -388,6 +387,7 @@ class TpLeader(Backend):
         if not self.stopped:
             self.stopped = True
             self.rank.stop()
+            self.rank.comm.finish()      # the followers get STOP even if this process exits next
         for proc in self.followers:
             proc.join(timeout=30)
             if proc.is_alive():

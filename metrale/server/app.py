@@ -43,6 +43,11 @@ from metrale.server.protocol import (ApiError, ApiRequest, Fields, bad, chat_mes
 log = logging.getLogger("metrale.server")
 
 DISCONNECT_POLL_S = 0.25   # how often a handler waiting for a whole response checks its client
+# Prompts up to this many characters (or token ids) in all are encoded, and conversations rendered,
+# on the event loop (tens of microseconds); longer ones on a worker thread, which costs a thread
+# hop and a GIL hand-over each and, for a burst of requests, holds every one of them until the last
+# is encoded (docs/server.md, "Admission").
+INLINE_PREP_CHARS = 4096
 
 
 def dumps(obj: Any) -> str:
@@ -204,6 +209,13 @@ class _SSE(StreamingResponse):
             self.run.close()
 
 
+async def _inline_or_thread(size: int, fn, *args):
+    """fn(*args) here when `size` (characters of input) is small, else on a worker thread."""
+    if size <= INLINE_PREP_CHARS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
 def _event(obj: Any) -> str:
     return f"data: {dumps(obj)}\n\n"
 
@@ -335,7 +347,7 @@ class Server:
                             f"scheduler.max_num_seqs ({limit})")
         try:
             params.validate(engine.model_config.vocab_size)
-            ids = await asyncio.to_thread(lambda: [engine.encode_prompt(p) for p in prompts])
+            ids = await _inline_or_thread(sum(map(len, prompts)), lambda: [engine.encode_prompt(p) for p in prompts])
         except InvalidRequestError as exc:
             raise engine_error(str(exc), chat=chat, renames=req.renames) from None
         for prompt_ids in ids:
@@ -438,7 +450,8 @@ class Server:
         messages = chat_messages(body)
         req = sampling_request(body, chat=True, default_max_tokens=None)
         self.check_structured(req)
-        prompt, spec, in_think = await asyncio.to_thread(self.render_chat, messages, body)
+        size = len(repr(messages)) + len(repr(body.get("tools") or ""))
+        prompt, spec, in_think = await _inline_or_thread(size, self.render_chat, messages, body)
         if spec.require and hasattr(req.params, "require_tool_call"):
             req.params.require_tool_call = True      # the engine forces the tool-call start token
         ids = await self.admit([prompt], req, chat=True)
