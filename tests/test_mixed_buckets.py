@@ -103,12 +103,23 @@ def mixed_batch(rng):
     return build_batch(segs, BS)
 
 
-def test_upload_pads_a_mixed_step_to_its_bucket():
+def _grown(b: tuple[int, int, int, int], grow: int) -> tuple[int, int, int, int]:
+    """A bigger bucket of the same token size that holds b's steps (a captured one replayed by a
+    step whose own bucket is b: CudaBackend._captured_holder)."""
+    tb, sb, rb, qb = b
+    return (tb, sb * grow, rb * grow, min(qb * grow, tb))
+
+
+@pytest.mark.parametrize("grow", [1, 2])
+def test_upload_pads_a_mixed_step_to_its_bucket(grow):
+    from metrale.runtime.cuda.buckets import holds
     from metrale.runtime.cuda_backend import Geometry
     batch = mixed_batch(np.random.default_rng(0))
     T, S, R = batch.num_tokens, batch.num_seqs, len(batch.logits_indices)
-    tb, sb, rb, qb = bucket(T, S, R, batch.max_query_len)
-    assert (T, S, R, batch.max_query_len) == (166, 5, 8, 90) and (tb, sb, rb, qb) == (256, 8, 8, 128)
+    own = bucket(T, S, R, batch.max_query_len)
+    assert (T, S, R, batch.max_query_len) == (166, 5, 8, 90) and own == (256, 8, 8, 128)
+    tb, sb, rb, qb = _grown(own, grow)
+    assert holds((tb, sb, rb, qb), own, T, S, R, batch.max_query_len)
     g = Geometry(tb, sb, rb, 0, qb, None, mixed=True)
     h = host_upload(batch, g)
     # the step itself, unchanged
@@ -147,15 +158,17 @@ def test_upload_of_decode_and_eager_geometries_unchanged():
     np.testing.assert_array_equal(h["logits_indices"], batch.logits_indices)
 
 
-def test_padded_attention_leaves_the_step_unchanged():
-    """The NumPy attention reference on the padded layout: the step's rows are those of the
-    unpadded step, padding rows are finite (they read block 0 at position 0)."""
+@pytest.mark.parametrize("grow", [1, 2])
+def test_padded_attention_leaves_the_step_unchanged(grow):
+    """The NumPy attention reference on the padded layout (its own bucket, or a bigger one that
+    holds it): the step's rows are those of the unpadded step, padding rows are finite (they read
+    block 0 at position 0)."""
     from kernels_numba.attention import attention_ref
     from kernels_numba.bf16 import to_bf16_bits
     from metrale.runtime.cuda_backend import Geometry
     rng = np.random.default_rng(2)
     batch = mixed_batch(rng)
-    tb, sb, rb, qb = bucket(batch.num_tokens, batch.num_seqs, len(batch.logits_indices), batch.max_query_len)
+    tb, sb, rb, qb = _grown(bucket(batch.num_tokens, batch.num_seqs, len(batch.logits_indices), batch.max_query_len), grow)
     h = host_upload(batch, Geometry(tb, sb, rb, 0, qb, None, mixed=True))
     hq, hk, hd, nb = 4, 2, 32, int(batch.block_tables.max()) + 2
     kc = to_bf16_bits(rng.standard_normal((nb, BS, hk, hd)))
@@ -277,3 +290,61 @@ def test_a_failed_capture_runs_the_step_eagerly(monkeypatch, caplog):
     assert b.eager_runs == [g, g] and b.graphs[g].warmup == 1 and b.graphs[g].replays == 0
     assert b.mixed_stats["captures"] == 1
     assert sum("capture with no warm-up run failed" in r.message for r in caplog.records) == 1
+
+
+def test_holds_a_step_in_a_bucket_of_its_own_token_size():
+    from metrale.runtime.cuda.buckets import holds
+    own = bucket(1008, 63, 63, 20)                      # 63 prompts of 16 tokens: 16 padding tokens
+    assert own == (1024, 64, 64, 64)
+    assert holds((1024, 128, 128, 64), own, 1008, 63, 63, 20)     # more sequences and rows: padding
+    assert holds((1024, 128, 128, 128), own, 1008, 63, 63, 20)    # a longer query length too
+    assert not holds((2048, 128, 128, 64), own, 1008, 63, 63, 20)  # twice the tokens: not reused
+    assert not holds((1024, 64, 64, 16), own, 1008, 63, 63, 20)    # queries longer than its tiles
+    assert not holds((1024, 32, 64, 64), own, 1008, 63, 63, 20)    # too few sequences
+    assert not holds((1024, 64, 32, 64), own, 1008, 63, 63, 20)    # too few logits rows
+    # room for the padding segments: 700 tokens of 1024 leave 324 padding tokens = 6 segments of 64
+    own = bucket(700, 50, 50, 20)
+    assert holds((1024, 64, 64, 64), own, 700, 58, 58, 20)                # 58 + 6 = 64 sequences
+    assert not holds((1024, 64, 64, 64), own, 700, 59, 59, 20)            # 59 + 6 > 64
+
+
+def _backend_for_geometry():
+    from types import SimpleNamespace
+    from metrale.runtime.cuda_backend import CudaBackend
+    b = object.__new__(CudaBackend)
+    b.max_tokens, b.max_seqs, b.max_rows, b.max_model_len = 2048, 256, 256, 4096
+    b.config, b.family = SimpleNamespace(num_layers=30), SimpleNamespace(layer_prefix=True)
+    b.use_graphs = b.mixed_graphs = True
+    b.prefill_min_tokens, b.graph_sizes, b.mixed_ladder = 64, [1, 2, 4, 8, 16, 32, 64, 128, 256], token_ladder(2048)
+    b.mixed_stats = {"captures": 0, "replays": 0, "evictions": 0, "eager_steps": 0}
+    b.graphs, b._mixed_lru = {}, {}
+    return b
+
+
+def _prompts(n: int, length: int, decode_rows: int = 0):
+    rng = np.random.default_rng(n)
+    segs = [Segment(rng.integers(0, 1000, length).astype(np.int32), 0,
+                    np.arange(i * 4, i * 4 + 2, dtype=np.int32), "last") for i in range(n)]
+    segs += [Segment(np.array([5], np.int32), 20, np.array([n * 4 + 2 * i, n * 4 + 2 * i + 1], np.int32))
+             for i in range(decode_rows)]
+    return build_batch(segs, BS)
+
+
+def test_a_new_bucket_replays_a_captured_one_that_holds_it():
+    """A wave of 63 prompts alone after waves of 63 prompts + 1 decode row (session 19's trace): its
+    own bucket (1024 tokens, 64 seqs) was never captured, the wave's (1024, 128, 128, 64) was, so
+    the step replays that graph instead of capturing its own."""
+    b = _backend_for_geometry()
+    with_decode = _prompts(63, 16, decode_rows=1)
+    g_wave, graphed = b._geometry(with_decode)
+    assert graphed and g_wave.mixed and (g_wave.tokens, g_wave.seqs) == (1024, 128)
+    alone = _prompts(63, 16)
+    g_own, _ = b._geometry(alone)
+    assert (g_own.tokens, g_own.seqs, g_own.rows) == (1024, 64, 64)         # nothing captured yet
+    b.graphs[g_wave] = object()
+    b._mixed_lru[g_wave] = None
+    assert b._geometry(alone)[0] == g_wave                                  # now: the captured one
+    b.graphs[g_own] = object()
+    assert b._geometry(alone)[0] == g_own                                   # its own, once captured
+    twice = _prompts(40, 16)                                                # 640 tokens: its own bucket
+    assert b._geometry(twice)[0].tokens == 1024 and b._geometry(_prompts(20, 16))[0].tokens == 512

@@ -31,7 +31,7 @@ from metrale.models.rope import model_rope
 from metrale.runtime.backend import Backend
 from metrale.runtime.batch import ForwardBatch, Segment, build_batch
 from metrale.runtime.cuda import CudaGraph, DevicePool, Event, Stream, cu, free_device_memory, kv_pool_bytes
-from metrale.runtime.cuda.buckets import MAX_MIXED_GRAPHS, mixed_bucket, padding, token_ladder
+from metrale.runtime.cuda.buckets import MAX_MIXED_GRAPHS, holds, mixed_bucket, padding, token_ladder
 
 log = logging.getLogger("metrale.cuda")
 
@@ -781,9 +781,19 @@ class CudaBackend(Backend):
             b = mixed_bucket(T, S, R, batch.max_query_len, ladder=self.mixed_ladder, max_seqs=self.max_seqs,
                              max_rows=self.max_rows, prefill_min_tokens=self.prefill_min_tokens)
             if b is not None:   # the prefill attention path reads no context length: max_context 0
-                return Geometry(b[0], b[1], b[2], 0, b[3], num_layers, mixed=True), True
+                g = Geometry(b[0], b[1], b[2], 0, b[3], num_layers, mixed=True)
+                return (g if g in self.graphs else self._captured_holder(g, T, S, R, batch.max_query_len) or g), True
             self.mixed_stats["eager_steps"] += 1
         return Geometry(T, S, R, max_ctx, batch.max_query_len, num_layers), False
+
+    def _captured_holder(self, g: Geometry, T: int, S: int, R: int, max_query_len: int) -> Geometry | None:
+        """The smallest captured mixed bucket of g's token bucket that holds the step (more
+        sequences, rows or query length only: their padding is cheap), so that a bucket seen
+        for the first time replays a graph instead of capturing one; None if there is none."""
+        own = (g.tokens, g.seqs, g.rows, g.max_query_len)
+        fits = [h for h in self._mixed_lru if h.num_layers == g.num_layers and h.tokens == g.tokens
+                and holds((h.tokens, h.seqs, h.rows, h.max_query_len), own, T, S, R, max_query_len)]
+        return min(fits, key=lambda h: (h.seqs, h.rows, h.max_query_len), default=None)
 
     def _run(self, g: Geometry) -> None:
         logits = self.family.forward(self.ops_class(self, g), self.weights, self.config, g.num_layers)

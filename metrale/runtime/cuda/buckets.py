@@ -60,6 +60,17 @@ def mixed_bucket(tokens: int, seqs: int, rows: int, max_query_len: int, *, ladde
     return tb, sb, rb, qb
 
 
+def holds(bucket: tuple[int, int, int, int], own: tuple[int, int, int, int], tokens: int, seqs: int,
+          rows: int, max_query_len: int) -> bool:
+    """Whether a step of (tokens, seqs, rows, max_query_len), whose own bucket is `own`, can run
+    padded in another bucket (tokens, seqs, rows, max_query_len): the same token bucket (a bigger
+    one would multiply the step's products), a query length at least the step's, room for the
+    step's rows and for its sequences plus the padding segments of that query length."""
+    tb, sb, rb, qb = bucket
+    return (tb == own[0] and max_query_len <= qb and rows <= rb
+            and seqs + -(-(tb - tokens) // qb) <= sb)
+
+
 def padding(tokens: int, seqs: int, rows: int, g_tokens: int, g_seqs: int, g_rows: int,
             seg_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The padding entries of token_seq [g_tokens - tokens], seq_query_start [g_seqs - seqs] (the
