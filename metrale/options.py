@@ -79,3 +79,11 @@ class StateOptions:
     @classmethod
     def of(cls, cfg) -> "StateOptions":
         return cls(float(cfg.state.norm_bound), max(int(cfg.state.snapshots), 0))
+
+
+def server_options(cfg):
+    """cfg.server as a plain config.ServerConfig: the HTTP handlers read it on every request, and
+    an OmegaConf node costs tens of microseconds an attribute."""
+    from metrale.config import ServerConfig
+    node = cfg.server
+    return node if isinstance(node, ServerConfig) else ServerConfig(**_values(ServerConfig, node))

@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from metrale.options import server_options
 from metrale.outputs import StreamDelta
 from metrale.sampling.params import InvalidRequestError
 from metrale.server.logprobs import CompletionLogprobs, TokenText, chat_content
@@ -233,7 +234,7 @@ class Server:
     or an EngineProcess (the same tokenizer, limits, encode_prompt and driver())."""
 
     def __init__(self, engine, cfg):
-        self.engine, self.cfg, self.scfg = engine, cfg, cfg.server
+        self.engine, self.cfg, self.scfg = engine, cfg, server_options(cfg)
         self.remote = isinstance(engine, EngineProcess) or getattr(engine, "is_remote", False) is True   # replicas.py
         self.loop = engine.driver()          # the engine's loop thread (shared with library callers), or the pipes to it
         self.loop.hold_for_good()
