@@ -204,9 +204,18 @@ class _SSE(StreamingResponse):
         self.run = run
 
     async def __call__(self, scope, receive, send):
+        # One plain task watches for the client's disconnect and aborts the engine requests; their
+        # 'abort' deltas then end the body. Starlette spawns an anyio task group per stream for it
+        # under ASGI 2.3 (uvicorn's), ~0.15 ms more of the server's CPU a request.
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self.run.close()
+        watcher = asyncio.ensure_future(watch())
         try:
-            await super().__call__(scope, receive, send)
+            await self.stream_response(send)
         finally:
+            watcher.cancel()
             self.run.close()
 
 
