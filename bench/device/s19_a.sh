@@ -3,7 +3,7 @@
 # at 64 streams, the loss in TTFT). The server under bench.serve_profile --serve-trace (every poll
 # of the engine process recorded) at 64 clients x 4 requests x TOKENS tokens, for each lever
 # setting in VARIANTS ("name:overrides,comma,separated"), then Engine.generate at batch 64 on the
-# same prompts. Traces and JSON in $OUT/s19/.
+# same prompts; then 1 stream and batch 1 the same way. Traces and JSON in $OUT/s19/.
 #   bash bench/device/s19_a.sh     (carry .whl: the base and the server wheels; TESTS="tests/gpu/..." adds GPU tests)
 #   python -m bench.wave_timeline $OUT/s19/default.txt.jsonl $OUT/s19/timeline_default.json  (here, after)
 source "$(dirname "$0")/common.sh"
@@ -24,6 +24,7 @@ for v in ${VARIANTS:-default:}; do
   load 64 64 32 > /dev/null
   load 1 2 32 > /dev/null
   load 64 256 $TOKENS --server-pid $SPID --json $RES/serve_$name.json --timeline $RES/timeline_$name.json
+  load 1 4 $TOKENS --server-pid $SPID --json $RES/serve_${name}_1.json
   kill -TERM $SPID; wait $SPID
   for i in $(seq 1 20); do [ -s $RES/$name.txt ] && break; sleep 1; done
   head -1 $RES/$name.txt
@@ -35,11 +36,12 @@ from bench.loadtest import run_library, summarize
 from metrale import Engine
 model, tokens, res, device = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 engine = Engine(model=model, device=device)
-run_library(engine, clients=64, requests=64, max_tokens=32, prompt_words=16)
-stats, wall = run_library(engine, clients=64, requests=256, max_tokens=tokens, prompt_words=16)
-s = summarize(stats, wall)
-print(f"--- library, batch 64: {s['out_tok_per_s']:.0f} tok/s ({s['requests']} requests in {wall:.2f} s)")
-json.dump({"clients": 64, "library": True, **s}, open(f"{res}/library_64.json", "w"), indent=1)
+for clients in (64, 1):
+    run_library(engine, clients=clients, requests=clients, max_tokens=32, prompt_words=16)
+    stats, wall = run_library(engine, clients=clients, requests=4 * clients, max_tokens=tokens, prompt_words=16)
+    s = summarize(stats, wall)
+    print(f"--- library, batch {clients}: {s['out_tok_per_s']:.0f} tok/s ({s['requests']} requests in {wall:.2f} s)")
+    json.dump({"clients": clients, "library": True, **s}, open(f"{res}/library_{clients}.json", "w"), indent=1)
 PY
 
 if [ -n "${TESTS:-}" ]; then
