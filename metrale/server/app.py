@@ -622,6 +622,44 @@ class Server:
         return {"object": "list", "data": [card]}
 
 
+# The routes whose handlers return a Response and that carry the engine's load: served by
+# _EnginePosts past FastAPI's routing and middleware (~0.15 ms of the server's CPU a request).
+ENGINE_POSTS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
+
+
+async def _error_response(_request: Request | None, exc: Exception) -> Response:
+    """How any route answers an exception its handler raised (the app's exception handlers)."""
+    if isinstance(exc, ApiError):
+        return JSONResponse(exc.body(), exc.status)
+    if isinstance(exc, ClientGone):
+        return Response(status_code=499)     # nobody reads it; the engine requests are aborted
+    if isinstance(exc, StarletteHTTPException):
+        err = ApiError(exc.status_code, str(exc.detail), None,
+                       "not_found_error" if exc.status_code == 404 else "invalid_request_error")
+        return JSONResponse(err.body(), exc.status_code, headers=getattr(exc, "headers", None))
+    log.exception("request failed", exc_info=exc)
+    return JSONResponse(ApiError(500, f"{type(exc).__name__}: {exc}", None, "server_error").body(), 500)
+
+
+class _EnginePosts:
+    """ASGI middleware: a POST to one of `routes` goes straight to its handler, its exceptions
+    answered by _error_response; anything else goes on to the app."""
+
+    def __init__(self, app, routes: dict):
+        self.app, self.routes = app, routes
+
+    async def __call__(self, scope, receive, send):
+        handle = self.routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if handle is None:
+            return await self.app(scope, receive, send)
+        request = Request(scope, receive)
+        try:
+            response = await handle(request)
+        except Exception as exc:  # noqa: BLE001 - answered as the app's exception handlers answer
+            response = await _error_response(request, exc)
+        await response(scope, receive, send)
+
+
 def _post_route(handle):
     """A POST route that hands the raw request to `handle` (bodies are checked by hand: protocol.py)."""
     async def route(request: Request):
@@ -648,24 +686,8 @@ def create_app(engine, cfg=None) -> FastAPI:
     app.state.server = server
     app.state.engine_loop = server.loop
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_request: Request, exc: ApiError):
-        return JSONResponse(exc.body(), exc.status)
-
-    @app.exception_handler(ClientGone)
-    async def _client_gone(_request: Request, _exc: ClientGone):
-        return Response(status_code=499)     # nobody reads it; the engine requests are aborted
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, exc: StarletteHTTPException):
-        err = ApiError(exc.status_code, str(exc.detail), None,
-                       "not_found_error" if exc.status_code == 404 else "invalid_request_error")
-        return JSONResponse(err.body(), exc.status_code, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_request: Request, exc: Exception):
-        log.exception("request failed")
-        return JSONResponse(ApiError(500, f"{type(exc).__name__}: {exc}", None, "server_error").body(), 500)
+    for kind in (ApiError, ClientGone, StarletteHTTPException, Exception):
+        app.add_exception_handler(kind, _error_response)
 
     posts = {"/v1/completions": server.completions, "/v1/chat/completions": server.chat,
              "/v1/messages": lambda r: anthropic_api.messages(server, r),
@@ -674,6 +696,7 @@ def create_app(engine, cfg=None) -> FastAPI:
     for path, handle in posts.items():
         app.add_api_route(path, _post_route(handle), methods=["POST"], name=path.strip("/").replace("/", "_"),
                           openapi_extra=openapi_extra(path))
+    app.add_middleware(_EnginePosts, routes={path: posts[path] for path in ENGINE_POSTS})
 
     @app.get("/v1/models")
     async def models():
