@@ -13,7 +13,8 @@ import sys
 import numpy as np
 import pytest
 
-from metrale.models.tokenizer import IncrementalDecoder, StreamDecoder, Tokenizer, read_gguf_fields
+from metrale.models.tokenizer import (ByteLevelDecoder, IncrementalDecoder, StreamDecoder, Tokenizer,
+                                     read_gguf_fields)
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 _GGUF = sorted(
@@ -262,9 +263,11 @@ def test_feed_bulk_equals_feeding_one_by_one(tok):
         assert outs[0][0] == outs[1][0] == outs[1][1] == outs[0][1]
 
 
-def test_stream_decoder_gives_the_python_decoders_pieces(tok):
-    """StreamDecoder (tokenizers' DecodeStream, what Tokenizer.incremental_decoder returns) emits
-    the pieces IncrementalDecoder (the Python window algorithm) emits, token by token and at flush:
+@pytest.mark.parametrize("kind", ["stream", "byte_level"])
+def test_stream_decoder_gives_the_python_decoders_pieces(tok, kind):
+    """StreamDecoder (tokenizers' DecodeStream) and ByteLevelDecoder (the ids' bytes: what
+    Tokenizer.incremental_decoder returns for a ByteLevel tokenizer such as SmolLM2's) emit the
+    pieces IncrementalDecoder (the Python window algorithm) emits, token by token and at flush:
     multi-byte characters, random byte-level ids, special tokens kept or skipped, a long prompt, a
     prompt that ends mid-character, and feeding again after a flush."""
     texts = ["emoji: 🙂👍🏽🇫🇷 done 👩‍👩‍👧!", "中文：你好世界 naïve café", "Paris.<|im_end|>\nok", " leading  spaces\t\n"]
@@ -276,10 +279,19 @@ def test_stream_decoder_gives_the_python_decoders_pieces(tok):
     x = tok.encode("x 你好 y")
     cut = next(k for k in range(1, len(x)) if tok.decode(x[:k]).endswith("\ufffd"))
     cases.append((x[:cut], x[cut:]))
-    assert isinstance(tok.incremental_decoder(), StreamDecoder)
+    special = sorted(tok.special_token_ids)
+    cases += [((), rng.choice(special + rng.integers(0, tok.vocab_size, 8).tolist(), 30).tolist()) for _ in range(8)]
+    high = [i for i in range(tok.vocab_size) if tok.backend.id_to_token(i) and ord(tok.backend.id_to_token(i)[0]) > 0xff]
+    cases += [((), rng.choice(high, 30).tolist()) for _ in range(8)]     # bytes >= 0x80: broken UTF-8 runs
+    assert isinstance(tok.incremental_decoder(), ByteLevelDecoder)
+
+    def make(prompt, skip):
+        if kind == "stream":
+            return StreamDecoder(tok, prompt, skip)
+        return ByteLevelDecoder(tok, prompt, skip, tok.token_bytes(skip))
     for skip in (True, False):
         for prompt, ids in cases:
-            want, got = IncrementalDecoder(tok, prompt, skip), StreamDecoder(tok, prompt, skip)
+            want, got = IncrementalDecoder(tok, prompt, skip), make(prompt, skip)
             half = len(ids) // 2
             w = [want.feed(i) for i in ids[:half]] + [want.flush()] + [want.feed(i) for i in ids[half:]] + [want.flush()]
             g = [got.feed(i) for i in ids[:half]] + [got.flush()] + [got.feed(i) for i in ids[half:]] + [got.flush()]
@@ -299,6 +311,7 @@ def test_stream_decoder_on_a_byte_fallback_tokenizer():
               "tokenizer.ggml.token_type": [2, 3, 3] + [1] * len(pieces) + [6] * 256,
               "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0}
     tk = Tokenizer.from_gguf(fields)
+    assert tk.token_bytes() is None and isinstance(tk.incremental_decoder(), StreamDecoder)   # not ByteLevel
     emoji = tk.encode("\U0001F600")
     cases = [(tk.encode("ab "), emoji + [3 + len(pieces) + 0xE4] + tk.encode("a"))]   # the reproduction
     rng = np.random.default_rng(2)
