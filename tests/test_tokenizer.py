@@ -432,3 +432,17 @@ def test_from_pretrained_dir(tmp_path):
 def test_from_pretrained_dir_missing(tmp_path):
     with pytest.raises(FileNotFoundError):
         Tokenizer.from_pretrained_dir(tmp_path)
+
+
+def test_token_bytes_are_not_pickled(tok):
+    """The engine process pickles its tokenizer to the server: the id -> bytes tables (MBs) stay
+    out of it and are rebuilt on use, with the same pieces."""
+    import pickle
+    before = len(pickle.dumps(tok))
+    table = tok.token_bytes(True)
+    assert table is not None and len(pickle.dumps(tok)) == before
+    again = pickle.loads(pickle.dumps(tok))
+    ids = tok.encode("emoji: 🙂 中文 <|im_end|> ok")
+    dec = again.incremental_decoder()
+    assert isinstance(dec, ByteLevelDecoder)
+    assert "".join(dec.feed(i) for i in ids) + dec.flush() == tok.decode(ids, skip_special_tokens=True)

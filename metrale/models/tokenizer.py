@@ -380,6 +380,11 @@ class Tokenizer:
             return None
         return tables[bool(skip_special_tokens)]
 
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_token_bytes", None)   # rebuilt where it is needed (~0.2 s), not pickled (MBs)
+        return state
+
     @functools.cached_property
     def _token_bytes(self) -> tuple[list[bytes], list[bytes]] | None:
         if type(self._tk.decoder) is not decoders.ByteLevel:
