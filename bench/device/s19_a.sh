@@ -30,19 +30,10 @@ for v in ${VARIANTS:-default:}; do
   head -1 $RES/$name.txt
 done
 stamp "library"
-timeout 200 python3 - "$MODEL" "$TOKENS" "$RES" "${DEVICE:-cuda}" <<'PY'
-import json, sys
-from bench.loadtest import run_library, summarize
-from metrale import Engine
-model, tokens, res, device = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-engine = Engine(model=model, device=device)
-for clients in (64, 1):
-    run_library(engine, clients=clients, requests=clients, max_tokens=32, prompt_words=16)
-    stats, wall = run_library(engine, clients=clients, requests=4 * clients, max_tokens=tokens, prompt_words=16)
-    s = summarize(stats, wall)
-    print(f"--- library, batch {clients}: {s['out_tok_per_s']:.0f} tok/s ({s['requests']} requests in {wall:.2f} s)")
-    json.dump({"clients": clients, "library": True, **s}, open(f"{res}/library_{clients}.json", "w"), indent=1)
-PY
+for c in 64 1; do      # bench.loadtest's library mode: Engine.generate on the same prompts, c at a time
+  timeout 150 python3 -m bench.loadtest --library model=$MODEL device=${DEVICE:-cuda} --clients $c \
+      --requests $((c * 4)) --max-tokens $TOKENS --prompt-words 16 --json $RES/library_$c.json 2>&1 | head -1
+done
 
 if [ -n "${TESTS:-}" ]; then
   stamp "GPU tests: $TESTS"
