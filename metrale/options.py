@@ -83,7 +83,7 @@ class StateOptions:
 
 def server_options(cfg):
     """cfg.server as a plain config.ServerConfig: the HTTP handlers read it on every request, and
-    an OmegaConf node costs tens of microseconds an attribute."""
+    an OmegaConf node's attribute reads are slow (docs/server.md, "Server CPU per request")."""
     from metrale.config import ServerConfig
     node = cfg.server
     return node if isinstance(node, ServerConfig) else ServerConfig(**_values(ServerConfig, node))

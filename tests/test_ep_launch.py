@@ -143,7 +143,7 @@ def _send_and_exit(boxes, rows: int) -> None:
 
 def test_last_collective_survives_the_exit_after_finish():
     """A rank's last pieces are written by its queue's feeder thread after all_to_all_v returns:
-    os._exit right after would drop them (the STOP that CI's TP run lost; rank 1 waited 120 s).
+    os._exit right after would drop them (a tensor-parallel run's STOP was lost that way).
     finish() returns once they have left: all 32 MB arrive."""
     import multiprocessing as mp
     ctx = mp.get_context("spawn")

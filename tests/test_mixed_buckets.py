@@ -331,9 +331,9 @@ def _prompts(n: int, length: int, decode_rows: int = 0):
 
 
 def test_a_new_bucket_replays_a_captured_one_that_holds_it():
-    """A wave of 63 prompts alone after waves of 63 prompts + 1 decode row (session 19's trace): its
-    own bucket (1024 tokens, 64 seqs) was never captured, the wave's (1024, 128, 128, 64) was, so
-    the step replays that graph instead of capturing its own."""
+    """A wave of 63 prompts alone after waves of 63 prompts + 1 decode row (docs/performance.md's
+    served-wave trace): its own bucket (1024 tokens, 64 seqs) was never captured, the wave's
+    (1024, 128, 128, 64) was, so the step replays that graph instead of capturing its own."""
     b = _backend_for_geometry()
     with_decode = _prompts(63, 16, decode_rows=1)
     g_wave, graphed = b._geometry(with_decode)

@@ -382,7 +382,7 @@ class Tokenizer:
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state.pop("_token_bytes", None)   # rebuilt where it is needed (~0.2 s), not pickled (MBs)
+        state.pop("_token_bytes", None)   # large: rebuilt where it is used, not sent along
         return state
 
     @functools.cached_property
@@ -812,7 +812,7 @@ class ByteLevelDecoder(IncrementalDecoder):
     """IncrementalDecoder's contract for a ByteLevel tokenizer from its ids' bytes
     (Tokenizer.token_bytes): the window algorithm's pieces, since the emitted text always ends on
     a whole character: the bytes since the last piece, read as UTF-8, are the next piece once they
-    are non-empty and do not end in U+FFFD (~0.5 us a token; DecodeStream ~3-5)."""
+    are non-empty and do not end in U+FFFD (its cost beside DecodeStream's: docs/server.md)."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool,
                  table: list[bytes]):
@@ -827,14 +827,11 @@ class ByteLevelDecoder(IncrementalDecoder):
             return b""
 
     def feed(self, token_id: int) -> str:
-        token_id = int(token_id)
-        self.ids.append(token_id)
         self._pending += self._bytes(token_id)
         piece = self._pending.decode("utf-8", "replace")
         if not piece or piece.endswith("\ufffd"):
             return ""
         self._pending = b""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += piece
         return piece
 
@@ -844,7 +841,6 @@ class ByteLevelDecoder(IncrementalDecoder):
     def flush(self) -> str:
         piece = self._pending.decode("utf-8", "replace")
         self._pending = b""
-        self.prefix_offset = self.read_offset = len(self.ids)
         self.text += piece
         return piece
 

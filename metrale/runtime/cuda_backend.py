@@ -791,7 +791,7 @@ class CudaBackend(Backend):
         sequences, rows or query length only: their padding is cheap), so that a bucket seen
         for the first time replays a graph instead of capturing one; None if there is none."""
         own = (g.tokens, g.seqs, g.rows, g.max_query_len)
-        fits = [h for h in self._mixed_lru if h.num_layers == g.num_layers and h.tokens == g.tokens
+        fits = [h for h in self._mixed_lru if h.num_layers == g.num_layers
                 and holds((h.tokens, h.seqs, h.rows, h.max_query_len), own, T, S, R, max_query_len)]
         return min(fits, key=lambda h: (h.seqs, h.rows, h.max_query_len), default=None)
 
@@ -813,23 +813,25 @@ class CudaBackend(Backend):
                 self._mixed_used(g, captured=False)
         elif g.mixed:
             self._first_mixed_step(g)
-        else:  # first use: the warm-up run computes this step, then the graph is captured
-            self.graphs[g] = CudaGraph.capture(self.stream, lambda: self._run(g), warmup=1)
-            if g.mixed:
-                self._mixed_used(g, captured=True)
+        else:
+            self._capture_after_warmup(g)
         return g
+
+    def _capture_after_warmup(self, g: Geometry) -> None:
+        """First use of a geometry: an eager warm-up run computes the step, then its graph is captured."""
+        self.graphs[g] = CudaGraph.capture(self.stream, lambda: self._run(g), warmup=1)
+        if g.mixed:
+            self._mixed_used(g, captured=True)
 
     def _first_mixed_step(self, g: Geometry) -> None:
         """A mixed bucket not captured yet. Once its kernels are compiled (warm_mixed at start-up,
         or an eager step of the bucket before), it is captured with no eager warm-up and replayed:
         its first step costs one capture, and every later one a replay. Before that it runs
         eagerly. A capture that fails (something compiled or allocated inside it) runs the step
-        eagerly, and the bucket's next step is captured after an eager warm-up run, as graphs of
-        decode steps are."""
+        eagerly, and the bucket's next step is captured after an eager warm-up run, as decode
+        steps are."""
         if g in self._mixed_capture_failed:
-            self.graphs[g] = CudaGraph.capture(self.stream, lambda: self._run(g), warmup=1)
-            self._mixed_used(g, captured=True)
-            return
+            return self._capture_after_warmup(g)
         if g in self._mixed_seen or self._mixed_compiled:
             try:
                 graph = CudaGraph.capture(self.stream, lambda: self._run(g), warmup=0)

@@ -45,9 +45,8 @@ log = logging.getLogger("metrale.server")
 
 DISCONNECT_POLL_S = 0.25   # how often a handler waiting for a whole response checks its client
 # Prompts up to this many characters (or token ids) in all are encoded, and conversations rendered,
-# on the event loop (tens of microseconds); longer ones on a worker thread, which costs a thread
-# hop and a GIL hand-over each and, for a burst of requests, holds every one of them until the last
-# is encoded (docs/server.md, "Admission").
+# on the event loop; longer ones on a worker thread, whose hop and GIL hand-overs would otherwise
+# hold a burst of requests until the last is encoded (docs/server.md, "Admission").
 INLINE_PREP_CHARS = 4096
 
 
@@ -205,8 +204,8 @@ class _SSE(StreamingResponse):
 
     async def __call__(self, scope, receive, send):
         # One plain task watches for the client's disconnect and aborts the engine requests; their
-        # 'abort' deltas then end the body. Starlette spawns an anyio task group per stream for it
-        # under ASGI 2.3 (uvicorn's), ~0.15 ms more of the server's CPU a request.
+        # 'abort' deltas then end the body. (Starlette spawns an anyio task group per stream for it
+        # under uvicorn's ASGI 2.3: docs/server.md, "Server CPU per request".)
         async def watch() -> None:
             while (await receive())["type"] != "http.disconnect":
                 pass
@@ -623,7 +622,7 @@ class Server:
 
 
 # The routes whose handlers return a Response and that carry the engine's load: served by
-# _EnginePosts past FastAPI's routing and middleware (~0.15 ms of the server's CPU a request).
+# _EnginePosts past FastAPI's routing and middleware (docs/server.md, "Server CPU per request").
 ENGINE_POSTS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
 
 

@@ -52,7 +52,7 @@ def mixed_bucket(tokens: int, seqs: int, rows: int, max_query_len: int, *, ladde
         return None
     tb = next(s for s in ladder if s >= tokens)
     qb = min(pow2_at_least(max(max_query_len, prefill_min_tokens)), tb)
-    need = seqs + -(-(tb - tokens) // qb)
+    need = padded_seqs(tokens, seqs, tb, qb)
     if need > max_seqs:
         return None
     sb = min(pow2_at_least(need), max_seqs)
@@ -67,8 +67,13 @@ def holds(bucket: tuple[int, int, int, int], own: tuple[int, int, int, int], tok
     one would multiply the step's products), a query length at least the step's, room for the
     step's rows and for its sequences plus the padding segments of that query length."""
     tb, sb, rb, qb = bucket
-    return (tb == own[0] and max_query_len <= qb and rows <= rb
-            and seqs + -(-(tb - tokens) // qb) <= sb)
+    return tb == own[0] and max_query_len <= qb and rows <= rb and padded_seqs(tokens, seqs, tb, qb) <= sb
+
+
+def padded_seqs(tokens: int, seqs: int, g_tokens: int, seg_len: int) -> int:
+    """A step's sequences plus the padding segments (at most seg_len tokens each) that fill it up
+    to g_tokens."""
+    return seqs + -(-(g_tokens - tokens) // seg_len)
 
 
 def padding(tokens: int, seqs: int, rows: int, g_tokens: int, g_seqs: int, g_rows: int,
