@@ -1,9 +1,12 @@
 """Aggregate offline throughput of 1 vs N engine replicas on Ray Serve (issue 25 target: 2 replicas
 >= 1.8x one). Every request is sent at once through the ingress's RayLoop (the router, the Ray
-streaming calls and the replicas; no HTTP), and output tokens / wall time is the figure.
+streaming calls and the replicas; no HTTP), and output tokens / wall time is the figure, with
+peak host memory: the summed RSS of this process's tree (the local Ray cluster: GCS, raylet,
+workers, replicas; bench/hostmem.py) and each replica's own peak RSS.
 
     python -m bench.ray_replicas                                # CPU: fake engine, 20 ms a step
     python -m bench.ray_replicas --step-ms 20 --requests 128 --max-tokens 64 --max-num-seqs 16
+    python -m bench.ray_replicas --real model=tiny-shape device=cpu levers.cpu_threads=1   # real engine, CPU
     python -m bench.ray_replicas --real device=cuda model=smollm2-135m   # the real engine, one GPU a replica
 
 The fake engine (tests/fake_model.py) sleeps --step-ms in each forward, so one replica's steps
@@ -22,6 +25,8 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
+
+from bench.hostmem import TreeMemory, peak_rss_mb
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,6 +76,7 @@ def run(n: int, args, overrides: list[str], build) -> dict:
     cfg = compose(overrides + [f"server.replicas={n}", f"server.replica_cpus={args.replica_cpus}",
                                "server.engine_process=false"])
     t0 = time.perf_counter()
+    mem = TreeMemory().__enter__()          # this process's tree: the local cluster and its replicas
     rs = ReplicaSet.start(cfg, build)
     up = time.perf_counter() - t0
     try:
@@ -82,13 +88,17 @@ def run(n: int, args, overrides: list[str], build) -> dict:
             await _offline(rs, prompts[:max(2, n * 2)], 4)                  # warm-up
             return await _offline(rs, prompts, args.max_tokens)
         out = asyncio.run(both())
+        out["replica_peak_rss_mb"] = [round(peak_rss_mb(r.pid), 1) for r in rs.replicas]
     finally:
+        mem.__exit__(None, None, None)
         rs.close()
         for i in range(n):
             serve.delete(f"metrale-engine-{i}")         # their CPUs / GPUs for the next run
-    out.update(replicas=n, start_s=up)
+    out.update(replicas=n, start_s=up, **mem.summary())
     print(f"[ray_replicas] {n} replica(s): {out['tok_per_s']:.0f} tok/s ({out['tokens']} tokens in "
-          f"{out['wall_s']:.2f} s; requests per replica {out['per_replica']}; up in {up:.1f} s)", file=sys.stderr)
+          f"{out['wall_s']:.2f} s; requests per replica {out['per_replica']}; up in {up:.1f} s; peak RSS: "
+          f"process tree {out['peak_tree_rss_mb']:.0f} MB, replicas {out['replica_peak_rss_mb']} MB, host used "
+          f"+{out['peak_host_added_mb']:.0f} MB)", file=sys.stderr)
     return out
 
 
@@ -129,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         r["ratio"] = r["tok_per_s"] / base
     setup = {k: v for k, v in vars(args).items() if k != "json"} | {"overrides": overrides}
     print(json.dumps({"setup": setup, "results": results}, indent=1))
-    print(" | ".join(f"{r['replicas']} replica(s): {r['tok_per_s']:.0f} tok/s ({r['ratio']:.2f}x)" for r in results))
+    print(" | ".join(f"{r['replicas']} replica(s): {r['tok_per_s']:.0f} tok/s ({r['ratio']:.2f}x), peak tree RSS "
+                     f"{r['peak_tree_rss_mb']:.0f} MB" for r in results))
     if args.json:
         Path(args.json).write_text(json.dumps({"setup": setup, "results": results}, indent=1))
     return 0

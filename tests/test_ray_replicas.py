@@ -1,14 +1,15 @@
 """Engine replicas on Ray Serve (metrale/server/replicas.py, issue 25 item 2).
 
-The router is tested on its own; the Ray part runs as ONE test (one local cluster: 2 CPUs, no
-dashboard, loopback, bounded waits), so pytest-xdist cannot split it over workers that would each
-start a cluster. First the Ray Serve app (build_app: the ingress deployment and 2 engine
-deployments behind Serve's HTTP proxy on a loopback port); then 2 replicas of the fake engine
-(tests/fake_model.py, 5 ms a step) behind the app as `serve server.replicas=2` runs it (create_app
-around a ReplicaSet, uvicorn on a loopback port): streaming completions and chat give
-the fake model's tokens, prompts sharing a prefix go to one replica, load spreads over both,
-killing a replica's actor mid-stream ends that stream with an error naming it while the other
-replica serves, and once Ray Serve has restarted it requests to it succeed again.
+The router and the no-Ray error are tested on their own; the Ray part runs as ONE test (one local
+cluster: 2 CPUs, no dashboard, loopback, bounded waits), so pytest-xdist cannot split it over
+workers that would each start a cluster; it skips when Ray Serve is not installed. First the Ray
+Serve app (build_app: the ingress deployment and 2 engine deployments behind Serve's HTTP proxy on
+a loopback port); then 2 replicas of the fake engine (tests/fake_model.py, 5 ms a step) behind the
+app as `serve server.replicas=2` runs it (create_app around a ReplicaSet, uvicorn on a loopback
+port): streamed completions and chat give the fake model's tokens and the same text as not
+streamed, prompts sharing a prefix go to one replica, load spreads over both, killing a replica's
+actor with 4 streams in flight over both ends each with its whole output or one error naming the
+replica while the other replica serves, and once Ray Serve has restarted it requests to it succeed.
 """
 from __future__ import annotations
 
@@ -57,6 +58,34 @@ def test_router_falls_back_to_the_least_loaded():
     # short prompts (under a block) and ties spread round robin
     picks = {r.choose([7], [0, 0], [True, True])[0] for _ in range(4)}
     assert picks == {0, 1}
+
+
+def test_replicas_without_ray_say_how_to_install_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)             # `import ray` raises ImportError
+    monkeypatch.setitem(sys.modules, "ray.serve", None)
+    from metrale.server.serve import main
+    assert main(["server.replicas=2", "server.port=0"]) == 2
+    err = capsys.readouterr().err
+    assert "server.replicas needs Ray Serve" in err and "pip install 'metrale[ray]'" in err, err
+    assert "Traceback" not in err
+
+
+def test_tree_memory_counts_a_child_process():
+    """bench/hostmem.py (bench/ray_replicas.py's peak memory): a child holding ~64 MB shows in the tree's peak."""
+    import subprocess
+    from bench.hostmem import TreeMemory, peak_rss_mb, tree
+    code = "import sys; b = b'x' * (64 << 20); sys.stdout.write('ready\\n'); sys.stdout.flush(); sys.stdin.read()"
+    with TreeMemory(period_s=0.02) as mem:
+        alone = mem.peak_tree_mb
+        child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        try:
+            assert child.stdout.readline() == b"ready\n"
+            assert child.pid in tree(os.getpid())
+            mem.sample()
+            assert peak_rss_mb(child.pid) > 60
+        finally:
+            child.communicate(timeout=10)
+    assert mem.peak_tree_mb > alone + 60, mem.summary()
 
 
 # --------------------------------------------------------------------------- the cluster
@@ -159,9 +188,15 @@ def test_two_replicas_on_a_local_ray_cluster():
                                    {"messages": [{"role": "user", "content": "a chat"}], "max_tokens": 5,
                                     "temperature": 0})
             assert (text, errors) == (_tokens("a chat", 5), [])
-            whole = client.post("/v1/completions", json={"prompt": "not streamed", "max_tokens": 4,
-                                                         "temperature": 0}).json()
-            assert whole["choices"][0]["text"] == _tokens("not streamed", 4)
+            # the same requests not streamed give the same text
+            for url, body in (("/v1/completions", {"prompt": "hello replicas", "max_tokens": 6}),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a chat"}],
+                                                        "max_tokens": 5})):
+                streamed, errors = _stream(client, url, {**body, "temperature": 0})
+                whole = client.post(url, json={**body, "temperature": 0}, timeout=30)
+                assert whole.status_code == 200, whole.text
+                choice = whole.json()["choices"][0]
+                assert (choice.get("text") or choice["message"]["content"], errors) == (streamed, [])
 
             # a shared prefix (3 blocks of 4 tokens) goes to the replica that served it
             for prefix in ("The quick brown fox ", "Lorem ipsum dolor sit "):
@@ -190,25 +225,42 @@ def test_two_replicas_on_a_local_ray_cluster():
             assert 'metrale_replica_requests_total{replica="0"}' in metrics
             assert 'metrale_requests_total{finish_reason="length",replica="1"}' in metrics
 
-            # kill a replica mid-stream: that stream ends with an error naming it, nothing hangs
-            seen = threading.Event()
-            got: dict = {}
+            # kill a replica with 4 streams in flight over both: each ends with its whole output
+            # or one error naming the killed replica, nothing hangs
+            outs: list = [None] * 4
+            going = [threading.Event() for _ in outs]
+            ended = [0.0] * len(outs)
+            long_prompts = [f"{k} long one" for k in range(4)]   # no shared block: spread by load
 
-            def long_stream() -> None:
-                got["out"] = _stream(client, "/v1/completions", {"prompt": "a long one", "max_tokens": 3000},
-                                     on_chunk=lambda text: seen.set() if len(text) > 20 else None, timeout=60)
-            t = threading.Thread(target=long_stream)
-            t.start()
-            assert seen.wait(30), "the long stream produced nothing"
-            victim = next(r for r in rs.replicas if r.in_flight)
+            def long_stream(k: int) -> None:
+                outs[k] = _stream(client, "/v1/completions", {"prompt": long_prompts[k], "max_tokens": 200,
+                                                              "temperature": 0},
+                                  on_chunk=lambda text: going[k].set() if len(text) > 20 else None, timeout=60)
+                ended[k] = time.monotonic()
+            threads = [threading.Thread(target=long_stream, args=(k,)) for k in range(4)]
+            for t in threads:
+                t.start()
+            assert all(e.wait(30) for e in going), "the long streams produced nothing"
+            assert all(r.in_flight for r in rs.replicas), [r.in_flight for r in rs.replicas]
+            victim = max(rs.replicas, key=lambda r: r.in_flight)
+            lost = victim.in_flight
             killed_at = time.monotonic()
             ray.kill(ray.get_actor(victim.actor, namespace="serve"))
-            t.join(30)
-            assert not t.is_alive(), "the stream of the killed replica did not end"
+            for t in threads:
+                t.join(45)
+            assert not any(t.is_alive() for t in threads), "a stream did not end after the kill"
             ended_s = time.monotonic() - killed_at
-            text, errors = got["out"]
-            assert len(errors) == 1 and f"engine replica {victim.index} died" in errors[0]["message"], errors
-            assert errors[0]["type"] == "server_error"
+            failed, lost_s = 0, 0.0
+            for prompt, (text, errors), end in zip(long_prompts, outs, ended):
+                whole = _tokens(prompt, 200)
+                if errors:
+                    failed += 1
+                    lost_s = max(lost_s, end - killed_at)
+                    assert len(errors) == 1 and f"engine replica {victim.index} died" in errors[0]["message"], errors
+                    assert errors[0]["type"] == "server_error" and whole.startswith(text)
+                else:
+                    assert text == whole
+            assert 1 <= failed <= lost, (failed, lost)         # one may have finished just before the kill
             # meanwhile the other replica serves
             for k in range(3):
                 text, errors = _stream(client, "/v1/completions", {"prompt": f"during restart {k}", "max_tokens": 3,
@@ -219,13 +271,14 @@ def test_two_replicas_on_a_local_ray_cluster():
             restarted_s = time.monotonic() - killed_at
             served = victim.served
             for k in range(4):
-                text, errors = _stream(client, "/v1/completions", {"prompt": f"after restart {k}", "max_tokens": 3,
+                text, errors = _stream(client, "/v1/completions", {"prompt": f"{k} after restart", "max_tokens": 3,
                                                                    "temperature": 0})
-                assert (text, errors) == (_tokens(f"after restart {k}", 3), [])
+                assert (text, errors) == (_tokens(f"{k} after restart", 3), [])
             assert victim.served > served
             assert client.get("/health").status_code == 200
-            print(f"\n[ray replicas] serve-run app checked at {app_s:.1f} s; 2 more replicas up at {started:.1f} s; killed stream ended in "
-                  f"{ended_s:.2f} s; replica back in {restarted_s:.1f} s; total {time.monotonic() - t0:.1f} s",
+            print(f"\n[ray replicas] serve-run app checked at {app_s:.1f} s; 2 more replicas up at {started:.1f} s; "
+                  f"{failed} streams lost, ended {lost_s:.2f} s after the kill (all 4: {ended_s:.2f} s); "
+                  f"replica back in {restarted_s:.1f} s; total {time.monotonic() - t0:.1f} s",
                   file=sys.stderr)
     finally:
         if rs is not None:

@@ -1,5 +1,6 @@
-"""Engine replicas on Ray Serve (issue 25 item 2; docs/server.md, "Replicas"): N engines, each on
-its own Ray Serve replica with its own devices (or CPU), behind one OpenAI-compatible ingress.
+"""Engine replicas on Ray Serve (issue 25 item 2; docs/server.md, "Replicas on Ray Serve"): N
+engines, each on its own Ray Serve replica with its own devices (or CPU), behind one
+OpenAI-compatible ingress.
 
     python -m metrale serve server.replicas=2        # uvicorn here (serve.py, create_app) + 2 Ray
                                                      # Serve apps metrale-engine-0/1 (one replica each)
