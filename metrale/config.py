@@ -50,11 +50,12 @@ class Levers:
                                          # faster, less exact: docs/cpu.md)
                                          # or float32 ones (the reference's arithmetic); auto: q8 where the CPU
                                          # has AVX-512 VNNI or AVX2, else f32 (docs/cpu.md)
-    weights: str = "bf16"                # bf16 | native: on CUDA, GGUF block-quantized matrices are dequantized to
-                                         # bf16 at load, or stay in their blocks on the device (quantized GEMV up to
-                                         # 8 rows, bf16 dequantized into a scratch beyond; docs/quant.md; native
-                                         # becomes the default once its GPU tests have run). Other checkpoints and
-                                         # device=cpu (levers.cpu_kernels) unaffected
+    weights: str = "bf16"                # bf16 | native: on CUDA, GGUF block-quantized matrices (and an FP8 e4m3
+                                         # safetensors checkpoint's) are dequantized to bf16 at load, or stay in
+                                         # their blocks / FP8 bytes on the device (quantized GEMV up to 8 rows, bf16
+                                         # dequantized into a scratch beyond; docs/quant.md; native becomes the
+                                         # default once its GPU tests have run). Other checkpoints and device=cpu
+                                         # (levers.cpu_kernels; FP8 dequantized at load) unaffected
     quant_mma_rows: int = 1              # levers.weights=native: 1: linear Q4_K weights in the int8 tensor-core GEMV's
                                          # fragment layout, every product of up to 64 rows on it; R >= 2: planes
                                          # layout, Q4_K products of R to 8 rows on the planes' mma, fewer on dp4a;

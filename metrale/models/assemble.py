@@ -22,7 +22,8 @@ def load_model(cfg) -> tuple[ModelConfig, Tokenizer, object]:
     source = resolve_model(cfg.model)
     t0 = time.perf_counter()
     device = resolve_device(cfg.device)
-    config, tokenizer, weights = read_model(source, keep_quantized=_keeps_quantized(cfg, device))
+    config, tokenizer, weights = read_model(source, keep_quantized=_keeps_quantized(cfg, device),
+                                            keep_fp8=_keeps_fp8(cfg, device))
     backend = make_backend(device, cfg, config, weights)
     log.info("loaded %s on %s in %.2f s", source.name, device, time.perf_counter() - t0)
     return config, tokenizer, backend
@@ -36,6 +37,12 @@ def _keeps_quantized(cfg, device: str) -> bool:
         return str(cfg.levers.weights) == "native"
     from metrale.runtime.cpu_ops import uses_cpu_kernels
     return device == "cpu" and uses_cpu_kernels(cfg)
+
+
+def _keeps_fp8(cfg, device: str) -> bool:
+    """FP8 safetensors weights stay in their bytes on CUDA with levers.weights=native; they are
+    dequantized at load everywhere else (bf16 on CUDA, the NumPy backend's dtype on the CPU)."""
+    return device == "cuda" and str(cfg.levers.weights) == "native"
 
 
 def refuse_tokenizer_beyond_vocab(tokenizer_ids: int, config: ModelConfig) -> None:
@@ -61,14 +68,15 @@ def _default_tokenizer():
     return Tokenizer.from_gguf(read_gguf_fields(_gguf_reader(path)))
 
 
-def read_model(source, keep_quantized: bool = False) -> tuple[ModelConfig, Tokenizer, object]:
+def read_model(source, keep_quantized: bool = False, keep_fp8: bool = False) -> tuple[ModelConfig, Tokenizer, object]:
     """(config, tokenizer, weights) of a resolved model: weights a zero-argument stream factory, or
-    None for a random preset (each backend builds its own; the CUDA one on the device)."""
+    None for a random preset (each backend builds its own; the CUDA one on the device). keep_quantized:
+    a GGUF file's blocks stream as they are; keep_fp8: an FP8 checkpoint's linear weights do."""
     if source.kind == "gguf":
         config, fields, weights = load_gguf(source.path, keep_quantized=keep_quantized)
         tokenizer = Tokenizer.from_gguf(fields)
     elif source.kind == "hf":
-        config, _, weights = _load_hf(source.path)
+        config, _, weights = _load_hf(source.path, keep_fp8=keep_fp8)
         tokenizer = Tokenizer.from_pretrained_dir(source.path)
     else:
         return random_model_config(source.preset, source.name), _default_tokenizer(), None
@@ -76,13 +84,14 @@ def read_model(source, keep_quantized: bool = False) -> tuple[ModelConfig, Token
     return config, tokenizer, weights
 
 
-def _load_hf(path):
-    """An HF directory: the DeepSeek family (MLA/MoE) has its own reader, the rest is Llama-like."""
+def _load_hf(path, keep_fp8: bool = False):
+    """An HF directory: the DeepSeek family (MLA/MoE) has its own reader (FP8 dequantized at load), the
+    rest is Llama-like."""
     import json
     from metrale.models.checkpoint import is_deepseek_config, load_deepseek_dir
     if is_deepseek_config(json.loads((path / "config.json").read_text())):
         return load_deepseek_dir(path)
-    return load_hf_dir(path)
+    return load_hf_dir(path, keep_fp8=keep_fp8)
 
 
 def make_backend(device: str, cfg, config: ModelConfig, weights):
@@ -100,7 +109,7 @@ def load_draft_backend(cfg, model: str, *, num_blocks: int, vocab_size: int):
     if source.kind == "gguf":
         config, _, weights = load_gguf(source.path, keep_quantized=_keeps_quantized(cfg, resolve_device(cfg.device)))
     elif source.kind == "hf":
-        config, _, weights = _load_hf(source.path)
+        config, _, weights = _load_hf(source.path, keep_fp8=_keeps_fp8(cfg, resolve_device(cfg.device)))
     else:
         config, weights = random_model_config(source.preset, source.name), None
     if config.vocab_size != vocab_size:

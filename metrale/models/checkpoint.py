@@ -5,7 +5,8 @@ time so peak host memory stays near one layer. Canonical names:
   embed, final_norm, lm_head (absent when tied),
   layers.{i}.attn_norm, .qkv (rows q|k|v), .qkv_bias, .q_norm, .k_norm, .o,
   layers.{i}.mlp_norm, .gate_up (rows gate|up), .down
-Linear weights are [out_features, in_features].
+Linear weights are [out_features, in_features]. FP8 e4m3 safetensors weights (models/fp8.py) are
+dequantized with their scales, or, on load_hf_dir(keep_fp8=True), stream as FP8Tensor.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from typing import Callable, Iterator
 import numpy as np
 
 from metrale.models.config import ModelConfig
+from metrale.models.fp8 import (FP8_E4M3, SCALE_SUFFIXES, FP8Tensor, Fp8Scheme, SafetensorsBytes, fp8_scheme,
+                                member_grid, stacked_grid)
 from metrale.models.rope import check_rope_scaling, hf_rope_settings, model_rope, yarn_mscale
 
 WeightStream = Iterator[tuple[str, np.ndarray]]
@@ -258,32 +261,116 @@ def hf_sliding_window(cfg: dict, arch: str) -> tuple[int, tuple[bool, ...]]:
     return (int(window), layers) if any(layers) else (0, ())
 
 
-def _safetensors_index(path: Path) -> tuple[dict[str, Path], Callable[[str], np.ndarray]]:
-    """Which file holds each tensor of a directory's *.safetensors, and a float32 getter."""
-    from safetensors import safe_open
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{path}: no *.safetensors files")
-    where: dict[str, Path] = {}
-    for f in files:
-        with safe_open(str(f), framework="numpy") as st:
-            where.update({k: f for k in st.keys()})
+class SafetensorsDir:
+    """The tensors of a directory's *.safetensors: which file holds each, their dtypes and shapes
+    (read from the headers), a float32 getter (FP8 weights dequantized with their scales) and the
+    FP8 weights as they are stored (metrale/models/fp8.py)."""
 
-    def get(key: str) -> np.ndarray:
-        if key not in where:
-            raise ValueError(f"{path}: tensor '{key}' missing")
-        with safe_open(str(where[key]), framework="numpy") as st:
+    def __init__(self, path: Path, scheme: Fp8Scheme | None = None) -> None:
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{path}: no *.safetensors files")
+        self.path, self.scheme, self.raw = path, scheme, SafetensorsBytes()
+        self.where: dict[str, Path] = {}
+        self.dtypes: dict[str, str] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for f in files:
+            for key, meta in self.raw.header(f).items():
+                if key != "__metadata__":
+                    self.where[key], self.dtypes[key], self.shapes[key] = f, str(meta["dtype"]), tuple(meta["shape"])
+
+    def get(self, key: str) -> np.ndarray:
+        """float32 of tensor `key`; an FP8 weight dequantized (e4m3 values times their scales)."""
+        from safetensors import safe_open
+        if key not in self.where:
+            raise ValueError(f"{self.path}: tensor '{key}' missing")
+        if self.dtypes[key] == FP8_E4M3:
+            return self.fp8(key).dequantize()
+        if self.dtypes[key].startswith("F8"):
+            raise ValueError(f"{self.path}: tensor '{key}' is {self.dtypes[key]}; FP8 weights are read as e4m3 "
+                             f"({FP8_E4M3}) only")
+        with safe_open(str(self.where[key]), framework="numpy") as st:
             return _to_f32(st.get_tensor(key))
 
-    return where, get
+    def fp8(self, key: str) -> FP8Tensor | None:
+        """The FP8 weight `key` as stored (its bytes and scales), or None when it is not FP8."""
+        if self.dtypes.get(key) != FP8_E4M3:
+            return None
+        q = self.raw.get(self.where[key], key)
+        if q.ndim != 2:
+            raise ValueError(f"{self.path}: FP8 tensor '{key}' of shape {q.shape}: weights are read as matrices")
+        return FP8Tensor.of(q, self.get(self._scale_key(key)), self._block())
+
+    def fp8_part(self, keys: tuple[str, ...]) -> tuple[str, int, int, int] | None:
+        """(FP8_E4M3, rows, cols, scale values) of the weights `keys` row-stacked, read from the
+        headers, when every one is FP8 (what FP8Tensor.stack of their fp8() would hold); else None."""
+        if not keys or not all(self.dtypes.get(k) == FP8_E4M3 for k in keys):
+            return None
+        members, cols = [], 0
+        for k in keys:
+            rows, cols = self.shapes[k]
+            members.append((rows, *member_grid(rows, cols, self.shapes[self._scale_key(k)], self._block())))
+        bn, bk = members[0][1:] if len(members) == 1 else stacked_grid(members)
+        n = sum(m[0] for m in members)
+        return FP8_E4M3, n, cols, -(-n // bn) * -(-cols // bk)
+
+    def _block(self) -> tuple[int, int] | None:
+        return self.scheme.block if self.scheme is not None else None
+
+    def _scale_key(self, key: str) -> str:
+        """The scale tensor of FP8 weight `key` (<module>.weight_scale_inv or .weight_scale)."""
+        if key.endswith(".weight"):
+            stem = key[:-len("weight")]
+            for suffix in SCALE_SUFFIXES:
+                if stem + suffix in self.where:
+                    return stem + suffix
+        raise ValueError(f"{self.path}: FP8 tensor '{key}' has no scale ({' or '.join(SCALE_SUFFIXES)} beside it)")
 
 
-def load_hf_dir(path: Path) -> tuple[ModelConfig, dict, Callable[[], WeightStream]]:
+def _safetensors_index(path: Path) -> tuple[dict[str, Path], Callable[[str], np.ndarray]]:
+    """Which file holds each tensor of a directory's *.safetensors, and a float32 getter."""
+    st = SafetensorsDir(path)
+    return st.where, st.get
+
+
+def _hf_matrices(config: ModelConfig, i: int) -> dict[str, tuple[str, ...]]:
+    """Canonical name -> the HF tensors it row-stacks, for layer i's linear weights (a dense
+    family's layout; MoE layers' experts are the MoE reader's)."""
+    p = f"model.layers.{i}."
+    out = {f"layers.{i}.qkv": tuple(p + f"self_attn.{x}_proj.weight" for x in "qkv"),
+           f"layers.{i}.o": (p + "self_attn.o_proj.weight",)}
+    if not config.is_moe_layer(i):
+        out[f"layers.{i}.gate_up"] = (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+        out[f"layers.{i}.down"] = (p + "mlp.down_proj.weight",)
+    return out
+
+
+def load_hf_dir(path: Path, keep_fp8: bool = False) -> tuple[ModelConfig, dict, Callable[[], WeightStream]]:
+    """Returns (config, config.json, a function that streams the weights). FP8 e4m3 weights are
+    dequantized to float32 with their scales, or with keep_fp8 (levers.weights=native on CUDA) stream
+    as FP8Tensor: the linear matrices of a dense stack whose members are all FP8, announced by the
+    returned QuantizedStream (embeddings, norms and the other families' streams stay float32)."""
     cfg = json.loads((path / "config.json").read_text())
     config = hf_model_config(cfg, name=path.name)
-    where, get = _safetensors_index(path)
+    st = SafetensorsDir(path, fp8_scheme(cfg))
+    where, get = st.where, st.get
     if "lm_head.weight" not in where and not config.tie_word_embeddings:
         config = _replace(config, tie_word_embeddings=True)
+    dense = not (config.is_hybrid or config.architecture == "gemma3")
+    head = {} if config.tie_word_embeddings else {"lm_head": ("lm_head.weight",)}
+    fp8_parts = {}
+    if keep_fp8 and dense:
+        for i in range(config.num_layers):
+            fp8_parts.update({n: (part,) for n, keys in _hf_matrices(config, i).items()
+                              if (part := st.fp8_part(keys)) is not None})
+        if (part := st.fp8_part(head.get("lm_head", ()))) is not None:
+            fp8_parts["lm_head"] = (part,)
+
+    def matrix(name: str, keys: tuple[str, ...]):
+        if name in fp8_parts:                       # kept in its bytes (announced above)
+            ts = [st.fp8(k) for k in keys]
+            return ts[0] if len(ts) == 1 else FP8Tensor.stack(ts)
+        return np.concatenate([get(k) for k in keys]) if len(keys) > 1 else get(keys[0])
 
     def stream() -> WeightStream:
         if config.is_hybrid:
@@ -296,28 +383,30 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict, Callable[[], WeightStrea
             return
         yield "embed", get("model.embed_tokens.weight")
         for i in range(config.num_layers):
-            p = f"model.layers.{i}."
-            yield f"layers.{i}.attn_norm", get(p + "input_layernorm.weight")
-            yield f"layers.{i}.qkv", np.concatenate([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+            p, q, m = f"model.layers.{i}.", f"layers.{i}.", _hf_matrices(config, i)
+            yield q + "attn_norm", get(p + "input_layernorm.weight")
+            yield q + "qkv", matrix(q + "qkv", m[q + "qkv"])
             if p + "self_attn.q_proj.bias" in where:
-                yield f"layers.{i}.qkv_bias", np.concatenate([get(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+                yield q + "qkv_bias", np.concatenate([get(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
             if config.qk_norm:
-                yield f"layers.{i}.q_norm", get(p + "self_attn.q_norm.weight")
-                yield f"layers.{i}.k_norm", get(p + "self_attn.k_norm.weight")
-            yield f"layers.{i}.o", get(p + "self_attn.o_proj.weight")
-            yield f"layers.{i}.mlp_norm", get(p + "post_attention_layernorm.weight")
+                yield q + "q_norm", get(p + "self_attn.q_norm.weight")
+                yield q + "k_norm", get(p + "self_attn.k_norm.weight")
+            yield q + "o", matrix(q + "o", m[q + "o"])
+            yield q + "mlp_norm", get(p + "post_attention_layernorm.weight")
             if config.is_moe_layer(i):              # Qwen3-MoE (models/moe.py)
                 from metrale.models.moe import qwen_moe_stream
                 yield from qwen_moe_stream(config, i, get, where.__contains__)
                 continue
-            yield f"layers.{i}.gate_up", np.concatenate(
-                [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
-            yield f"layers.{i}.down", get(p + "mlp.down_proj.weight")
+            yield q + "gate_up", matrix(q + "gate_up", m[q + "gate_up"])
+            yield q + "down", matrix(q + "down", m[q + "down"])
         yield "final_norm", get("model.norm.weight")
-        if not config.tie_word_embeddings:
-            yield "lm_head", get("lm_head.weight")
+        for name, keys in head.items():
+            yield name, matrix(name, keys)
 
-    return config, cfg, stream
+    if not fp8_parts:
+        return config, cfg, stream
+    from metrale.models.quantized import QuantizedStream
+    return config, cfg, QuantizedStream(stream, fp8_parts)
 
 
 def _to_f32(a: np.ndarray) -> np.ndarray:
@@ -445,8 +534,8 @@ def deepseek_model_config(cfg: dict, name: str = "") -> ModelConfig:
 
 def load_deepseek_dir(path: Path, expert_range: tuple[int, int] | None = None
                       ) -> tuple[ModelConfig, dict, Callable[[], WeightStream]]:
-    """A DeepSeek-V2/V3 safetensors directory (bf16/f32 tensors; FP8 block-scaled checkpoints
-    are not read yet). Canonical names (docs/deepseek.md):
+    """A DeepSeek-V2/V3 safetensors directory (bf16/f32 tensors; FP8 block-scaled ones, as DeepSeek-V3
+    ships, dequantized to float32 at load). Canonical names (docs/deepseek.md):
       layers.{i}.attn_norm, .q_a, .q_a_norm, .q_b (or .q without q_lora_rank), .kv_a, .kv_a_norm,
       .kv_b, .o, .mlp_norm; dense layers .gate_up, .down; MoE layers .router [E, D],
       .router_bias [E] (noaux_tc), .experts_gate_up [E', 2F, D], .experts_down [E', D, F] (E' =
@@ -457,7 +546,8 @@ def load_deepseek_dir(path: Path, expert_range: tuple[int, int] | None = None
     lo, hi = expert_range or (0, config.n_routed_experts)
     if not 0 <= lo <= hi <= config.n_routed_experts:
         raise ValueError(f"expert range {lo}..{hi} outside the {config.n_routed_experts} experts")
-    where, get = _safetensors_index(path)
+    st = SafetensorsDir(path, fp8_scheme(cfg))           # FP8 (DeepSeek-V3's own): dequantized at load
+    where, get = st.where, st.get
     if "lm_head.weight" not in where and not config.tie_word_embeddings:
         config = _replace(config, tie_word_embeddings=True)
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from metrale.models.fp8 import FP8_E4M3, FP8Tensor
+
 # The block types Q4_K_M, Q5_K_M, Q6_K and Q8_0 files hold, and the legacy 4/5-bit ones.
 BLOCK_TYPES = tuple(GGMLQuantizationType[n] for n in
                     ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"))
@@ -74,13 +76,19 @@ def from_gguf_tensor(tensor) -> QuantizedTensor:
     return QuantizedTensor((QuantizedPart(kind, rows, cols, data),))
 
 
+def kept(a) -> bool:
+    """A weight a loader kept in its checkpoint's encoding: GGUF blocks or FP8 e4m3 bytes."""
+    return isinstance(a, (QuantizedTensor, FP8Tensor))
+
+
 class QuantizedStream:
     """A weight-stream factory (calling it streams (name, array) pairs) that says up front which
-    matrices stream as QuantizedTensor: `parts[name]` = their parts' (ggml type id, rows, cols).
-    load_gguf(keep_quantized=True) returns one, read from the file's header; the CUDA backend sizes
-    its weight region, the KV pool and the many-rows scratch from it before any weight streams."""
+    matrices stream as QuantizedTensor or FP8Tensor: `parts[name]` = their parts' (ggml type id, rows,
+    cols), or for FP8 one part (FP8_E4M3, rows, cols, scale values). load_gguf(keep_quantized=True)
+    and load_hf_dir(keep_fp8=True) return one, read from the headers; the CUDA backend sizes its weight
+    region, the KV pool and the many-rows scratch from it before any weight streams."""
 
-    def __init__(self, stream, parts: dict[str, tuple[tuple[int, int, int], ...]]) -> None:
+    def __init__(self, stream, parts: dict[str, tuple[tuple, ...]]) -> None:
         self._stream, self.parts = stream, dict(parts)
 
     def __call__(self):
@@ -95,4 +103,5 @@ class QuantizedStream:
         """A stream of an in-memory list of pairs (tests, benchmarks)."""
         parts = {n: tuple((int(p.ggml_type), p.rows, p.cols) for p in a.parts)
                  for n, a in items if isinstance(a, QuantizedTensor)}
+        parts.update({n: ((FP8_E4M3, *a.shape, int(a.S.size)),) for n, a in items if isinstance(a, FP8Tensor)})
         return cls(lambda: iter(items), parts)

@@ -27,6 +27,7 @@ from kernels_numba.random_init import fill_normal_bf16
 from metrale.models.checkpoint import WeightStream
 from metrale.models.config import ModelConfig
 from metrale.models.families import KV, LATENT, STATE, Family, compose_ops, family_for, resolve
+from metrale.models.fp8 import FP8_E4M3
 from metrale.models.rope import model_rope
 from metrale.runtime.backend import Backend
 from metrale.runtime.batch import ForwardBatch, Segment, build_batch
@@ -414,8 +415,8 @@ class CudaBackend(Backend):
         """weights: canonical (name, float array) pairs, or None for random weights made on the device.
         ep: expert parallelism (metrale.parallel.ExpertParallel; MoE families): this rank's experts
         only, CUDA graphs off (the exchange syncs with the host). quantized: the parts of the
-        matrices that stream as QuantizedTensor (QuantizedStream.parts), kept in their blocks with
-        levers.weights=native, dequantized to bf16 at load with bf16."""
+        matrices that stream as QuantizedTensor or FP8Tensor (QuantizedStream.parts), kept in their
+        blocks / FP8 bytes with levers.weights=native, dequantized to bf16 at load with bf16."""
         self.config = c = config
         self.cfg, self.ep = cfg, ep
         self.family = family or family_for(config)
@@ -723,14 +724,17 @@ class CudaBackend(Backend):
     def _load_weights(self, weights: WeightStream | None, seed: int) -> dict:
         if weights is None:
             return self._random_weights(seed)
-        from metrale.models.quantized import QuantizedTensor
-        from metrale.runtime.cuda.quant import upload_quantized
+        from metrale.models.fp8 import FP8Tensor
+        from metrale.models.quantized import kept
+        from metrale.runtime.cuda.quant import upload_fp8_tensor, upload_quantized
         arena, out = self.pool["weights"], {}
-        if not self.native:      # levers.weights=bf16: blocks dequantized here, uploaded as bf16
-            weights = ((n, a.dequantize() if isinstance(a, QuantizedTensor) else a) for n, a in weights)
+        if not self.native:      # levers.weights=bf16: blocks and FP8 bytes dequantized here, uploaded as bf16
+            weights = ((n, a.dequantize() if kept(a) else a) for n, a in weights)
         for name, array in self.part.prepare(weights):
-            if not isinstance(array, QuantizedTensor):
+            if not kept(array):
                 out[name] = arena.upload(array)
+            elif name in self.quantized and isinstance(array, FP8Tensor):
+                out[name] = upload_fp8_tensor(array, arena=arena)
             elif name in self.quantized:
                 # levers.quant_mma_rows = 1: linear Q4_K weights in the tensor-core GEMV's own layout
                 out[name] = upload_quantized(array, arena=arena, fragments=self.quant_mma_rows == 1 and name != "embed")
@@ -962,6 +966,7 @@ class CudaBackend(Backend):
                 "device_used_bytes": total - free, "device_total_bytes": total, "graphs": len(self.graphs),
                 "mixed_graphs": len(self._mixed_lru), **{f"mixed_{k}": v for k, v in self.mixed_stats.items()},
                 "weights_native": len(self.quantized), "quant_scratch_bytes": 2 * self.quant_scratch_elems,
+                "weights_fp8": sum(ps[0][0] == FP8_E4M3 for ps in self.quantized.values()),
                 **{k: v for cache in self.caches.values() for k, v in cache.memory().items()}}
 
 
@@ -970,9 +975,10 @@ def _widened(host: np.ndarray) -> np.ndarray:
 
 
 def _host_float(array) -> np.ndarray:
-    """A device weight as float32 on the host: a quantized one through its file blocks' dequantization."""
-    from metrale.runtime.cuda.quant import DeviceQuantized
-    if isinstance(array, DeviceQuantized):
+    """A device weight as float32 on the host: a quantized or FP8 one through its checkpoint value's
+    dequantization."""
+    from metrale.runtime.cuda.quant import DeviceFP8, DeviceQuantized
+    if isinstance(array, (DeviceQuantized, DeviceFP8)):
         return array.host.dequantize()
     return _widened(array.copy_to_host())
 

@@ -21,7 +21,7 @@ class CudaPart:
     feeds_tokens = False           # the host may run a step ahead, inputs fed on the device (levers.overlap)
     mixed_graphs = False           # prefill / mixed steps may replay from bucketed graphs (levers.mixed_graphs)
     f32_weights: tuple[str, ...] = ()   # name suffixes of matrices kept float32 (not GEMM operands)
-    quantized_weights = False      # its ops take DeviceQuantized matrices (levers.weights=native; QuantOps)
+    quantized_weights = False      # its ops take DeviceQuantized / DeviceFP8 matrices (levers.weights=native)
 
     def __init__(self, backend):
         self.b, self.config = backend, backend.config
@@ -45,9 +45,9 @@ class CudaPart:
 
     def prepare(self, items) -> Iterator[tuple[str, np.ndarray]]:
         """Canonical (name, float array) pairs -> the device layout: matrices as bf16 bits, the rest float32."""
-        from metrale.models.quantized import QuantizedTensor
+        from metrale.models.quantized import kept
         for name, array in items:
-            if isinstance(array, QuantizedTensor):       # uploaded in its blocks by the backend
+            if kept(array):          # uploaded in its blocks / FP8 bytes by the backend
                 yield name, array
             elif array.ndim >= 2 and not name.endswith(self.f32_weights):
                 yield name, to_bf16_bits(array)

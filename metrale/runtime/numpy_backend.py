@@ -10,7 +10,7 @@ import numpy as np
 
 from metrale.models.checkpoint import WeightStream
 from metrale.models.config import ModelConfig
-from metrale.models.quantized import QuantizedTensor
+from metrale.models.quantized import QuantizedTensor, kept
 from metrale.models.families import KV, LATENT, STATE, Family, compose_ops, family_for, resolve
 from metrale.models.rope import model_rope
 from metrale.options import StateOptions
@@ -173,8 +173,9 @@ class NumpyBackend(Backend):
         self.rope = model_rope(config)
         items = weights.items() if isinstance(weights, dict) else weights
         quantized_ok = getattr(ops_class or type(self).ops_class, "reads_quantized", False)   # else GGUF blocks expand
+        # GGUF blocks stay for ops that read them; they and FP8 bytes are dequantized into self.dtype otherwise
         self.weights = {name: a if quantized_ok and isinstance(a, QuantizedTensor) else
-                        np.ascontiguousarray(a.dequantize() if isinstance(a, QuantizedTensor) else a, dtype=self.dtype)
+                        np.ascontiguousarray(a.dequantize() if kept(a) else a, dtype=self.dtype)
                         for name, a in items}
         if self.family.check_weights is not None:
             self.family.check_weights(config, self.weights, ep)

@@ -5,7 +5,7 @@ block types (metrale.models.quantized.QuantizedTensor) instead of dequantized to
   quant_linear(x, dq, out, rows, stream, residual=None)   out[:rows] = x[:rows] @ W.T (+ residual)
   quant_embedding(ids, dq, out, stream)                   out[t] = W[ids[t]] (a quantized token_embd)
   upload_fp8(weight, scale, block) -> DeviceFP8           an FP8 e4m3 checkpoint weight and its scales
-  fp8_linear(x, d, out, rows, stream, residual=None)      the same two paths for FP8 (kernels_numba.quant_fp8)
+  fp8_linear(x, d, out, rows, stream, residual=None)      quant_linear on a DeviceFP8 (kernels_numba.quant_fp8)
 
 quant_linear picks the kernel by the number of rows: up to GEMV_MAX_ROWS (and what one launch's
 shared memory holds, quant_gemv.max_rows) the GEMV that dequantizes in registers
@@ -16,11 +16,16 @@ bf16 GEMM (kernels_numba.gemm.linear; the backend may call its cuBLASLt plan on 
 layers: `scratch_elems`), so a launch allocates nothing and can be captured in a CUDA graph; without
 one a scratch is allocated (eager use only).
 
+quant_linear, dequantize_into, row_chunks and QuantOps take a DeviceFP8 where they take a
+DeviceQuantized: its GEMV (quant_fp8.fp8_gemv, up to quant_fp8.MAX_T rows) in place of the block
+types' kernels, its bf16 dequantization (quant_fp8.dequant_bf16) on the same many-rows road.
+
 Row-stacked parts (the fused qkv of a Q4_K_M file: Q4_K q, k above Q6_K v) each write their own
 output columns [row0, row0 + rows). x and out are float32, C-contiguous, 16-byte aligned rows.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,10 +33,11 @@ from numba import cuda
 
 from kernels_numba import gemm, quant_dequant, quant_fp8, quant_gemv, quant_mma
 from kernels_numba.quant_layout import NAMES, PLANES, TYPES
+from metrale.models.fp8 import FP8_E4M3
 
 __all__ = ["DevicePart", "DeviceQuantized", "upload_quantized", "quant_linear", "quant_embedding",
-           "dequantize_into", "scratch_elems", "GEMV_MAX_ROWS", "DeviceFP8", "upload_fp8", "fp8_linear",
-           "device_bytes_bound", "SCRATCH_MAX_ELEMS", "plan_scratch", "QuantOps"]
+           "dequantize_into", "scratch_elems", "GEMV_MAX_ROWS", "DeviceFP8", "upload_fp8", "upload_fp8_tensor",
+           "fp8_linear", "device_bytes_bound", "SCRATCH_MAX_ELEMS", "plan_scratch", "QuantOps"]
 
 GEMV_MAX_ROWS = quant_gemv.MAX_T
 ALIGN = 256                      # the pool's allocation alignment (runtime/cuda/pool.py)
@@ -118,8 +124,11 @@ def _type_name(qtype: int) -> str:
 
 def device_bytes_bound(parts) -> int:
     """Arena bytes upload_quantized takes at most for a weight of `parts`, (ggml type, rows, cols)
-    triples: the file's bytes (the planes hold exactly those) plus each allocation's alignment."""
+    triples: the file's bytes (the planes hold exactly those) plus each allocation's alignment; for
+    an FP8 weight (FP8_E4M3, rows, cols, scale values) upload_fp8's bytes and scales."""
     from kernels_numba.quant_layout import BLOCK
+    if parts and parts[0][0] == FP8_E4M3:
+        return sum(rows * cols + 4 * scales + 2 * ALIGN for _, rows, cols, scales in parts)
     n = ALIGN                                                      # the filler
     for qtype, rows, cols in parts:
         if qtype not in BLOCK:
@@ -154,12 +163,15 @@ def scratch_elems(dq: DeviceQuantized) -> int:
     return n * k
 
 
-def dequantize_into(dq: DeviceQuantized, scratch, stream=0):
-    """Every part of dq dequantized to bf16 into scratch (uint16, >= N K elements; flat or 2-D);
-    returns the [N, K] view the bf16 GEMMs read."""
+def dequantize_into(dq: "DeviceQuantized | DeviceFP8", scratch, stream=0):
+    """Every part of dq (or a DeviceFP8) dequantized to bf16 into scratch (uint16, >= N K elements;
+    flat or 2-D); returns the [N, K] view the bf16 GEMMs read."""
     n, k = dq.shape
     w = scratch.reshape(scratch.size)[:n * k].reshape(n, k) if scratch.ndim != 2 or tuple(scratch.shape) != (n, k) \
         else scratch
+    if isinstance(dq, DeviceFP8):
+        quant_fp8.dequant_bf16(dq.q, dq.S, w, bn=dq.bn, bk=dq.bk, stream=stream)
+        return w
     for p in dq.parts:
         if p.fragments:
             quant_mma.dequant_mq_bf16(p.planes, w, p.rows, n_off=p.row0, stream=stream)
@@ -191,13 +203,13 @@ def _mma_roads(dq: DeviceQuantized, rows: int, mma_rows: int, limit: int) -> tup
     return many, many
 
 
-def takes_mma(dq: DeviceQuantized, rows: int, mma_rows: int) -> bool:
+def takes_mma(dq: "DeviceQuantized | DeviceFP8", rows: int, mma_rows: int) -> bool:
     """Whether quant_linear runs this product on the tensor-core GEMV (x quantized by quantize_x, or
-    beforehand by norm_quantize_x when it is called with quantized=True)."""
-    return rows > 0 and _mma_roads(dq, rows, mma_rows, GEMV_MAX_ROWS)[0]
+    beforehand by norm_quantize_x when it is called with quantized=True); never for FP8."""
+    return rows > 0 and not isinstance(dq, DeviceFP8) and _mma_roads(dq, rows, mma_rows, GEMV_MAX_ROWS)[0]
 
 
-def quant_linear(x, dq: DeviceQuantized, out, rows: int, stream=0, residual=None, *, bias=None,
+def quant_linear(x, dq: "DeviceQuantized | DeviceFP8", out, rows: int, stream=0, residual=None, *, bias=None,
                  scratch=None, gemv_max_rows: int | None = None, mma_rows: int = 0,
                  quantized: bool = False) -> None:
     """out[:rows, :N] = x[:rows] @ W.T (+ bias) (+ residual[:rows]); residual may be out itself
@@ -206,7 +218,8 @@ def quant_linear(x, dq: DeviceQuantized, out, rows: int, stream=0, residual=None
     PLANES_MMA_MIN_ROWS, parts of a type quant_mma covers run on the tensor-core GEMV (x quantized
     once for all of them); parts in the fragment layout always do; from 9 to 64 rows the tensor-core kernels of n-tiles take the product when
     every part has one (gemv_rows), else the many-rows road. quantized: quant_mma.x_buffers already
-    hold x's rows quantized (norm_quantize_x; only where takes_mma says the product goes there)."""
+    hold x's rows quantized (norm_quantize_x; only where takes_mma says the product goes there).
+    A DeviceFP8: its GEMV up to quant_fp8.MAX_T rows (x as it is: float32), else the many-rows road."""
     n, k = dq.shape
     assert x.shape[1] == k, f"quant_linear: x has {x.shape[1]} columns, the weight {dq.shape}"
     assert out.shape[1] == n and out.shape[0] >= rows and x.shape[0] >= rows, \
@@ -214,6 +227,14 @@ def quant_linear(x, dq: DeviceQuantized, out, rows: int, stream=0, residual=None
     if rows <= 0:
         return
     limit = GEMV_MAX_ROWS if gemv_max_rows is None else gemv_max_rows
+    if isinstance(dq, DeviceFP8):
+        assert not quantized, "quant_linear: quantized x for an FP8 weight"
+        if rows <= min(limit, quant_fp8.MAX_T):
+            quant_fp8.fp8_gemv(x, dq.q, dq.S, out, rows, bn=dq.bn, bk=dq.bk, bias=bias, residual=residual,
+                               stream=stream)
+            return
+        _many_rows(x, dq, out, rows, stream, residual, bias, scratch)
+        return
     mma, planes_mma = _mma_roads(dq, rows, mma_rows, limit)
     assert mma or not quantized, "quant_linear: quantized x for a product off the tensor-core GEMV"
     if mma:
@@ -234,6 +255,13 @@ def quant_linear(x, dq: DeviceQuantized, out, rows: int, stream=0, residual=None
         for p in dq.parts:
             _gemv_part(x, p, out, rows, bias, residual, stream)
         return
+    _many_rows(x, dq, out, rows, stream, residual, bias, scratch)
+
+
+def _many_rows(x, dq, out, rows: int, stream, residual, bias, scratch) -> None:
+    """The many-rows road: dq dequantized to bf16 into the scratch (in row chunks when it does not
+    fit), each chunk's product a bf16 GEMM into its column window of out."""
+    n, k = dq.shape
     if scratch is None:
         scratch = cuda.device_array(n * k, np.uint16, stream=stream)
     xs, os_ = x[:rows], out[:rows]
@@ -247,10 +275,12 @@ def quant_linear(x, dq: DeviceQuantized, out, rows: int, stream=0, residual=None
         (gemm.linear if residual is None else gemm.linear_residual)(xs, w, o, b, s)
 
 
-def gemv_rows(dq: DeviceQuantized, mma_rows: int) -> int:
+def gemv_rows(dq: "DeviceQuantized | DeviceFP8", mma_rows: int) -> int:
     """Rows up to which a product on dq streams its blocks (GEMV kernels) rather than taking the
     many-rows road: quant_mma.MAX_TILED_T when every part has a tensor-core kernel of n-tiles (the
-    fragment layout, Q6_K with the mma on), else GEMV_MAX_ROWS."""
+    fragment layout, Q6_K with the mma on), else GEMV_MAX_ROWS; quant_fp8.MAX_T for FP8."""
+    if isinstance(dq, DeviceFP8):
+        return quant_fp8.MAX_T
     if mma_rows > 0 and all(p.fragments or (p.qtype == quant_mma.Q6_K and quant_mma.supports(p.qtype, p.cols))
                             for p in dq.parts):
         return quant_mma.MAX_TILED_T
@@ -270,23 +300,27 @@ def _gemv_part(x, p: DevicePart, out, rows: int, bias, residual, stream) -> None
                         bias=bias, residual=None if residual is None else residual[t0:t0 + t], stream=stream)
 
 
-def row_chunks(dq: DeviceQuantized, max_elems: int) -> tuple:
-    """(first row, DeviceQuantized) pieces of dq of at most max_elems values each (whole multiples
-    of 64 rows: the bf16 GEMM's tiles), cut across parts as needed (the planes are row-major, so a
-    piece is plane row slices); ((0, dq),) when dq fits. Cached on dq."""
+def row_chunks(dq: "DeviceQuantized | DeviceFP8", max_elems: int) -> tuple:
+    """(first row, DeviceQuantized or DeviceFP8) pieces of dq of at most max_elems values each (whole
+    multiples of 64 rows: the bf16 GEMM's tiles; of an FP8 weight's row blocks too), cut across
+    parts as needed (the planes are row-major, so a piece is plane row slices); ((0, dq),) when dq
+    fits. Cached on dq."""
     n, k = dq.shape
     if n * k <= max_elems:
         return ((0, dq),)
-    step = max_elems // k // 64 * 64
-    if step < 64:
-        raise ValueError(f"quant scratch of {max_elems} values holds fewer than 64 rows of K={k}")
+    unit = math.lcm(64, dq.bn) if isinstance(dq, DeviceFP8) and dq.bn < n else 64
+    step = max_elems // k // unit * unit
+    if step < unit:
+        raise ValueError(f"quant scratch of {max_elems} values holds fewer than {unit} rows of K={k}")
     got = dq.chunks.get(step)
     if got is None:
         got = dq.chunks[step] = tuple((n0, _rows_of(dq, n0, min(n, n0 + step))) for n0 in range(0, n, step))
     return got
 
 
-def _rows_of(dq: DeviceQuantized, r0: int, r1: int) -> DeviceQuantized:
+def _rows_of(dq: "DeviceQuantized | DeviceFP8", r0: int, r1: int) -> "DeviceQuantized | DeviceFP8":
+    if isinstance(dq, DeviceFP8):       # r0 on a row block's start (row_chunks' unit); one scale row per tensor
+        return DeviceFP8(dq.q[r0:r1], dq.S[r0 // dq.bn:-(-r1 // dq.bn)], dq.bn, dq.bk)
     parts = []
     for p in dq.parts:
         a, b = max(r0, p.row0), min(r1, p.row0 + p.rows)
@@ -321,6 +355,8 @@ class DeviceFP8:
     S: object
     bn: int
     bk: int
+    host: object = field(default=None, compare=False, repr=False)     # the FP8Tensor it came from
+    chunks: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -331,47 +367,38 @@ class DeviceFP8:
         return int(self.q.size + 4 * self.S.size)
 
 
-def upload_fp8(weight, scale, block: tuple[int, int] | None = None, stream=0) -> DeviceFP8:
+def upload_fp8(weight, scale, block: tuple[int, int] | None = None, stream=0, arena=None, host=None) -> DeviceFP8:
     """weight: float8_e4m3fn [N, K] (or its uint8 bytes); scale: scalar, [N] / [N, 1], or the block
-    grid of `block` = quantization_config.weight_block_size (weight_scale_inv multiplies)."""
+    grid of `block` = quantization_config.weight_block_size (weight_scale_inv multiplies). Into
+    `arena` (a DevicePool region: device_bytes_bound's bytes) or, without one, fresh device arrays;
+    host: the FP8Tensor it came from (export_weights dequantizes it)."""
     q = np.ascontiguousarray(np.asarray(weight).view(np.uint8))
     N, K = q.shape
     S, bn, bk = quant_fp8.scale_grid(scale, N, K, block)
-    return DeviceFP8(cuda.to_device(q, stream=stream), cuda.to_device(S, stream=stream), bn, bk)
+    put = (lambda a: cuda.to_device(a, stream=stream)) if arena is None else (lambda a: arena.upload(a, stream))
+    return DeviceFP8(put(q), put(S), bn, bk, host=host)
+
+
+def upload_fp8_tensor(t, stream=0, arena=None) -> DeviceFP8:
+    """A loader's FP8Tensor (metrale.models.fp8) on the device, its scale grid as it is."""
+    return upload_fp8(t.q, t.S, (t.bn, t.bk), stream=stream, arena=arena, host=t)
 
 
 def fp8_linear(x, d: DeviceFP8, out, rows: int, stream=0, residual=None, *, bias=None, scratch=None,
                gemv_max_rows: int | None = None) -> None:
-    """out[:rows] = x[:rows] @ (e4m3(q) S).T (+ bias) (+ residual[:rows], which may be out): the
-    FP8 GEMV up to gemv_max_rows (8) rows, else the bf16 dequantization into scratch + the bf16 GEMM."""
-    n, k = d.shape
-    assert x.shape[1] == k and out.shape[1] == n and out.shape[0] >= rows and x.shape[0] >= rows
-    if rows <= 0:
-        return
-    limit = quant_fp8.MAX_T if gemv_max_rows is None else min(gemv_max_rows, quant_fp8.MAX_T)
-    if rows <= limit:
-        quant_fp8.fp8_gemv(x, d.q, d.S, out, rows, bn=d.bn, bk=d.bk, bias=bias, residual=residual, stream=stream)
-        return
-    if scratch is None:
-        scratch = cuda.device_array(n * k, np.uint16, stream=stream)
-    w = scratch.reshape(scratch.size)[:n * k].reshape(n, k) if tuple(scratch.shape) != (n, k) else scratch
-    quant_fp8.dequant_bf16(d.q, d.S, w, bn=d.bn, bk=d.bk, stream=stream)
-    xs, os_ = x[:rows], out[:rows]
-    if residual is None:
-        gemm.linear(xs, w, os_, bias, stream or None)
-        return
-    if not _same(residual[:rows], os_):
-        os_.copy_to_device(residual[:rows], stream=stream)
-    gemm.linear_residual(xs, w, os_, bias, stream or None)
+    """out[:rows] = x[:rows] @ (e4m3(q) S).T (+ bias) (+ residual[:rows], which may be out): quant_linear's
+    FP8 roads, the GEMV up to gemv_max_rows (8) rows, else the bf16 dequantization into scratch (in
+    row chunks when it is smaller) + the bf16 GEMM."""
+    quant_linear(x, d, out, rows, stream, residual, bias=bias, scratch=scratch, gemv_max_rows=gemv_max_rows)
 
 
 # ----------------------------------------------------------------------------- the ops of a quantized model
 def _quantized(weight) -> bool:
-    return isinstance(weight, DeviceQuantized)
+    return isinstance(weight, (DeviceQuantized, DeviceFP8))
 
 
 class QuantOps:
-    """CudaOps for a model whose matrices may be DeviceQuantized (levers.weights=native), composed
+    """CudaOps for a model whose matrices may be DeviceQuantized or DeviceFP8 (levers.weights=native), composed
     before CudaOps and the family's mixins. Each op with a quantized weight takes one of three roads:
       GEMV    up to GEMV_MAX_ROWS rows: the weight read in its blocks (quant_linear), after a separate
               RMSNorm / silu*mul launch (the quant GEMV has no prologues and no carried norm sums);
@@ -401,7 +428,7 @@ class QuantOps:
         return out
 
     def embed(self, weight):
-        if not _quantized(weight):
+        if not isinstance(weight, DeviceQuantized):       # FP8 checkpoints' embeddings load as bf16
             return super().embed(weight)
         out = self._buf("residual")
         if self.b.overlap:      # fed rows take their token from the last step's argmax
