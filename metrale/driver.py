@@ -280,9 +280,11 @@ class EngineLoop:
         now = time.perf_counter()
         m = self.metrics
         batches: dict[asyncio.AbstractEventLoop, list] = {}   # one wake-up per event loop per step
+        gaps: dict[float, int] = {}      # inter-token gap -> tokens: rows of one step mostly share it
+        lives = self._live
         with m.lock:
             for delta in deltas:
-                live = self._live.get(delta.request_id)
+                live = lives.get(delta.request_id)
                 if live is None:
                     continue
                 n = len(delta.token_ids)
@@ -293,7 +295,8 @@ class EngineLoop:
                         if n > 1:
                             m.itl.observe(0.0, n - 1)
                     else:
-                        m.itl.observe((now - live.last_token) / n, n)
+                        gap = (now - live.last_token) / n
+                        gaps[gap] = gaps.get(gap, 0) + n
                     live.last_token = now
                 if delta.finished:
                     live.open.discard(delta.index)
@@ -302,6 +305,8 @@ class EngineLoop:
                         m.finished[finish_label(delta.finish_reason)] += 1
                         m.latency.observe(now - live.arrival)
                 batches.setdefault(live.aloop, []).append((live.sink, delta))
+            for gap, n in gaps.items():
+                m.itl.observe(gap, n)
         for aloop, items in batches.items():
             if aloop is None:
                 _deliver(items)            # thread sinks: queue.SimpleQueue is thread-safe

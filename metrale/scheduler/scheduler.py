@@ -207,6 +207,15 @@ class Scheduler:
 
     def _advance(self, s: ScheduledSeq, state: "RequestState", drawn: list, verifying: bool) -> Advanced:
         seq = s.seq
+        if not s.draft and len(drawn) == 1:      # a decode row or a prompt's last chunk: one token
+            seq.num_computed_tokens += s.num_tokens
+            d = drawn[0]
+            state.sampling.accept(*d)
+            reason = state.append(int(d.token))
+            self.blocks.commit_full_blocks(seq)
+            if reason is not None:
+                self.finish(seq, reason)
+            return Advanced(state, reason, 1)
         before = seq.num_tokens
         # K/V is right for the chunk's real tokens and for the drafts that were accepted
         seq.num_computed_tokens += s.num_tokens - len(s.draft) + (len(drawn) - 1 if s.draft else 0)

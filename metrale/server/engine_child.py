@@ -62,7 +62,7 @@ class _Sink:
         self.key, self.out = key, out
 
     def put_nowait(self, d: StreamDelta) -> None:
-        ids = np.ascontiguousarray(d.token_ids, dtype=np.int32).tobytes()
+        ids = np.asarray(d.token_ids, dtype=np.int32).tobytes()
         if d.finish_reason is None and d.index == 0 and d.logprobs is None:
             self.out.pending.append((self.key, d.text, ids))
         else:
