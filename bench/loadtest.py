@@ -171,6 +171,27 @@ def cpu_seconds(pid: int) -> dict[int, float]:
     return out
 
 
+def thread_cpu(pids) -> dict[str, float]:
+    """CPU seconds so far of every thread of these processes, keyed "pid/tid name" (Linux /proc):
+    which thread of the server or the engine process spends what."""
+    out = {}
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    head, rest = f.read().rsplit(")", 1)
+            except OSError:
+                continue
+            fields = rest.split()
+            name = head.split("(", 1)[1]
+            out[f"{pid}/{tid} {name}"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
 def cpu_report(pid: int, before: dict[int, float], after: dict[int, float], stats: Stats,
                wall: float) -> tuple[str, dict]:
     """Per output token, the CPU the server process and its children (the engine process) spent
@@ -286,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the summary (tok/s, TTFT / ITL percentiles) to this JSON file")
     p.add_argument("--timeline", help="write each request's (sent, first text, end) time.perf_counter() values "
                    "to this JSON file (bench.serve_profile --serve-trace's clock)")
+    p.add_argument("--trace", help="with --library: each Engine.poll recorded as JSON lines (bench.serve_profile's "
+                   "--serve-trace records: its length, queues, tokens, time waiting for the device)")
     p.add_argument("--server-pid", type=int, help="with --url: report the CPU that server process and its "
                    "children (the engine process) spent per output token")
     args = p.parse_args(argv)
@@ -293,8 +316,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--url talks to a running server; --fake, --library and settings start an engine here")
     if args.library:
         engine = make_engine(args, args.overrides)
+        polls: list = []
+        if args.trace:
+            from bench.serve_profile import instrument
+            instrument(engine, [], trace=polls)
         stats, wall = run_library(engine, clients=args.clients, requests=args.requests or args.clients * 2,
                                   max_tokens=args.max_tokens, prompt_words=args.prompt_words)
+        if args.trace:
+            from bench.serve_profile import write_trace
+            write_trace(polls, args.trace)
         return report(args, argv, stats, wall, "Engine.generate")
     srv = None
     if args.listen:
@@ -314,12 +344,16 @@ def main(argv: list[str] | None = None) -> int:
         base, model = srv.url, args.model or model
     pid = args.server_pid or (os.getpid() if srv is not None else None)
     before, cpu = cpu_seconds(pid) if pid else {}, {}
+    threads_before = thread_cpu(before) if pid else {}
     try:
         stats, wall = asyncio.run(run_load(base, model, clients=args.clients, duration=args.duration,
                                            requests=args.requests, max_tokens=args.max_tokens,
                                            prompt_words=args.prompt_words, api_key=args.api_key))
         if pid:
-            line, cpu = cpu_report(pid, before, cpu_seconds(pid), stats, wall)
+            after = cpu_seconds(pid)
+            line, cpu = cpu_report(pid, before, after, stats, wall)
+            used = {k: round(v - threads_before.get(k, 0.0), 3) for k, v in thread_cpu(after).items()}
+            cpu["thread_cpu_s"] = {k: v for k, v in sorted(used.items(), key=lambda kv: -kv[1]) if v > 0}
             print(line + (" (the client's share included: same process)" if srv is not None else ""))
     finally:
         if srv is not None:

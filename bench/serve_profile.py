@@ -52,6 +52,7 @@ def instrument(engine, log: list, prof: cProfile.Profile | None = None, trace: l
     in flight (the loop ahead), the deltas it gave and the backend's mixed-graph counters after it."""
     poll = engine.poll
     stats = getattr(engine.backend, "mixed_stats", None)
+    waited = _time_device_waits() if trace is not None else None
 
     def timed():
         t0 = time.perf_counter()
@@ -69,9 +70,30 @@ def instrument(engine, log: list, prof: cProfile.Profile | None = None, trace: l
             t1 = time.perf_counter()
             log.append((t0, t1))
             if trace is not None:
-                trace.append((t0, t1, *before, len(deltas), sum(len(d.token_ids) for d in deltas),
-                              dict(stats) if stats is not None else {}))
+                extra = dict(stats) if stats is not None else {}
+                if waited is not None:
+                    extra["wait_ms"] = round(waited[0] * 1e3, 3)
+                    waited[0] = 0.0
+                trace.append((t0, t1, *before, len(deltas), sum(len(d.token_ids) for d in deltas), extra))
     engine.poll = timed
+
+
+def _time_device_waits() -> list[float]:
+    """Sums the time the host spends waiting for a launched greedy step's ids (the CUDA backend's
+    PendingTokens.tokens) into the returned cell: a poll's wait against its length says whether the
+    loop waits for the device or the device for the loop."""
+    from metrale.runtime import cuda_backend
+    cell = [0.0]
+    tokens = cuda_backend.PendingTokens.tokens
+
+    def timed(self):
+        t = time.perf_counter()
+        try:
+            return tokens(self)
+        finally:
+            cell[0] += time.perf_counter() - t
+    cuda_backend.PendingTokens.tokens = timed
+    return cell
 
 
 def served(engine, clients: int, tokens: int, profile: bool) -> dict:
