@@ -19,7 +19,9 @@ import argparse
 import asyncio
 import cProfile
 import io
+import os
 import pstats
+import sys
 import threading
 import time
 
@@ -173,6 +175,8 @@ def profiled_engine(out_path: str, trace: bool, cfg):
             if steps is not None:
                 write_trace(steps, out_path + ".jsonl")
     loop_mod.EngineLoop._run = profiled
+    if os.environ.get("BENCH_SWITCH_INTERVAL"):     # an A/B of the engine process's GIL switch interval
+        sys.setswitchinterval(float(os.environ["BENCH_SWITCH_INTERVAL"]))
     return Engine(cfg=cfg)
 
 
