@@ -246,6 +246,8 @@ def main() -> None:
             del copies
         if fp8:
             _fp8(name, N, K, rows, xs, outs, bf16, rng, rec)
+            if args.sweep:
+                _fp8_sweep(name, N, K, rng, rec)
     hits = misses = 0
     from kernels_numba import quant_fp8
     for k in list(QG._KERNELS.values()) + list(quant_fp8._KERNELS.values()):
@@ -342,6 +344,43 @@ def _fp8(name, N, K, rows, xs, outs, bf16, rng, rec):
         rec(f"{name} T={T} FP8", gbs, "GB/s", HBM / 1e9, 2 * N * K / (bf16[T] * 1e-3) / 1e9,
             "bf16 gemm.linear (its bytes/s)", us=ms * 1e3, bytes=nbytes, N=N, K=K, T=T, kind=kind,
             speedup_vs_bf16=bf16[T] / ms, copy_ceiling_fraction=gbs * 1e9 / COPY)
+
+
+def _fp8_sweep(name, N, K, rng, rec):
+    """The FP8 GEMV at one row for each (warps, rows a warp, chunks a lane) on block-scaled weights:
+    the configuration fp8_gemv_cfg should pick for this shape."""
+    from numba import cuda
+
+    from bench.timing import time_launches
+    from kernels_numba import quant_fp8 as F
+    q = rng.integers(0, 256, (N, K), dtype=np.uint8)
+    q[(q & 0x7F) == 0x7F] = 0x30
+    S, bn, bk = F.scale_grid(rng.uniform(0.01, 0.02, (-(-N // 128), -(-K // 128))).astype(np.float32), N, K, (128, 128))
+    nbytes = q.nbytes + S.nbytes
+    nrot = max(1, min(16, -(-ROTATE_BYTES // nbytes)))
+    dq = [cuda.to_device(q) for _ in range(nrot)]
+    dS = cuda.to_device(S)
+    x = cuda.to_device(rng.standard_normal((1, K)).astype(np.float32))
+    out = cuda.to_device(np.zeros((1, N), np.float32))
+    res = []
+    for warps in (4, 8):
+        for rows, unroll in ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2), (8, 1)):
+            if (K // 16) % (32 * unroll):
+                continue
+            cfg = (warps, rows, unroll, True)
+            try:
+                ms = time_launches(lambda i: F.fp8_gemv(x, dq[i], dS, out, 1, bn=bn, bk=bk, cfg=cfg), nrot, ITERS, WARMUP)
+            except Exception as exc:            # a configuration that does not fit the registers
+                print(f"{name:8s} FP8 sweep {cfg}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
+                continue
+            gbs = nbytes / (ms * 1e-3) / 1e9
+            res.append((ms, cfg))
+            print(f"{name:8s} {N:6d}x{K:5d} T=  1 FP8 sweep W={warps} R={rows} U={unroll}: {ms * 1e3:7.1f} us {gbs:6.0f} GB/s",
+                  flush=True)
+            rec(f"{name} T=1 FP8 sweep W={warps} R={rows} U={unroll}", gbs, "GB/s", HBM / 1e9, us=ms * 1e3, N=N, K=K)
+    if res:
+        best = min(res)
+        print(f"{name:8s} FP8 best {best[1]} {best[0] * 1e3:.1f} us; default {F.fp8_gemv_cfg(N, K, 1)}", flush=True)
 
 
 def _sweep(qt, N, K, name, copies, nrot, nbytes, x, out, rec):
