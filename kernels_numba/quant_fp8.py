@@ -233,11 +233,13 @@ def kernel(*cfg):
 
 
 def fp8_gemv_cfg(N: int, K: int, T: int = 1) -> tuple[int, int, int, bool]:
-    """(warps, rows, unroll, pipe): 2 rows a warp (x loads shared), 2 chunks of 16 a lane a step
-    (1 if that leaves lanes idle), the next step's loads in flight. To be tuned on the device."""
-    nch = K // 16
-    unroll = 2 if nch % 64 == 0 else 1
-    return 4, 2, unroll, True
+    """(warps, rows, unroll, pipe): one chunk of 16 weights a lane a step, the next step's loads in
+    flight; few row tiles (N <= 8192 at K <= 4096: qkv, o) take 4 rows a warp in blocks of 4 warps,
+    larger products 2 rows a warp in blocks of 8 (the fastest of bench.quant_kernels --types FP8
+    --sweep at one row on the 8B shapes; docs/quant.md)."""
+    if N <= 8192 and K <= 4096:
+        return 4, 4, 1, True
+    return 8, 2, 1, True
 
 
 def fp8_gemv(x, q, S, out, T: int, *, bn: int, bk: int, n_off: int = 0, bias=None, residual=None,
