@@ -312,6 +312,20 @@ def _mma(qt, name, N, K, T, x, out, copies, nrot, nbytes, ms_dp4a, ms_bf16, warp
         print(f"{name:8s} {N:6d}x{K:5d} Q4_K fragment layout dequant to bf16 {ms_d * 1e3:7.1f} us", flush=True)
 
 
+def _fp8_weights(N, K, rng):
+    """Random finite e4m3 bytes [N, K] with 128 x 128 block scales, copies enough to rotate past
+    L2: (device copies, device scales, bn, bk, bytes a copy, copies)."""
+    from numba import cuda
+
+    from kernels_numba import quant_fp8 as F
+    q = rng.integers(0, 256, (N, K), dtype=np.uint8)
+    q[(q & 0x7F) == 0x7F] = 0x30                 # no NaN codes
+    S, bn, bk = F.scale_grid(rng.uniform(0.01, 0.02, (-(-N // 128), -(-K // 128))).astype(np.float32), N, K, (128, 128))
+    nbytes = q.nbytes + S.nbytes
+    nrot = max(1, min(16, -(-ROTATE_BYTES // nbytes)))
+    return [cuda.to_device(q) for _ in range(nrot)], cuda.to_device(S), bn, bk, nbytes, nrot
+
+
 def _fp8(name, N, K, rows, xs, outs, bf16, rng, rec):
     """FP8 e4m3 with 128 x 128 block scales (DeepSeek-V3 / Qwen3-FP8's layout): the FP8 GEMV for
     T <= 8, dequantize to bf16 + the bf16 GEMM above."""
@@ -319,14 +333,7 @@ def _fp8(name, N, K, rows, xs, outs, bf16, rng, rec):
 
     from bench.timing import time_launches
     from kernels_numba import gemm, quant_fp8 as F
-    q = rng.integers(0, 256, (N, K), dtype=np.uint8)
-    q[(q & 0x7F) == 0x7F] = 0x30
-    S, bn, bk = F.scale_grid(rng.uniform(0.01, 0.02, (-(-N // 128), -(-K // 128))).astype(np.float32), N, K, (128, 128))
-    nbytes = q.nbytes + S.nbytes
-    nrot = max(1, min(16, -(-ROTATE_BYTES // nbytes)))
-    dq = [cuda.to_device(q) for _ in range(nrot)]
-    dS = cuda.to_device(S)
-    del q
+    dq, dS, bn, bk, nbytes, nrot = _fp8_weights(N, K, rng)
     for T in rows:
         x, out = xs[T], outs[T]
         if T <= F.MAX_T:
@@ -353,13 +360,7 @@ def _fp8_sweep(name, N, K, rng, rec):
 
     from bench.timing import time_launches
     from kernels_numba import quant_fp8 as F
-    q = rng.integers(0, 256, (N, K), dtype=np.uint8)
-    q[(q & 0x7F) == 0x7F] = 0x30
-    S, bn, bk = F.scale_grid(rng.uniform(0.01, 0.02, (-(-N // 128), -(-K // 128))).astype(np.float32), N, K, (128, 128))
-    nbytes = q.nbytes + S.nbytes
-    nrot = max(1, min(16, -(-ROTATE_BYTES // nbytes)))
-    dq = [cuda.to_device(q) for _ in range(nrot)]
-    dS = cuda.to_device(S)
+    dq, dS, bn, bk, nbytes, nrot = _fp8_weights(N, K, rng)
     x = cuda.to_device(rng.standard_normal((1, K)).astype(np.float32))
     out = cuda.to_device(np.zeros((1, N), np.float32))
     res = []

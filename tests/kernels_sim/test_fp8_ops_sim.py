@@ -1,5 +1,5 @@
 """QuantOps on DeviceFP8 weights (an FP8 e4m3 checkpoint with levers.weights=native) composed onto
-CudaOps under the simulator, on test_quant_ops_sim's stand-in backend: weights are the loader's value
+CudaOps under the simulator, on the stand-in backend of quant_ops_standin.py: weights are the loader's value
 (metrale.models.fp8.FP8Tensor: row-stacked members, their scales regridded) uploaded as the backend
 does (upload_fp8_tensor), and every reference is this file's own dequantization of the members'
 e4m3 bytes and stored scales with ml_dtypes. Roads: the FP8 GEMV (T = 1, 2; float32 x, so within
@@ -18,43 +18,13 @@ pytestmark = pytest.mark.skipif(not SIM, reason="run with NUMBA_ENABLE_CUDASIM=1
 from numba import cuda  # noqa: E402
 
 from kernels_numba.bf16 import from_bf16_bits, to_bf16_bits  # noqa: E402
+from quant_ops_standin import EPS, quant_ops  # noqa: E402
 
 K = 128
-EPS = 1e-5
-
-
-class _Backend:
-    """What CudaOps and QuantOps read of a CudaBackend (test_quant_ops_sim's stand-in at K = 128)."""
-
-    def __init__(self, T, N, scratch_elems, ffn):
-        self.fuse_decode, self.carry_norm_sums, self.overlap, self.quant_mma_rows = True, False, False, 1
-        self.skinny_max_t = 1            # rows > 1: gemm.linear's FMA path (FMA_MAX_T raised below)
-        z = lambda *s: cuda.to_device(np.zeros(s, np.float32))  # noqa: E731
-        self.act = {"h": z(T, K), "rows": z(T, K), "residual": z(T, K), "act": z(T, ffn), f"out{N}": z(T, N)}
-        self.quant_scratch = cuda.device_array(scratch_elems, np.uint16)
-
-    def blas_takes(self, rows, weight):
-        return False
-
-    def view(self, name, n, shape=None):
-        v = self.act[name][:n]
-        return v if shape is None else v.reshape(shape)
-
-    def quant_scratch_view(self, n, k):
-        return self.quant_scratch[:n * k].reshape(n, k)
 
 
 def _ops(T, N, scratch_elems=1 << 15, ffn=32):
-    from types import SimpleNamespace
-
-    from metrale.models.families import compose_ops
-    from metrale.runtime.cuda.quant import QuantOps
-    from metrale.runtime.cuda_backend import CudaOps
-    ops = object.__new__(compose_ops(CudaOps, (QuantOps,)))
-    ops.b, ops.s, ops.cfg = _Backend(T, N, scratch_elems, ffn), 0, SimpleNamespace(rms_norm_eps=EPS)
-    ops.g = SimpleNamespace(tokens=T)
-    ops._ss_used, ops._resid_ss, ops.rows_ptr = 0, None, -1
-    return ops
+    return quant_ops(T, N, K, scratch_elems, mma_rows=1, ffn=ffn)
 
 
 @pytest.fixture(autouse=True)

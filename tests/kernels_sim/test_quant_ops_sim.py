@@ -4,7 +4,6 @@ the NumPy composition on gguf's dequantization of the same blocks: the GEMV road
 the kernels' q8 quantization in the reference), the bf16 road (T = 9: the scratch image and the bf16
 GEMM), the chunks road (a weight over the scratch: row chunks across parts into column windows,
 also accumulating into a residual), the MLP at one row, the quantized embedding with fed ids."""
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,45 +16,13 @@ pytestmark = pytest.mark.skipif(not SIM, reason="run with NUMBA_ENABLE_CUDASIM=1
 from numba import cuda  # noqa: E402
 
 from kernels_numba.bf16 import from_bf16_bits, to_bf16_bits  # noqa: E402
+from quant_ops_standin import EPS, quant_ops  # noqa: E402
 
 K = 256          # the K-quants' super-block
-EPS = 1e-5
-
-
-class _Backend:
-    """What CudaOps and QuantOps read of a CudaBackend."""
-
-    def __init__(self, T, N, scratch_elems, overlap=False, mma_rows=0, ffn=64):
-        self.fuse_decode, self.carry_norm_sums, self.overlap = True, False, overlap
-        self.quant_mma_rows = mma_rows
-        self.skinny_max_t = 1            # rows > 1: gemm.linear's FMA path (FMA_MAX_T raised below)
-        z = lambda *s: cuda.to_device(np.zeros(s, np.float32))  # noqa: E731
-        self.act = {"h": z(T, K), "rows": z(T, K), "residual": z(T, K), "act": z(T, ffn), f"out{N}": z(T, N),
-                    "argmax": cuda.to_device(np.array([7, 3, 1], np.int32))}
-        self.quant_scratch = cuda.device_array(scratch_elems, np.uint16)
-
-    def blas_takes(self, rows, weight):
-        return False
-
-    def view(self, name, n, shape=None):
-        v = self.act[name][:n]
-        return v if shape is None else v.reshape(shape)
-
-    def quant_scratch_view(self, n, k):
-        return self.quant_scratch[:n * k].reshape(n, k)
 
 
 def _ops(T, N, scratch_elems=1 << 16, overlap=False, token_ids=None, token_src=None, mma_rows=0, ffn=64):
-    from metrale.models.families import compose_ops
-    from metrale.runtime.cuda.quant import QuantOps
-    from metrale.runtime.cuda_backend import CudaOps
-    ops = object.__new__(compose_ops(CudaOps, (QuantOps,)))
-    ops.b, ops.s, ops.cfg = _Backend(T, N, scratch_elems, overlap, mma_rows, ffn), 0, SimpleNamespace(rms_norm_eps=EPS)
-    ops.g = SimpleNamespace(tokens=T)
-    ops._ss_used, ops._resid_ss, ops.rows_ptr = 0, None, -1
-    if token_ids is not None:
-        ops.token_ids, ops.token_src = cuda.to_device(token_ids), cuda.to_device(token_src)
-    return ops
+    return quant_ops(T, N, K, scratch_elems, overlap, token_ids, token_src, mma_rows, ffn)
 
 
 def _weight(parts, seed, fragments=False):
