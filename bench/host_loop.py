@@ -8,8 +8,9 @@ speculator. CPU, no GPU needed.
 --ahead runs the loop a step ahead (levers.overlap, metrale/overlap.py) as the CUDA backend does:
 decode steps are built by AheadLoop._launch and read a step late (the stub computes at once).
 --served steps the engine as the server's engine process does (metrale/server/engine_child.py):
-the EngineLoop's step and dispatch, every request streamed (a delta a step, detokenized), each
-step's deltas packed into one message written to a pipe that a thread drains.
+the EngineLoop's step and dispatch, every request streamed (a delta a step; its text decoded by the
+server process, as EngineProcess leaves it for plain requests), each step's deltas packed into one
+message written to a pipe that a thread drains.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def main() -> None:
     ap.add_argument("--spec", default=None, help="ngram: every draft accepted (a cycle of 7 tokens)")
     ap.add_argument("--ahead", action="store_true", help="the loop a step ahead, as on CUDA")
     ap.add_argument("--served", action="store_true", help="the engine process's loop: streamed deltas, one message a step")
+    ap.add_argument("--engine-text", action="store_true",
+                    help="with --served: the engine decodes every request's text (before the server process did)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     from metrale import Engine, SamplingParams
@@ -55,7 +58,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(5, V - 5, args.prompt) for _ in range(args.batch)]
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-    run = served_runner(eng) if args.served else (lambda ps, p: eng.generate(ps, p, use_tqdm=False))
+    run = served_runner(eng, args.engine_text) if args.served else (lambda ps, p: eng.generate(ps, p, use_tqdm=False))
     run(prompts, params)                                           # warm-up
     steps = eng.stats["steps"]
     t, cpu = time.perf_counter(), time.process_time()
@@ -73,15 +76,18 @@ def main() -> None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
-def served_runner(eng):
+def served_runner(eng, engine_text: bool = False):
     """run(prompts, params) through the engine process's loop, on this thread: adds as its command
     reader applies them, then EngineLoop steps (poll, dispatch to the outbox) until all end."""
     import concurrent.futures
     import os
     import threading
 
+    from dataclasses import replace
+
     from metrale.driver import EngineLoop, _Live
     from metrale.server.engine_child import _Outbox, _Sink
+    from metrale.server.engine_process import _decodes_here
     r, w = os.pipe()
 
     def drain() -> None:                # the server's reader side: frames are read and dropped
@@ -95,7 +101,9 @@ def served_runner(eng):
         for p in prompts:
             key = next(counter)
             live = _Live(out, _Sink(key, out), time.perf_counter(), {0})
-            loop._apply(("add", f"s{key}", [int(t) for t in p], params, live, concurrent.futures.Future(), False))
+            ids = [int(t) for t in p]
+            sent = params if engine_text or not _decodes_here(ids, params) else replace(params, detokenize=False)
+            loop._apply(("add", f"s{key}", ids, sent, live, concurrent.futures.Future(), False))
         while eng.has_unfinished():
             loop._step()
     return run

@@ -25,11 +25,13 @@ class RequestState:
         (~half the host time of a batch-32 decode step on a small model)."""
         self.seq = seq
         self.params: SamplingParams = seq.params
-        self.decoder = tokenizer.incremental_decoder(seq.prompt_token_ids, self.params.skip_special_tokens)
+        # None with detokenize=False: no text at all (the server's engine process leaves it to the server)
+        self.decoder = (tokenizer.incremental_decoder(seq.prompt_token_ids, self.params.skip_special_tokens)
+                        if self.params.detokenize else None)
         self.stop_ids = set(self.params.stop_token_ids or ()) | (set() if self.params.ignore_eos else set(eos_ids))
         self.eos_ids = set(eos_ids)
         self.stops = self.params.stop_strings
-        self.text_at_end = text_at_end and not self.stops
+        self.text_at_end = text_at_end and not self.stops and self.decoder is not None
         self.output_only = text_at_end      # its reader takes output() at the end, no step's delta
         self._undecoded: list[int] = []     # tokens appended but not yet fed to the decoder (text_at_end)
         self.holdback = max((len(s) for s in self.stops), default=1) - 1
@@ -69,7 +71,7 @@ class RequestState:
             return "stop"
         if self.text_at_end:
             self._undecoded.append(token)
-        else:
+        elif self.decoder is not None:
             self.text += self.decoder.feed(token)
         if self.stops:
             # the text up to _scanned holds no stop string, so one can only start in its last
@@ -104,7 +106,7 @@ class RequestState:
         if finish_reason is None:
             upto = max(self.emitted, len(self.text) - self.holdback)
         else:
-            if finish_reason != "stop" or not self.stops:
+            if self.decoder is not None and (finish_reason != "stop" or not self.stops):
                 self.text += self.decoder.flush()
             upto = len(self.text)
         text = self.text[self.emitted:upto]

@@ -71,6 +71,22 @@ def test_stream_concatenation_equals_generate(smollm2):
     assert deltas[-1].finish_reason == "length" and all(d.finish_reason is None for d in deltas[:-1])
 
 
+def test_detokenize_false_gives_the_tokens_without_text(smollm2):
+    """SamplingParams.detokenize=False (vLLM's field; the server's engine process uses it): the same
+    tokens, no text in the output or the stream; stop strings, matched in the text, are refused."""
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    want = smollm2.generate([PROMPTS[1]], params, use_tqdm=False)[0]
+    quiet = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, detokenize=False)
+    out = smollm2.generate([PROMPTS[1]], quiet, use_tqdm=False)[0]
+    np.testing.assert_array_equal(out.token_ids, want.token_ids)
+    assert want.text and out.text == ""
+    deltas = list(smollm2.stream(PROMPTS[1], quiet))
+    assert all(d.text == "" for d in deltas)
+    np.testing.assert_array_equal(np.concatenate([d.token_ids for d in deltas]), want.token_ids)
+    with pytest.raises(InvalidRequestError, match="detokenize"):
+        smollm2.add_request("hi", SamplingParams(stop=["x"], detokenize=False))
+
+
 def test_async_stream(smollm2):
     async def collect():
         return [d async for d in smollm2.astream(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.0))]

@@ -328,3 +328,69 @@ def test_engine_child_reader_applies_every_queued_command_and_survives_a_bad_fra
     assert loop.added == [f"req-{k}" for k in range(64)]
     for fd in (r, ev_r, ev_w):
         os.close(fd)
+
+
+# ------------------------------------------------------------ text decoded in the server process
+def test_server_decoded_text_equals_the_engines(pair):
+    """Plain requests of token ids leave the engine process without text (detokenize=False) and
+    are decoded here from their ids: a stop token that ends one is not text, special tokens are
+    kept when asked, and a request with stop strings is still decoded in the engine. Every
+    answer equals the in-process server's, whole and streamed."""
+    from metrale import SamplingParams
+    here, there, proc = pair
+    prompt = "The capital of France is"
+    ids = build_tiny(compose(TINY)).generate([proc.tokenizer.encode(prompt)], SamplingParams(
+        max_tokens=24, temperature=3.0, seed=11, ignore_eos=True), use_tqdm=False)[0].token_ids.tolist()
+    j = next(j for j in range(3, len(ids)) if ids[j] not in ids[:j])      # a token first drawn at step j
+    stop_text = proc.tokenizer.decode(ids[2:4])
+    bodies = [{"stop_token_ids": [ids[j]]}, {"stop_token_ids": [ids[j]], "skip_special_tokens": False},
+              {"skip_special_tokens": False}, {"stop": [stop_text]} if stop_text else {}]
+    for extra in bodies:
+        body = {"prompt": prompt, "max_tokens": 24, "temperature": 3.0, "seed": 11, "ignore_eos": True, **extra}
+        a = httpx.post(here.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+        b = httpx.post(there.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+        assert (a["text"], a["finish_reason"]) == (b["text"], b["finish_reason"]), extra
+        assert streamed(there.url, "/v1/completions", body)[:2] == (a["text"], a["finish_reason"]), extra
+    a = httpx.post(there.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 3.0,
+                                                        "seed": 11, "stop_token_ids": [ids[j]]}, timeout=60).json()
+    assert a["choices"][0]["finish_reason"] == "stop" and a["usage"]["completion_tokens"] == j + 1
+
+
+def test_remote_text_is_the_request_states():
+    """_Remote.text (the server's decoding of a delta's ids) against RequestState's own text for
+    the same ids in deltas of 1-3 tokens, ending by length and by a stop token; and which requests
+    the server decodes."""
+    import numpy as np
+
+    from metrale import SamplingParams
+    from metrale.models.tokenizer import ByteTokenizer
+    from metrale.request import RequestState
+    from metrale.scheduler.sequence import Sequence
+    from metrale.server.engine_process import _decodes_here, _Remote
+    tok, rng = ByteTokenizer(), np.random.default_rng(0)
+    for trial in range(40):
+        prompt = [int(t) for t in rng.integers(3, 259, 5)]
+        out = [int(t) for t in rng.integers(3, 259, 12)]
+        stop = out[-1] if trial % 2 else None
+        params = SamplingParams(max_tokens=12, stop_token_ids=[stop] if stop is not None else None, ignore_eos=True,
+                                skip_special_tokens=bool(trial % 3))
+        state = RequestState(Sequence(prompt, params), tok, (2,), 1000)
+        remote = _Remote("r", None, None, {0}, tok.incremental_decoder(prompt, params.skip_special_tokens))
+        want = got = ""
+        i = 0
+        while i < len(out):
+            k = min(int(rng.integers(1, 4)), len(out) - i)
+            reason = None
+            for t in out[i:i + k]:
+                reason = state.append(t) if reason is None else reason
+            i += k
+            if i == len(out) and reason is None:
+                reason = "length"
+            d = state.delta(reason)
+            want += d.text
+            got += remote.text(d.token_ids, reason)
+        assert got == want and want == state.text, trial
+    ok = SamplingParams()
+    assert _decodes_here([1, 2], ok) and not _decodes_here("text", ok)
+    assert not _decodes_here([1, 2], SamplingParams(stop=["x"])) and not _decodes_here([1, 2], SamplingParams(n=2))
+    assert not _decodes_here([1, 2], SamplingParams(detokenize=False))

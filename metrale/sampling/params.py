@@ -61,6 +61,7 @@ class SamplingParams:
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
+    detokenize: bool = True              # False: no text (tokens only; stop strings need text)
     json_schema: Optional[dict | str] = None
     regex: Optional[str] = None
     grammar: Optional[str] = None
@@ -130,6 +131,8 @@ class SamplingParams:
                 _bad("stop", f"stop strings must be non-empty strings, got {s!r}"[:200])
             if len(s) > MAX_STOP_STRING_CHARS:
                 _bad("stop", f"a stop string has at most {MAX_STOP_STRING_CHARS} characters, got {len(s)}")
+        if stops and not self.detokenize:
+            _bad("stop", "stop strings are matched in the text: they need detokenize=True")
         if self.stop_token_ids is None:
             return
         if not isinstance(self.stop_token_ids, (list, tuple, set, frozenset, np.ndarray)):

@@ -12,7 +12,9 @@ prompt ids, SamplingParams, age s, chat)`, `("abort", id)`, `("call", id, "metri
 `("failed", one line)`, then per step `("deltas", [(key, text, int32 bytes) or (key, text, int32
 bytes, index, finish_reason, logprobs, stop_reason), ...])`, per add `("added", key, prompt
 tokens)` or `("refused", key, kind, message)`, `("reply", id, ok, value)` and at the end
-`("bye", why)`. The engine detokenizes (RequestState, as in-process): a delta's text is ready to send.
+`("bye", why)`. The text of a request of token ids with one completion and no stop strings is
+decoded here from its deltas' ids (SamplingParams.detokenize=False there); the engine decodes
+the others' (RequestState, as in-process), whose delta text is ready to send.
 Invariants: every request the server accepted ends with one finished delta per completion, from
 the engine or, when the engine process dies, from here ('error: the engine process ...'); the
 engine process exits when told to stop or when the server's end of the commands pipe closes.
@@ -32,7 +34,7 @@ import signal
 import struct
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Callable, Iterator
 
 import numpy as np
@@ -147,6 +149,24 @@ class _Remote:
     aloop: asyncio.AbstractEventLoop | None
     sink: Any
     open: set[int]
+    decoder: Any = None        # its text is decoded here from the ids (the engine sends none)
+
+    def text(self, ids: np.ndarray, reason: str | None) -> str:
+        """The text of a delta's ids, as the engine's RequestState would have made it: a stop
+        token ends the request undecoded, and the decoder's held-back bytes close the last delta."""
+        dec = self.decoder
+        if reason == "stop" and len(ids):
+            ids = ids[:-1]
+        text = dec.feed(int(ids[0])) if len(ids) == 1 else "".join([dec.feed(int(t)) for t in ids])
+        return text + dec.flush() if reason is not None else text
+
+
+def _decodes_here(prompt, params) -> bool:
+    """Whether the server decodes a request's text from its ids (vLLM's front end does the same):
+    one completion of token ids with no stop strings, which the engine would have to match in the
+    text. The engine process then spends no host time on text (SamplingParams.detokenize=False)."""
+    return (params.detokenize and isinstance(prompt, list) and params.n == 1 and not (params.best_of or 0) > 1
+            and not params.stop_strings)
 
 
 class EngineProcess:
@@ -157,6 +177,7 @@ class EngineProcess:
     def __init__(self, process, info: EngineInfo, commands_fd: int, events_fd: int, cfg):
         self.process, self.info, self.cfg = process, info, cfg
         self.tokenizer, self.model_config = info.tokenizer, info.model_config
+        getattr(self.tokenizer, "token_bytes", lambda: None)()    # the decoders' byte table, built before any request
         self.max_model_len, self.max_num_seqs = info.max_model_len, info.max_num_seqs
         self.supports_structured_output = info.structured_output
         self.loop = ProcessLoop(self, commands_fd, events_fd)
@@ -365,7 +386,10 @@ class ProcessLoop:
         if self._aloop is None:
             self._read_on_own_thread()
         key = next(self._next)
-        self._live[key] = _Remote(request_id, aloop, sink, set(range(params.n)))
+        remote = self._live[key] = _Remote(request_id, aloop, sink, set(range(params.n)))
+        if _decodes_here(prompt, params):
+            remote.decoder = self.owner.tokenizer.incremental_decoder(prompt, params.skip_special_tokens)
+            params = replace(params, detokenize=False)
         self._keys_of[request_id] = key
         self._adds[key] = done
         age = time.perf_counter() - arrival if arrival is not None else 0.0
@@ -445,10 +469,14 @@ class ProcessLoop:
                 if r is None:
                     continue
                 if len(item) == 3:
-                    delta = StreamDelta(r.request_id, item[1], np.frombuffer(item[2], np.int32))
+                    ids = np.frombuffer(item[2], np.int32)
+                    delta = StreamDelta(r.request_id, item[1] if r.decoder is None else r.text(ids, None), ids)
                 else:
                     _, text, ids, index, reason, lps, stop = item
-                    delta = StreamDelta(r.request_id, text, np.frombuffer(ids, np.int32), reason, index, lps, stop)
+                    ids = np.frombuffer(ids, np.int32)
+                    if r.decoder is not None:
+                        text = r.text(ids, reason)
+                    delta = StreamDelta(r.request_id, text, ids, reason, index, lps, stop)
                     if reason is not None:
                         self._closed(item[0], r, index)
                 batches.setdefault(r.aloop, []).append((r.sink, delta))
