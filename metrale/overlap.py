@@ -69,8 +69,9 @@ class AheadLoop:
                 and len(states) == len(scheduled) and all(s.num_tokens == 1 and not s.draft for s in scheduled)
                 and e.sampler.can_run_ahead(states))
 
-    def _next_rows(self, cur: Inflight) -> list[tuple[int, Sequence]] | None:
-        """(row in cur, sequence) of the step after cur, or None when it cannot run ahead: a
+    def _next_rows(self, cur: Inflight) -> list[tuple[int, Sequence, int]] | None:
+        """(row in cur, sequence, its tokens now: the position its next row computes) of the step
+        after cur, or None when it cannot run ahead: a
         sequence that goes on but needs the host first (not plain greedy any more), a request
         waiting for admission, or a block that cannot be had (every row runs ahead or none)."""
         e = self.engine
@@ -87,11 +88,11 @@ class AheadLoop:
                 continue                      # the token cur computes ends it by length
             if not (state.always_device_drawn or sampler.can_run_ahead([state])):
                 return None
-            rows.append((i, seq))
+            rows.append((i, seq, n))
         if not rows:
             return None
         grow, bs = e.blocks.grow, e.blocks.block_size
-        if not all(len(s.block_table) * bs > s.num_tokens or grow(s, s.num_tokens + 1) for _, s in rows):
+        if not all(len(s.block_table) * bs > n or grow(s, n + 1) for _, s, n in rows):
             return None
         return rows
 
@@ -123,17 +124,18 @@ class AheadLoop:
         self.inflight = nxt
         return StepOutput([], [ScheduledSeq(seq, 1) for seq in cur.seqs], [[d] for d in drawn])
 
-    def _launch(self, rows: list[tuple[int, Sequence]], cur: Inflight) -> Inflight:
+    def _launch(self, rows: list[tuple[int, Sequence, int]], cur: Inflight) -> Inflight:
         """The step after `cur`: each row's input is its sequence's pending token (at position
         num_tokens, not yet known to the host), fed from cur's row."""
         e = self.engine
-        positions = np.fromiter((s.num_tokens for _, s in rows), dtype=np.int32, count=len(rows))
-        batch = build_decode_batch(positions, e.blocks.tables_of([s for _, s in rows]), e.blocks.block_size)
+        src, seqs, positions = zip(*rows)
+        seqs = list(seqs)
+        batch = build_decode_batch(np.array(positions, np.int32), e.blocks.tables_of(seqs), e.blocks.block_size)
         if e.step_log is not None:
             e.step_log.append((len(rows), int(batch.context_lens.sum())))
-        src = np.fromiter((i for i, _ in rows), dtype=np.int32, count=len(rows))
-        states = [e.requests[s.request_id] for _, s in rows]
-        return Inflight([s for _, s in rows], self._launch_rows(batch, states, cur.handle, src, 1))
+        requests = e.requests
+        states = [requests[s.request_id] for s in seqs]
+        return Inflight(seqs, self._launch_rows(batch, states, cur.handle, np.array(src, np.int32), 1))
 
     def _launch_rows(self, batch, states, prev, token_src, step_ahead: int):
         """The argmax step when every row is plain greedy, else the logits and the device pipeline
