@@ -128,14 +128,16 @@ def tiny_tensors(seed: int, fmt: str | None) -> tuple[dict, dict]:
     return tensors, floats
 
 
-def write_dir(path, tensors: dict, quant: dict | None) -> None:
+def write_dir(path, tensors: dict, quant: dict | None, cfg: dict = CFG, vocab: int = VOCAB) -> None:
+    """An HF directory: config.json (with quant as its quantization_config), the tensors in two
+    safetensors shards, a word-level tokenizer of `vocab` words."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps({**CFG, **({"quantization_config": quant} if quant else {})}))
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({**cfg, **({"quantization_config": quant} if quant else {})}))
     names = sorted(tensors)
     write_safetensors(path / "model-00001-of-00002.safetensors", {n: tensors[n] for n in names[::2]})
     write_safetensors(path / "model-00002-of-00002.safetensors", {n: tensors[n] for n in names[1::2]})
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w2", "bos_token": "w1"}))

@@ -24,7 +24,6 @@ the first token (a prefill of > 8 rows: the same bf16 image on both) must be equ
 1-row decode reads the exact FP8 weights while bf16 reads their bf16 rounding, so a later near-tie may
 break either way: the tokens must be equal up to the first difference, which must sit on a near-tie of
 the CPU engine's logits, and every token must be near the CPU engine's teacher-forced greedy choice."""
-import json
 
 import numpy as np
 import pytest
@@ -69,8 +68,7 @@ PROMPTS = [_rng.integers(3, VOCAB, int(n)).astype(np.int32) for n in _rng.intege
 def write_checkpoint(path, fmt: str, seed: int = 0):
     """An HF directory of a random Llama in FP8 format `fmt` (FORMATS); lm_head and embeddings bf16."""
     import ml_dtypes
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from test_fp8_checkpoint import quantize, write_safetensors
+    from test_fp8_checkpoint import quantize, write_dir
     quant, scale_name, kind = FORMATS[fmt]
     rng = np.random.default_rng(seed)
     t = {"model.embed_tokens.weight": rng.standard_normal((VOCAB, HIDDEN)).astype(ml_dtypes.bfloat16),
@@ -86,15 +84,7 @@ def write_checkpoint(path, fmt: str, seed: int = 0):
             q, scale = quantize(w, kind)
             t[p + m + ".weight"], t[p + m + "." + scale_name] = q, scale
             t[p + m + ".input_scale"] = np.float32(0.02).reshape(())              # activation scale: not read
-    path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps({**CFG, "quantization_config": quant}))
-    names = sorted(t)
-    write_safetensors(path / "model-00001-of-00002.safetensors", {n: t[n] for n in names[::2]})
-    write_safetensors(path / "model-00002-of-00002.safetensors", {n: t[n] for n in names[1::2]})
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w2", "bos_token": "w1"}))
+    write_dir(path, t, quant, CFG, VOCAB)
     return path
 
 
