@@ -178,6 +178,8 @@ class ServerConfig:
     header_timeout_s: float = 10.0       # a connection whose first request's headers take longer is closed
     allow_client_chat_template: bool = False   # let requests send their own Jinja chat template
     engine_process: bool = True          # `serve`: the engine in a process of its own (false: a thread of the server's)
+    decode_in_server: bool = True        # with engine_process: the server process decodes plain requests' text
+                                         # (token-id prompts, one completion, no stop strings); false: the engine does
     replicas: int = 0                    # `serve`: N engine replicas on Ray Serve behind this server (0: one engine, no Ray)
     replica_cpus: float = 1.0            # Ray CPUs reserved per replica
     replica_gpus: Optional[float] = None # Ray GPUs per replica; None: 1 with device=cuda, else 0

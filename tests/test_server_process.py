@@ -345,12 +345,17 @@ def test_server_decoded_text_equals_the_engines(pair):
     stop_text = proc.tokenizer.decode(ids[2:4])
     bodies = [{"stop_token_ids": [ids[j]]}, {"stop_token_ids": [ids[j]], "skip_special_tokens": False},
               {"skip_special_tokens": False}, {"stop": [stop_text]} if stop_text else {}]
-    for extra in bodies:
-        body = {"prompt": prompt, "max_tokens": 24, "temperature": 3.0, "seed": 11, "ignore_eos": True, **extra}
-        a = httpx.post(here.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
-        b = httpx.post(there.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
-        assert (a["text"], a["finish_reason"]) == (b["text"], b["finish_reason"]), extra
-        assert streamed(there.url, "/v1/completions", body)[:2] == (a["text"], a["finish_reason"]), extra
+    assert proc.loop.decode_here               # server.decode_in_server, on by default
+    try:
+        for decode_here, extra in [(True, e) for e in bodies] + [(False, bodies[0])]:
+            proc.loop.decode_here = decode_here
+            body = {"prompt": prompt, "max_tokens": 24, "temperature": 3.0, "seed": 11, "ignore_eos": True, **extra}
+            a = httpx.post(here.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+            b = httpx.post(there.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+            assert (a["text"], a["finish_reason"]) == (b["text"], b["finish_reason"]), extra
+            assert streamed(there.url, "/v1/completions", body)[:2] == (a["text"], a["finish_reason"]), extra
+    finally:
+        proc.loop.decode_here = True
     a = httpx.post(there.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 3.0,
                                                         "seed": 11, "stop_token_ids": [ids[j]]}, timeout=60).json()
     assert a["choices"][0]["finish_reason"] == "stop" and a["usage"]["completion_tokens"] == j + 1

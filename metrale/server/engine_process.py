@@ -264,6 +264,7 @@ class ProcessLoop:
 
     def __init__(self, owner: EngineProcess, commands_fd: int, events_fd: int):
         self.owner, self.process = owner, owner.process
+        self.decode_here = bool(getattr(getattr(owner.cfg, "server", None), "decode_in_server", True))
         self.accepting = True
         self._cmd_fd, self._ev_fd = commands_fd, events_fd
         self._send_lock = threading.Lock()
@@ -387,7 +388,7 @@ class ProcessLoop:
             self._read_on_own_thread()
         key = next(self._next)
         remote = self._live[key] = _Remote(request_id, aloop, sink, set(range(params.n)))
-        if _decodes_here(prompt, params):
+        if self.decode_here and _decodes_here(prompt, params):
             remote.decoder = self.owner.tokenizer.incremental_decoder(prompt, params.skip_special_tokens)
             params = replace(params, detokenize=False)
         self._keys_of[request_id] = key
