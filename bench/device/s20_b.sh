@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 20: why the served engine process is sometimes host-bound at 64 streams (s20_a: steps of
 # 1.6-2.1 ms with no wait for the device, the library's 1.18). The served run of s20_a, RUNS times
-# (run-to-run spread), then with the GIL switch interval at Python's default 5 ms instead of the
+# (run-to-run spread), then with the engine decoding every request's text (server.decode_in_server=false),
+# with the GIL switch interval at Python's default 5 ms instead of the
 # engine process's 1 ms, then with the server and engine processes pinned to two physical cores and
 # the client to two others; each with every thread's CPU (bench.loadtest --server-pid).
 #   bash bench/device/s20_b.sh     (carry .whl [.snap])
@@ -12,10 +13,10 @@ PORT=8314
 RES=$OUT/s20b; mkdir -p $RES
 load() { timeout 150 ${CLIENT_PIN:-} python3 -m bench.loadtest --url http://127.0.0.1:$PORT --model $MODEL --clients $1 \
     --requests $2 --max-tokens $3 --duration 90 --prompt-words 16 "${@:4}" 2>&1 | tail -4; }
-serve() {   # NAME [ENV=VALUE]: one server, warmed, measured at 64 streams twice
-  local name=$1; stamp "serve $name ${2:-}"
-  env ${2:-X=} ${PIN:-} python3 -m bench.serve_profile --serve-trace $RES/$name.txt serve device=cuda model=$MODEL \
-      server.port=$PORT server.engine_process=true > $RES/server_$name.txt 2>&1 &
+serve() {   # NAME [ENV=VALUE [OVERRIDE ...]]: one server, warmed, measured at 64 streams twice
+  local name=$1 envs=${2:-X=}; local over="${*:3}"; stamp "serve $name ${2:-} $over"
+  env $envs ${PIN:-} python3 -m bench.serve_profile --serve-trace $RES/$name.txt serve device=cuda model=$MODEL \
+      server.port=$PORT server.engine_process=true $over > $RES/server_$name.txt 2>&1 &
   SPID=$!
   for i in $(seq 1 240); do curl -sf http://127.0.0.1:$PORT/health >/dev/null && break
       kill -0 $SPID 2>/dev/null || { echo "the server exited:"; tail -5 $RES/server_$name.txt; break; }; sleep 1; done
@@ -45,6 +46,7 @@ PY
 )
 echo "physical-core pins: server+engine $PIN_SERVER, client $PIN_CLIENT"
 for r in $(seq 1 ${RUNS:-2}); do serve default$r; done
+serve engine_text X= server.decode_in_server=false
 serve switch5ms BENCH_SWITCH_INTERVAL=0.005
 PIN="taskset -c $PIN_SERVER" CLIENT_PIN="taskset -c $PIN_CLIENT" serve pinned
 stamp "library"
