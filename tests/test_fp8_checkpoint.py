@@ -385,25 +385,13 @@ def test_cuda_backend_uploads_announced_fp8_matrices(ckpts, native):
 def test_device_bytes_of_fp8_matrices():
     """An 8B-shape model of 128 x 128 block-scaled FP8 matrices (lm_head bf16, as Qwen3-FP8 / DeepSeek
     ship them): the CUDA backend plans ~1 byte a matrix weight plus the scales, about half of bf16."""
-    from metrale.models.checkpoint import random_model_config
     from metrale.models.fp8 import FP8_E4M3
-    from metrale.models.registry import resolve_model
     from metrale.runtime.cuda.quant import device_bytes_bound
-    from metrale.runtime.cuda_backend import CudaBackend
-    from metrale.runtime.cuda_dense import DenseCuda
-    s = resolve_model("llama-3-8b-shape")
-    c = random_model_config(s.preset, s.name)
-    b = object.__new__(CudaBackend)
-    b.config = c
-    b.part = DenseCuda(b)
-    d, f, qkv = c.hidden_size, c.intermediate_size, c.q_size + 2 * c.kv_size
+    from test_quant_wiring import planning_backend_8b
 
     def part(n, k):
         return ((FP8_E4M3, n, k, -(-n // 128) * -(-k // 128)),)
-    b.quantized = {}
-    for i in range(c.num_layers):
-        b.quantized.update({f"layers.{i}.qkv": part(qkv, d), f"layers.{i}.o": part(d, c.q_size),
-                            f"layers.{i}.gate_up": part(2 * f, d), f"layers.{i}.down": part(d, f)})
+    b, _ = planning_backend_8b(part)
     fp8_weights = sum(n * k for ps in b.quantized.values() for _, n, k, _ in ps)
     bf16 = b.part.weight_bytes()
     native = bf16 + b._quantized_bytes_delta()

@@ -284,9 +284,10 @@ def test_unsupported_type_is_one_line():
     assert "Q2_K" in str(e.value) and "levers.weights=bf16" in str(e.value) and "\n" not in str(e.value)
 
 
-def _q4k_8b_backend(native=True):
-    """A CudaBackend's memory planning for Llama-3-8B of Q4_K matrices (lm_head Q6_K, as Q4_K_M)
-    without a device: only what _quantized_bytes_delta and weight_bytes read."""
+def planning_backend_8b(part, extra=None):
+    """A CudaBackend's memory planning for Llama-3-8B without a device (only what
+    _quantized_bytes_delta and weight_bytes read): every layer's linear matrix announced as
+    part(rows, cols), plus `extra(config)`'s announced parts (embed, lm_head). Returns (backend, parts)."""
     from metrale.models.checkpoint import random_model_config
     from metrale.models.registry import resolve_model
     from metrale.runtime.cuda_backend import CudaBackend
@@ -297,13 +298,20 @@ def _q4k_8b_backend(native=True):
     b.config = c
     b.part = DenseCuda(b)
     d, f, qkv = c.hidden_size, c.intermediate_size, c.q_size + 2 * c.kv_size
-    parts = {"embed": ((L.Q4_K, c.vocab_size, d),), "lm_head": ((L.Q6_K, c.vocab_size, d),)}
+    parts = dict(extra(c) if extra is not None else {})
     for i in range(c.num_layers):
-        parts[f"layers.{i}.qkv"] = ((L.Q4_K, qkv, d),)
-        parts[f"layers.{i}.o"] = ((L.Q4_K, d, c.q_size),)
-        parts[f"layers.{i}.gate_up"] = ((L.Q4_K, 2 * f, d),)
-        parts[f"layers.{i}.down"] = ((L.Q4_K, d, f),)
-    b.quantized = parts if native else {}
+        parts.update({f"layers.{i}.qkv": part(qkv, d), f"layers.{i}.o": part(d, c.q_size),
+                      f"layers.{i}.gate_up": part(2 * f, d), f"layers.{i}.down": part(d, f)})
+    b.quantized = parts
+    return b, parts
+
+
+def _q4k_8b_backend(native=True):
+    """Llama-3-8B of Q4_K matrices (lm_head Q6_K, as Q4_K_M): the planning backend and the file's bytes."""
+    b, parts = planning_backend_8b(lambda n, k: ((L.Q4_K, n, k),), lambda c: {
+        "embed": ((L.Q4_K, c.vocab_size, c.hidden_size),), "lm_head": ((L.Q6_K, c.vocab_size, c.hidden_size),)})
+    if not native:
+        b.quantized = {}
     file_bytes = sum(rows * cols // 256 * L.BLOCK[qt][1] for ps in parts.values() for qt, rows, cols in ps)
     return b, file_bytes
 

@@ -206,19 +206,12 @@ class Scheduler:
         return advanced
 
     def _advance(self, s: ScheduledSeq, state: "RequestState", drawn: list, verifying: bool) -> Advanced:
-        seq = s.seq
-        if not s.draft and len(drawn) == 1:      # a decode row or a prompt's last chunk: one token
+        seq, draft = s.seq, s.draft
+        if draft:      # a verify block: K/V is right for the accepted drafts only
+            before = seq.num_tokens
+            seq.num_computed_tokens += s.num_tokens - len(draft) + len(drawn) - 1
+        else:
             seq.num_computed_tokens += s.num_tokens
-            d = drawn[0]
-            state.sampling.accept(*d)
-            reason = state.append(int(d.token))
-            self.blocks.commit_full_blocks(seq)
-            if reason is not None:
-                self.finish(seq, reason)
-            return Advanced(state, reason, 1)
-        before = seq.num_tokens
-        # K/V is right for the chunk's real tokens and for the drafts that were accepted
-        seq.num_computed_tokens += s.num_tokens - len(s.draft) + (len(drawn) - 1 if s.draft else 0)
         reason, appended = None, 0
         for d in drawn:
             state.sampling.accept(*d)
@@ -226,11 +219,11 @@ class Scheduler:
             appended += 1
             if reason is not None:
                 break
-        if s.draft and self.on_verified is not None:
-            self.on_verified(seq, before, len(s.draft), len(drawn) - 1)
+        if draft and self.on_verified is not None:
+            self.on_verified(seq, before, len(draft), len(drawn) - 1)
         self.blocks.commit_full_blocks(seq)     # before finishing: a prompt that ends at once is cached too
         if reason is not None:
             self.finish(seq, reason)
-        elif s.draft:
+        elif draft:
             self.blocks.trim(seq)
         return Advanced(state, reason, appended)

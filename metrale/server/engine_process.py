@@ -42,6 +42,7 @@ from omegaconf import OmegaConf
 
 from metrale.driver import ServerDraining
 from metrale.engine import Engine
+from metrale.options import server_options
 from metrale.outputs import StreamDelta
 from metrale.sampling.params import InvalidRequestError
 
@@ -157,7 +158,7 @@ class _Remote:
         dec = self.decoder
         if reason == "stop" and len(ids):
             ids = ids[:-1]
-        text = dec.feed(int(ids[0])) if len(ids) == 1 else "".join([dec.feed(int(t)) for t in ids])
+        text = "".join([dec.feed(t) for t in ids.tolist()])
         return text + dec.flush() if reason is not None else text
 
 
@@ -264,7 +265,7 @@ class ProcessLoop:
 
     def __init__(self, owner: EngineProcess, commands_fd: int, events_fd: int):
         self.owner, self.process = owner, owner.process
-        self.decode_here = bool(getattr(getattr(owner.cfg, "server", None), "decode_in_server", True))
+        self.decode_here = server_options(owner.cfg).decode_in_server
         self.accepting = True
         self._cmd_fd, self._ev_fd = commands_fd, events_fd
         self._send_lock = threading.Lock()

@@ -350,7 +350,7 @@ def quant_embedding(ids, dq: DeviceQuantized, out, stream=0) -> None:
 @dataclass(frozen=True)
 class DeviceFP8:
     """An FP8 e4m3 weight on the device: q uint8 [N, K] (the checkpoint's bytes), S float32 scales
-    [ceil(N / bn), ceil(K / bk)] (quant_fp8.scale_grid: per tensor, per channel or per block)."""
+    [ceil(N / bn), ceil(K / bk)] (FP8Tensor's grid: per tensor, per channel or per block)."""
     q: object
     S: object
     bn: int
@@ -367,21 +367,22 @@ class DeviceFP8:
         return int(self.q.size + 4 * self.S.size)
 
 
-def upload_fp8(weight, scale, block: tuple[int, int] | None = None, stream=0, arena=None, host=None) -> DeviceFP8:
+def upload_fp8(weight, scale, block: tuple[int, int] | None = None, stream=0, arena=None) -> DeviceFP8:
     """weight: float8_e4m3fn [N, K] (or its uint8 bytes); scale: scalar, [N] / [N, 1], or the block
-    grid of `block` = quantization_config.weight_block_size (weight_scale_inv multiplies). Into
-    `arena` (a DevicePool region: device_bytes_bound's bytes) or, without one, fresh device arrays;
-    host: the FP8Tensor it came from (export_weights dequantizes it)."""
-    q = np.ascontiguousarray(np.asarray(weight).view(np.uint8))
-    N, K = q.shape
-    S, bn, bk = quant_fp8.scale_grid(scale, N, K, block)
-    put = (lambda a: cuda.to_device(a, stream=stream)) if arena is None else (lambda a: arena.upload(a, stream))
-    return DeviceFP8(put(q), put(S), bn, bk, host=host)
+    grid of `block` = quantization_config.weight_block_size (weight_scale_inv multiplies): the
+    loader's FP8Tensor of them, uploaded."""
+    from metrale.models.fp8 import FP8Tensor
+    return upload_fp8_tensor(FP8Tensor.of(weight, scale, block), stream=stream, arena=arena)
 
 
 def upload_fp8_tensor(t, stream=0, arena=None) -> DeviceFP8:
-    """A loader's FP8Tensor (metrale.models.fp8) on the device, its scale grid as it is."""
-    return upload_fp8(t.q, t.S, (t.bn, t.bk), stream=stream, arena=arena, host=t)
+    """A loader's FP8Tensor (metrale.models.fp8) on the device, its scale grid as it is: into `arena`
+    (a DevicePool region: device_bytes_bound's bytes) or, without one, fresh device arrays; the
+    FP8Tensor stays as `host` (export_weights dequantizes it)."""
+    if t.bk % 16:
+        raise ValueError(f"fp8 scale blocks of {t.bk} columns: the kernels need a multiple of 16")
+    put = (lambda a: cuda.to_device(a, stream=stream)) if arena is None else (lambda a: arena.upload(a, stream))
+    return DeviceFP8(put(np.ascontiguousarray(t.q)), put(t.S), t.bn, t.bk, host=t)
 
 
 def fp8_linear(x, d: DeviceFP8, out, rows: int, stream=0, residual=None, *, bias=None, scratch=None,
