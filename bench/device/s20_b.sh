@@ -47,8 +47,10 @@ PY
 echo "physical-core pins: server+engine $PIN_SERVER, client $PIN_CLIENT"
 for r in $(seq 1 ${RUNS:-2}); do serve default$r; done
 serve engine_text X= server.decode_in_server=false
+if [ -z "${NO_EXTRA:-}" ]; then     # NO_EXTRA=1: only the default and engine_text servers
 serve switch5ms BENCH_SWITCH_INTERVAL=0.005
 PIN="taskset -c $PIN_SERVER" CLIENT_PIN="taskset -c $PIN_CLIENT" serve pinned
+fi
 stamp "library"
 timeout 150 python3 -m bench.loadtest --library model=$MODEL device=cuda --clients 64 --requests 256 \
     --max-tokens $TOKENS --prompt-words 16 --json $RES/library_64.json --trace $RES/library_64.jsonl 2>&1 | head -1
