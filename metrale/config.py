@@ -23,6 +23,8 @@ class Levers:
     warm_mixed: bool = True              # CUDA with mixed_graphs: compile at start-up the kernels every
                                          # token and rows bucket uses (cached on disk), so a new prompt
                                          # length never waits for a compile while serving
+    compile_workers: int = 8             # CUDA: a start whose kernels are not in the disk cache yet compiles
+                                         # them in this many processes at once (0: one at a time, in this one)
     sampling_split: bool = True          # CUDA: small steps' temperature / min-p rows (no top-k, top-p)
                                          # draw over spans of the row, a block each, not one block a row
                                          # (off until its GPU test and A/B have run: docs/levers.md)
@@ -240,7 +242,7 @@ MINIMUMS: dict[str, int] = {
     "levers.gemv_max_rows": 0, "levers.cublaslt_min_rows": 0, "levers.cublaslt_autotune": 0,
     "levers.gemv_warps": 0, "levers.gemv_unroll": 0, "levers.prefill_attention_min_tokens": 0,
     "spec.gate.probe_interval": 0, "spec.gate.max_batch": 0, "spec.gate.measured_min_steps": 0,
-    "state.snapshots": 0, "levers.cpu_threads": 0,
+    "state.snapshots": 0, "levers.cpu_threads": 0, "levers.compile_workers": 0,
     "server.replicas": 0,
     "parallel.tensor": 1, "parallel.expert": 1,
 }

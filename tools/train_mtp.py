@@ -1,22 +1,34 @@
 """Self-distillation of an MTP head for SmolLM2-135M-Instruct (metrale/spec/mtp.py describes the head).
 
 Phases
-  collect  (metrale's venv, NumPy backend, float32): the model continues a few hundred prompts written
-           here (sampling, temperature 0.7, bounded length); every step keeps the target's hidden row
-           (before the final norm) and the top-k of its logits. Writes an .npz corpus with the target
-           weights the head shares or starts from.
-  train    (.venv-train: torch 2.13.0 CPU): the head at position p reads h_p and embed(x_{p+1}) and is
-           trained by KL to the target's distribution at p+1 (the token after next), its attention
-           window starting at the first continuation row as in the engine; a second, chained term feeds
-           the head's own output as the hidden of position p+1 (what draft 2 sees). The block starts
-           as the target's last layer, eh_proj as identity on the hidden half. Time-boxed; writes the
-           head as fp16 safetensors and a JSON log (loss curve).
-  measure  (metrale's venv): greedy acceptance of mtp (k = 1..3) next to n-gram on held-out prompts.
-  all      collect, then train under .venv-train.
+  collect      (metrale's venv, NumPy backend, float32): the model continues a few hundred prompts
+               written here (sampling, temperature 0.7, bounded length); every step keeps the target's
+               hidden row (before the final norm) and the top-k of its logits. Writes an .npz corpus with
+               the target weights the head shares or starts from.
+  collect-gpu  (metrale's environment, any backend; the GPU machine: CUDA): every prompt written here,
+               --samples continuations each (distinct seeds), in one batched Engine.generate; then the
+               hidden rows of each continuation, teacher-forced through the engine's backend. The corpus
+               keeps no top-k: train computes it from the hidden rows and the stored weights.
+  train        (torch; .venv-train: torch 2.13.0 CPU, or --device cuda): the head at position p reads
+               h_p and embed(x_{p+1}) and is trained by KL to the target's distribution at p+1 (the token
+               after next), its attention window starting at the first continuation row as in the
+               engine; a second, chained term feeds the head's own output as the hidden of position p+1
+               (what draft 2 sees). The block starts as the target's last layer, eh_proj as identity on
+               the hidden half. Time-boxed; writes the head as fp16 safetensors and a JSON log (loss
+               curve, held-out evaluation per draft before and after, collection figures).
+  measure      (metrale's venv): greedy acceptance of mtp (k = 1..3) next to n-gram on held-out prompts.
+  all          collect, then train under .venv-train.
+  gpu          collect-gpu, then train --device cuda, each a process of this interpreter (torch and
+               metrale in one environment); training takes what is left of --gpu-minutes.
 
     python3.11 -m venv .venv-train && .venv-train/bin/pip install torch==2.13.0 "numpy<2.5" safetensors
     .venv/bin/python tools/train_mtp.py all          # OpenBLAS on 1 thread: faster here than 2
     .venv/bin/python tools/train_mtp.py measure
+
+  On a GPU machine (torch with CUDA beside metrale and numba-cuda):
+    python tools/train_mtp.py gpu --model /tmp/mdl/smollm2.gguf --out /tmp/mtp_head.safetensors
+    python tools/train_mtp.py collect-gpu --model /tmp/mdl/smollm2.gguf --corpus /tmp/mtp_corpus.npz
+    python tools/train_mtp.py train --device cuda --corpus /tmp/mtp_corpus.npz --out /tmp/mtp_head.safetensors
 """
 from __future__ import annotations
 
@@ -27,6 +39,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -34,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HEAD_OUT = ROOT / "metrale" / "assets" / "mtp" / "smollm2-135m-instruct.safetensors"
 CORPUS = Path("/tmp/mtp_corpus.npz")
 TOPK = 32
+TRAIN_LOG = "/tmp/mtp_train_log.json"
 
 TOPICS = ["the ocean", "volcanoes", "the moon", "honey bees", "the Roman Empire", "photosynthesis", "chess",
           "the internet", "coffee", "bicycles", "rain forests", "the human heart", "electricity", "trains",
@@ -71,7 +85,19 @@ def training_prompts(n: int, seed: int = 0) -> list[tuple[str, bool]]:
     return [prompts[i] for i in order[:n]]
 
 
+NUM_PROMPTS = len(TOPICS) * len(TEMPLATES) + len(CODE)   # every training prompt (collect-gpu's default)
+LAST_LAYER = ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "down")   # the head's block starts as these
+
+
 # ---------------------------------------------------------------------------- collect
+def corpus_config(cfg, **figures) -> str:
+    """The target's shape for train, and how the corpus was made."""
+    return json.dumps({"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "num_heads": cfg.num_heads,
+                       "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
+                       "rope_theta": cfg.rope_theta, "rope_interleaved": cfg.rope_interleaved, "name": cfg.name,
+                       **figures})
+
+
 def collect(args) -> None:
     sys.path.insert(0, str(ROOT))
     from metrale import Engine
@@ -133,24 +159,192 @@ def collect(args) -> None:
              top_i=np.concatenate([np.stack(top_i[i]) for i in keep]),
              top_v=np.concatenate([np.stack(top_v[i]) for i in keep]),
              embed=w["embed"], final_norm=w["final_norm"],
-             **{f"last.{n}": w[f"layers.{last}.{n}"] for n in ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "down")},
-             config=json.dumps({"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
-                                "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
-                                "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
-                                "rope_theta": cfg.rope_theta, "rope_interleaved": cfg.rope_interleaved,
-                                "name": cfg.name, "collect_seconds": time.time() - t0, "prompts": S,
-                                "temperature": args.temperature, "max_tokens": M}))
+             **{f"last.{n}": w[f"layers.{last}.{n}"] for n in LAST_LAYER},
+             config=corpus_config(cfg, collect_seconds=time.time() - t0, prompts=S,
+                                  temperature=args.temperature, max_tokens=M))
     total = sum(len(out[i]) for i in keep)
     print(f"collected {total} rows from {len(keep)} sequences in {time.time() - t0:.0f} s -> {args.corpus}", flush=True)
 
 
+# ---------------------------------------------------------------------------- collect-gpu
+class Piece(NamedTuple):
+    """A chunk [start, end) of one sequence's teacher-forced stream P + O[:-1], run as one segment."""
+    seq: int
+    start: int
+    end: int
+    mode: str        # "last": a prompt chunk (one row); "all": a chunk of O[:-1] (a row per token)
+    keep: bool       # its rows are wanted: every "all" chunk, and the prompt chunk ending at P
+
+    @property
+    def rows(self) -> int:
+        return 1 if self.mode == "last" else self.end - self.start
+
+
+def stream_pieces(seq: int, plen: int, length: int, max_tokens: int, max_rows: int) -> list[Piece]:
+    """The prompt in chunks of max_tokens (the last one's row sits at position P-1, the row that
+    predicted O[0]), then O[:-1] in chunks that fit both a forward's tokens and its logits rows."""
+    pieces = [Piece(seq, a, min(a + max_tokens, plen), "last", a + max_tokens >= plen)
+              for a in range(0, plen, max_tokens)]
+    step = min(max_tokens, max_rows)
+    return pieces + [Piece(seq, a, min(a + step, length), "all", True) for a in range(plen, length, step)]
+
+
+def pack(pieces: list[Piece], max_tokens: int, max_rows: int) -> Iterator[list[Piece]]:
+    """Consecutive pieces, as many a forward as its token and row budgets take (one segment a row at least)."""
+    batch: list[Piece] = []
+    tokens = rows = 0
+    for p in pieces:
+        if batch and (tokens + p.end - p.start > max_tokens or rows + p.rows > max_rows):
+            yield batch
+            batch, tokens, rows = [], 0, 0
+        batch.append(p)
+        tokens, rows = tokens + p.end - p.start, rows + p.rows
+    if batch:
+        yield batch
+
+
+def pool_groups(lengths: list[int], block_size: int, num_blocks: int) -> Iterator[list[int]]:
+    """Consecutive sequences whose KV blocks fit the pool together."""
+    group: list[int] = []
+    used = 0
+    for i, n in enumerate(lengths):
+        need = -(-n // block_size)
+        if need > num_blocks:
+            raise ValueError(f"sequence {i}: {n} tokens do not fit the KV pool ({num_blocks} x {block_size})")
+        if used + need > num_blocks:
+            yield group
+            group, used = [], 0
+        group.append(i)
+        used += need
+    if group:
+        yield group
+
+
+def forced_hidden(backend, streams: list[np.ndarray], plens: list[int], *, max_tokens: int | None = None,
+                  max_rows: int | None = None, num_blocks: int | None = None,
+                  progress: Callable[[int, int], None] | None = None) -> list[np.ndarray]:
+    """Per stream (P + O[:-1], int32) its hidden rows before the final norm at positions P-1 .. end-1,
+    float16: row j predicted O[j]. Runs the backend directly over blocks 0.. of its KV pool (the
+    engine must be idle: this overwrites whatever its blocks held, prefix-cached prompts too).
+    A sequence's pieces run in order, one per round; each round packs many sequences a forward."""
+    from metrale.runtime.batch import Segment, build_batch
+
+    bs = backend.block_size
+    max_tokens = max_tokens or backend.max_tokens or 2048
+    max_rows = max_rows or backend.max_rows or 256
+    rows: list[list[np.ndarray]] = [[] for _ in streams]
+    done = 0
+    for group in pool_groups([len(s) for s in streams], bs, num_blocks or backend.num_blocks):
+        first = np.cumsum([0] + [-(-len(streams[i]) // bs) for i in group])
+        tables = {i: np.arange(first[k], first[k + 1], dtype=np.int32) for k, i in enumerate(group)}
+        plan = {i: stream_pieces(i, plens[i], len(streams[i]), max_tokens, max_rows) for i in group}
+        for r in range(max(len(p) for p in plan.values())):
+            for pieces in pack([plan[i][r] for i in group if r < len(plan[i])], max_tokens, max_rows):
+                segs = [Segment(streams[p.seq][p.start:p.end], p.start, tables[p.seq], p.mode) for p in pieces]
+                batch = build_batch(segs, bs)
+                backend.forward_device(batch)       # the logits stay where they were computed
+                h = backend.hidden_rows(len(batch.logits_indices)).astype(np.float16)
+                at = np.cumsum([0] + [p.rows for p in pieces])
+                for k, p in enumerate(pieces):
+                    if p.keep:
+                        rows[p.seq].append(h[at[k]:at[k + 1]])
+        done += len(group)
+        if progress is not None:
+            progress(done, sum(len(streams[i]) - plens[i] + 1 for i in group))
+    return [np.concatenate(r) for r in rows]
+
+
+def host_float32(array) -> np.ndarray:
+    """A weight as a float32 host array (a CPU backend may hold GGUF blocks as they are)."""
+    from metrale.models.quantized import kept
+    return np.asarray(array.dequantize() if kept(array) else array, np.float32)
+
+
+def collect_gpu(args, prompts: list[tuple[str, bool]] | None = None, engine=None) -> dict:
+    """Sampled continuations of every prompt (--samples each) in one generate call, then their hidden
+    rows teacher-forced through the engine's backend. Writes the corpus (no top-k: train derives it
+    from the hidden rows); returns the collection figures. prompts / engine: tests pass their own."""
+    sys.path.insert(0, str(ROOT))
+    from metrale import Engine, SamplingParams
+
+    t0 = time.time()
+    eng = engine or Engine(model=args.model, device=args.device)
+    cfg = eng.model_config
+    prompts = training_prompts(args.prompts) if prompts is None else prompts
+    ids = [np.asarray(eng.encode_prompt(p, chat=chat), np.int32) for p, chat in prompts]
+    jobs = [i for _ in range(args.samples) for i in range(len(ids))]       # prompt of each request
+    params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, detokenize=False,
+                             seed=args.seed * len(jobs) + k) for k in range(len(jobs))]
+    t_load = time.time() - t0
+    print(f"engine on {eng.backend.name} in {t_load:.0f} s; generating {len(jobs)} continuations "
+          f"({len(ids)} prompts x {args.samples})", flush=True)
+    outs = eng.generate([ids[i] for i in jobs], params, use_tqdm=False)
+    keep = [k for k, o in enumerate(outs) if len(o.token_ids) >= 4]
+    plens = [len(ids[jobs[k]]) for k in keep]
+    out_ids = [np.asarray(outs[k].token_ids, np.int32) for k in keep]
+    t_gen = time.time() - t0 - t_load
+    print(f"generated {sum(map(len, out_ids))} tokens, {len(keep)} sequences kept, in {t_gen:.0f} s", flush=True)
+
+    streams = [np.concatenate([ids[jobs[k]], o[:-1]]) for k, o in zip(keep, out_ids)]
+    rows_done = 0
+
+    def progress(seqs: int, rows: int) -> None:
+        nonlocal rows_done
+        rows_done += rows
+        print(f"teacher-forced {seqs}/{len(streams)} sequences, {rows_done} rows, {time.time() - t0:.0f} s", flush=True)
+
+    hidden = forced_hidden(eng.backend, streams, plens, progress=progress)
+    t_forced = time.time() - t0 - t_load - t_gen
+    last = f"layers.{cfg.num_layers - 1}."
+    wanted = {"embed", "final_norm", *(last + n for n in LAST_LAYER)}
+    w = {n: host_float32(a) for n, a in eng.backend.export_weights() if n in wanted}
+    figures = {"collect_seconds": round(time.time() - t0, 1), "load_seconds": round(t_load, 1),
+               "generate_seconds": round(t_gen, 1), "forced_seconds": round(t_forced, 1),
+               "prompts": len(ids), "samples": args.samples, "sequences": len(keep),
+               "rows": int(sum(map(len, hidden))), "temperature": args.temperature, "max_tokens": args.max_tokens,
+               "device": eng.backend.name}
+    np.savez(args.corpus,
+             tokens=np.concatenate(out_ids), lengths=np.array([len(o) for o in out_ids], np.int32),
+             prompt_lens=np.array(plens, np.int32), prompt_tokens=np.concatenate([ids[jobs[k]] for k in keep]),
+             hidden=np.concatenate(hidden), embed=w["embed"], final_norm=w["final_norm"],
+             **{f"last.{n}": w[last + n] for n in LAST_LAYER}, config=corpus_config(cfg, **figures))
+    print(f"collected {figures['rows']} rows from {len(keep)} sequences in {time.time() - t0:.0f} s -> {args.corpus}",
+          flush=True)
+    return figures
+
+
 # ---------------------------------------------------------------------------- train (torch)
+COLLECT_KEYS = ("collect_seconds", "prompts", "temperature", "max_tokens", "samples", "sequences", "rows",
+                "load_seconds", "generate_seconds", "forced_seconds", "device")
+
+
+def teacher_topk(hidden, final_norm, embed, eps: float, chunk: int = 4096):
+    """The target's top-k logits (ids int64, values float32, descending) of each hidden row, computed
+    where the rows are: rms_norm(hidden, final_norm) @ embed.T in float32, chunk rows at a time."""
+    import torch
+    ids, vals = [], []
+    for a in range(0, hidden.shape[0], chunk):
+        x = hidden[a:a + chunk].float()
+        logits = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * final_norm) @ embed.T
+        v, i = torch.topk(logits, TOPK, dim=-1, sorted=True)
+        ids.append(i)
+        vals.append(v)
+    return torch.cat(ids).long(), torch.cat(vals).float()
+
+
+def by_draft(ev: list[float]) -> dict:
+    """[ce1, top1_1, ce2, top1_2] as {draft1: {ce, top1}, draft2: {ce, top1}}."""
+    return {f"draft{d + 1}": {"ce": ev[2 * d], "top1": ev[2 * d + 1]} for d in range(2)}
+
+
 def train(args) -> None:
     import torch
     import torch.nn.functional as F
     from safetensors.torch import save_file
 
-    torch.set_num_threads(args.threads)
+    dev = torch.device(args.device)
+    if dev.type == "cpu":
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     t0 = time.time()
     z = np.load(args.corpus)
@@ -158,10 +352,17 @@ def train(args) -> None:
     D, H, KV, hd, eps = cfg["hidden_size"], cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"], cfg["rms_norm_eps"]
     lengths, plens = z["lengths"], z["prompt_lens"]
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    tokens, hidden = torch.from_numpy(z["tokens"]).long(), torch.from_numpy(z["hidden"].astype(np.float32))
-    top_i, top_v = torch.from_numpy(z["top_i"]).long(), torch.from_numpy(z["top_v"])
-    embed = torch.from_numpy(z["embed"])                    # frozen: input embedding and tied LM head
-    final_norm = torch.from_numpy(z["final_norm"])
+    tokens = torch.from_numpy(z["tokens"]).long().to(dev)
+    hidden = torch.from_numpy(z["hidden"].astype(np.float32)).to(dev)
+    embed = torch.from_numpy(z["embed"]).to(dev)            # frozen: input embedding and tied LM head
+    final_norm = torch.from_numpy(z["final_norm"]).to(dev)
+    if "top_i" in z.files:                                  # collect stored the teacher's top-k
+        top_i, top_v = torch.from_numpy(z["top_i"]).long().to(dev), torch.from_numpy(z["top_v"]).to(dev)
+    else:                                                   # collect-gpu: computed here from the hidden rows
+        top_i, top_v = teacher_topk(hidden, final_norm, embed, eps)
+        print(f"teacher top-{TOPK} of {len(top_i)} rows on {dev}: {time.time() - t0:.0f} s", flush=True)
+    if len(lengths) <= max(8, len(lengths) // 10):
+        raise SystemExit(f"{args.corpus}: {len(lengths)} sequences leave none to train on after the held-out set")
     # training logits over a shortlist: every token in any row's top-k (the eval uses the full vocabulary)
     shortlist = torch.unique(top_i)
     short_i = torch.searchsorted(shortlist, top_i)
@@ -169,13 +370,13 @@ def train(args) -> None:
     embed_bf16 = embed.to(torch.bfloat16)
 
     rms_h = float(hidden.pow(2).mean(-1).sqrt().median())
-    eh = torch.zeros(D, 2 * D)
-    eh[:, D:] = torch.eye(D)
-    params = {"enorm": torch.ones(D), "hnorm": torch.full((D,), rms_h), "eh_proj": eh,
-              **{n: torch.from_numpy(z[f"last.{n}"]).clone() for n in ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "down")}}
+    eh = torch.zeros(D, 2 * D, device=dev)
+    eh[:, D:] = torch.eye(D, device=dev)
+    params = {"enorm": torch.ones(D, device=dev), "hnorm": torch.full((D,), rms_h, device=dev), "eh_proj": eh,
+              **{n: torch.from_numpy(z[f"last.{n}"]).to(dev).clone() for n in LAST_LAYER}}
     params = {n: torch.nn.Parameter(p.float()) for n, p in params.items()}
     half = hd // 2
-    inv_freq = 1.0 / (cfg["rope_theta"] ** (torch.arange(half, dtype=torch.float64) * 2.0 / hd))
+    inv_freq = 1.0 / (cfg["rope_theta"] ** (torch.arange(half, dtype=torch.float64, device=dev) * 2.0 / hd))
 
     def rms(x, w):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
@@ -213,7 +414,7 @@ def train(args) -> None:
         B, T, _ = h.shape
         x1 = mtp_input(h, x_next)
         q1, k1, v1 = qkv(x1, pos)
-        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
         mask = causal[None, None] & valid[:, None, None, :]
         s1 = torch.einsum("bqhd,bkhd->bhqk", q1, k1) / hd ** 0.5
         a1 = torch.einsum("bhqk,bkhd->bqhd", s1.masked_fill(~mask, float("-inf")).softmax(-1), v1)
@@ -222,7 +423,7 @@ def train(args) -> None:
         x2 = mtp_input(torch.cat([o1[:, :1], o1[:, :-1]], 1), x_next2)
         q2, k2, v2 = qkv(x2, pos)                          # row r+1 sits at position pos[r+1]
         s_prev = torch.einsum("bqhd,bkhd->bhqk", q2, k1) / hd ** 0.5
-        prev = torch.ones(T, T, dtype=torch.bool).tril(-1)   # step-1 keys strictly before the query row
+        prev = torch.ones(T, T, dtype=torch.bool, device=dev).tril(-1)   # step-1 keys strictly before the query row
         s_prev = s_prev.masked_fill(~(prev[None, None] & valid[:, None, None, :]), float("-inf"))
         s_self = (q2 * k2).sum(-1).transpose(1, 2)[..., None] / hd ** 0.5    # [B, H, T, 1]
         p = torch.cat([s_prev, s_self], -1).softmax(-1)
@@ -231,7 +432,7 @@ def train(args) -> None:
         return o1, o2
 
     def soft_ce(o, ti, tv, m, head=None):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
             logits = rms(o, final_norm).to(torch.bfloat16) @ (embed_bf16 if head is None else head).T
         logp = logits.float().log_softmax(-1)
         tgt = tv.softmax(-1)
@@ -240,27 +441,24 @@ def train(args) -> None:
         return (ce * m).sum() / m.sum().clamp(min=1), (agree * m).sum() / m.sum().clamp(min=1)
 
     def make_batch(seq_ids, top_i=top_i):
-        T = int(max(lengths[s] for s in seq_ids)) - 1
-        B = len(seq_ids)
-        h = torch.zeros(B, T, D)
-        xn, xn2 = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.long)
-        t1i, t1v = torch.zeros(B, T, TOPK, dtype=torch.long), torch.zeros(B, T, TOPK)
-        t2i, t2v = torch.zeros(B, T, TOPK, dtype=torch.long), torch.zeros(B, T, TOPK)
-        pos = torch.zeros(B, T, dtype=torch.long)
-        valid, m1, m2 = torch.zeros(B, T, dtype=torch.bool), torch.zeros(B, T), torch.zeros(B, T)
-        for b, s in enumerate(seq_ids):
-            a, n = int(offsets[s]), int(lengths[s])   # rows a..a+n-1: positions P-1 .. P+n-2
-            r = n - 1                                  # step-1 examples: rows 0..n-2 (need logits at row+1)
-            h[b, :r] = hidden[a:a + r]
-            xn[b, :r] = tokens[a:a + r]               # x_{p+1}: the token sampled from row r's logits
-            t1i[b, :r], t1v[b, :r] = top_i[a + 1:a + n], top_v[a + 1:a + n]
-            pos[b] = int(plens[s]) - 1 + torch.arange(T)
-            valid[b, :r], m1[b, :r] = True, 1.0
-            if r >= 2:                                 # step 2 at rows 1..r-1: x_{p+1} of that row, target row+1
-                xn2[b, 1:r] = tokens[a + 1:a + r]
-                t2i[b, 1:r], t2v[b, 1:r] = top_i[a + 2:a + n], top_v[a + 2:a + n]
-                m2[b, 1:r] = 1.0
-        return h, xn, xn2, pos, valid, (t1i, t1v, m1), (t2i, t2v, m2)
+        """The sequences padded to the longest: row t of a sequence of n rows is corpus row a + t
+        (position P-1+t). Step 1 at rows 0..n-2 reads h and x_{p+1} (the token sampled from that row)
+        and is trained to the target's top-k of row t + 1; step 2 at rows 1..n-2 has the same token
+        and target. Index arrays are made on the host, then one gather a tensor on the device."""
+        s = np.asarray(seq_ids)
+        n, t = lengths[s].astype(np.int64), np.arange(int(lengths[s].max()) - 1)
+        m1 = t[None, :] < (n - 1)[:, None]
+        m2 = m1 & (t[None, :] >= 1)
+        row = np.where(m1, offsets[s][:, None] + t[None, :], 0)    # padding reads row 0, masked below
+        pos = (plens[s].astype(np.int64) - 1)[:, None] + t[None, :]
+        row, m1, m2, pos = (torch.from_numpy(x).to(dev) for x in (row, m1, m2, pos))
+        nxt = torch.where(m1, row + 1, 0)
+        k1, k2 = m1[..., None], m2[..., None]
+        h = torch.where(k1, hidden[row], 0.0)
+        xn, xn2 = tokens[row] * m1, tokens[row] * m2
+        t1 = (top_i[nxt] * k1, torch.where(k1, top_v[nxt], 0.0), m1.float())
+        t2 = (top_i[nxt] * k2, torch.where(k2, top_v[nxt], 0.0), m2.float())
+        return h, xn, xn2, pos, m1, t1, t2
 
     rng = np.random.default_rng(args.seed)
     order = rng.permutation(len(lengths))
@@ -278,13 +476,15 @@ def train(args) -> None:
 
     opt = torch.optim.AdamW(params.values(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
     steps_per_epoch = -(-len(train_ids) // args.batch)
-    # time per step from a first measured step sets the schedule's length
+    # time per step over 3 measured steps sets the schedule's length; on a GPU the first steps
+    # (kernel selection, allocator growth) are slower, so those are not measured
+    warm = 0 if dev.type == "cpu" else 5
     curve, step, budget = [], 0, args.train_minutes * 60
     best = (-1.0, 0, None)
     log0 = {"eval_step0": evaluate()}
     print(f"eval before training [ce1, top1_1, ce2, top1_2]: {log0['eval_step0']}", flush=True)
     total_steps = None
-    t_train = time.time()
+    t_train = t_warm = time.time()
     while True:
         for a in range(0, len(train_ids), args.batch):
             if a == 0:
@@ -304,9 +504,13 @@ def train(args) -> None:
             opt.step()
             step += 1
             elapsed = time.time() - t_train
-            if total_steps is None and step == 3:
-                total_steps = max(4, int(budget / (elapsed / 3) * 0.92))
-                print(f"{elapsed / 3:.1f} s/step -> {total_steps} steps ({total_steps / steps_per_epoch:.1f} epochs)", flush=True)
+            if step == warm:
+                t_warm = time.time()
+            if total_steps is None and step == warm + 3:
+                per_step = (elapsed - (t_warm - t_train)) / 3
+                total_steps = max(4, int((budget - (t_warm - t_train)) / per_step * 0.92) + warm)
+                print(f"{per_step:.{1 if per_step >= 0.1 else 3}f} s/step -> {total_steps} steps "
+                      f"({total_steps / steps_per_epoch:.1f} epochs)", flush=True)
             curve.append({"step": step, "t": round(elapsed, 1), "lr": float(lr), "loss1": round(l1.item(), 4),
                           "top1_1": round(acc1.item(), 4), "loss2": round(l2.item(), 4), "top1_2": round(acc2.item(), 4)})
             if step % args.eval_every == 0:
@@ -333,13 +537,16 @@ def train(args) -> None:
             "rope_interleaved": "true" if cfg["rope_interleaved"] else "false",
             "trained": json.dumps({"steps": step, "kept_step": best[1] if best[0] > -1 else step, "seconds": round(time.time() - t0), "eval": final,
                                    "rows": int(lengths.sum()), "sequences": len(lengths), "shortlist": len(shortlist)})}
-    out = {n: p.detach().to(torch.float16).contiguous() for n, p in params.items()}
+    out = {n: p.detach().to(torch.float16).cpu().contiguous() for n, p in params.items()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     save_file(out, str(args.out), metadata=meta)
+    Path(args.log).parent.mkdir(parents=True, exist_ok=True)
     Path(args.log).write_text(json.dumps({"eval_before": log0["eval_step0"], "eval_after": final, "steps": step,
                                           "train_seconds": round(time.time() - t_train), "total_seconds": round(time.time() - t0),
-                                          "collect": {k: cfg[k] for k in ("collect_seconds", "prompts", "temperature", "max_tokens")},
-                                          "curve": curve}, indent=0))
+                                          "collect": {k: cfg[k] for k in COLLECT_KEYS if k in cfg},
+                                          "eval_by_draft": {"before": by_draft(log0["eval_step0"]), "after": by_draft(final)},
+                                          "device": str(dev), "batch": args.batch, "rows": int(lengths.sum()),
+                                          "sequences": len(lengths), "curve": curve}, indent=0))
     print(f"wrote {args.out} ({Path(args.out).stat().st_size / 1e6:.1f} MB) in {time.time() - t0:.0f} s", flush=True)
 
 
@@ -382,36 +589,80 @@ def measure_acceptance(runs: list[tuple[str, int]], max_tokens: int, log: str) -
     Path(log).write_text(json.dumps({"prompts": EVAL_PROMPTS, "max_tokens": max_tokens, "rows": rows}, indent=1))
 
 
+# ---------------------------------------------------------------------------- gpu
+GPU_SLACK_MINUTES = 1.5   # torch start, the teacher's top-k, the evaluations and the save, beside training
+
+
+def run_gpu(args) -> None:
+    """collect-gpu, then train on the device, each a process of this interpreter: the engine (Numba
+    CUDA) and torch each take the GPU, and the engine's KV pool is freed before training starts.
+    Training gets what is left of --gpu-minutes unless --train-minutes is given."""
+    t0 = time.time()
+    log = args.log or str(Path(args.out).with_suffix(".log.json"))
+    rest = sys.argv[2:]                                     # every option given, to both phases
+
+    def phase(name: str, *extra: str) -> None:
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), name, *rest, *extra], check=True)
+
+    phase("collect-gpu")
+    minutes = args.train_minutes or max(1.0, args.gpu_minutes - (time.time() - t0) / 60 - GPU_SLACK_MINUTES)
+    phase("train", "--device", args.device, "--log", log, "--train-minutes", f"{minutes:.2f}")
+    print(f"gpu: {time.time() - t0:.0f} s; head {args.out}, log {log}", flush=True)
+
+
+def resolve_defaults(args) -> None:
+    """Defaults that depend on the phase or the training device (None: not given)."""
+    gpu_collect = args.phase in ("collect-gpu", "gpu")
+    args.device = args.device or ("cuda" if gpu_collect else "cpu")
+    if args.prompts is None:
+        args.prompts = NUM_PROMPTS if gpu_collect else 320
+    if args.max_tokens is None:
+        args.max_tokens = 256 if gpu_collect else 64 if args.phase == "measure" else 128
+    on_cpu = args.device == "cpu"
+    args.batch = args.batch or (16 if on_cpu else 64)
+    args.eval_every = args.eval_every or (10 if on_cpu else 50)
+    if args.train_minutes is None and args.phase != "gpu":      # gpu: what is left of --gpu-minutes
+        args.train_minutes = 8.0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("phase", choices=["all", "collect", "train", "measure"])
+    ap.add_argument("phase", choices=["all", "collect", "train", "measure", "collect-gpu", "gpu"])
     ap.add_argument("--corpus", default=str(CORPUS))
     ap.add_argument("--out", default=str(HEAD_OUT))
     ap.add_argument("--log", default=None)
-    ap.add_argument("--prompts", type=int, default=320)
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--model", default="smollm2-135m", help="collect-gpu: a preset or a .gguf path")
+    ap.add_argument("--device", default=None, help="collect-gpu: the engine's (default cuda); train: torch's (default cpu)")
+    ap.add_argument("--prompts", type=int, default=None, help=f"default 320; collect-gpu: all {NUM_PROMPTS}")
+    ap.add_argument("--samples", type=int, default=4, help="collect-gpu: continuations per prompt")
+    ap.add_argument("--max-tokens", type=int, default=None, help="default 128; collect-gpu 256; measure 64")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--collect-minutes", type=float, default=14.0)
-    ap.add_argument("--train-minutes", type=float, default=8.0)
-    ap.add_argument("--eval-every", type=int, default=10)
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--train-minutes", type=float, default=None, help="default 8; gpu: what --gpu-minutes leaves")
+    ap.add_argument("--gpu-minutes", type=float, default=9.0, help="gpu: collection and training together")
+    ap.add_argument("--eval-every", type=int, default=None, help="default 10 steps; 50 on a GPU")
+    ap.add_argument("--batch", type=int, default=None, help="sequences a step: default 16; 64 on a GPU")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--chain-weight", type=float, default=0.5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train-python", default=str(ROOT / ".venv-train" / "bin" / "python"))
     args = ap.parse_args()
+    resolve_defaults(args)
     if args.phase in ("all", "collect"):
         collect(args)
     if args.phase == "all":
         cmd = [args.train_python, __file__, "train"] + [a for a in sys.argv[2:]]
         subprocess.run(cmd, check=True)
+    elif args.phase == "collect-gpu":
+        collect_gpu(args)
+    elif args.phase == "gpu":
+        run_gpu(args)
     elif args.phase == "train":
-        args.log = args.log or "/tmp/mtp_train_log.json"
+        args.log = args.log or TRAIN_LOG
         train(args)
     elif args.phase == "measure":
         args.log = args.log or "/tmp/mtp_measure.json"
-        args.max_tokens = 64 if args.max_tokens == 128 else args.max_tokens
         measure(args)
 
 

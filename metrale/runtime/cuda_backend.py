@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda
 
 from kernels_numba import (activation, argmax, attention, convert, embedding, flash_decode, flash_prefill, gemm, pdl,
-                           qkv, rmsnorm)
+                           precompile, qkv, rmsnorm)
 from kernels_numba.bf16 import from_bf16_bits
 from kernels_numba.random_init import fill_normal_bf16
 from metrale.models.checkpoint import WeightStream
@@ -473,10 +474,13 @@ class CudaBackend(Backend):
         self._ahead = [PendingTokens(cuda.pinned_array(self.max_rows, dtype=np.int32), Event(timing=False))
                        for _ in range(2)]     # launch_greedy's results, used in turn
         cuda.synchronize()
+        self.compile_stats: dict | None = None          # what _precompile did (None: nothing to do)
         try:
+            warm_mixed = self.mixed_graphs and bool(levers.warm_mixed) and self.states is None
+            self._precompile(int(levers.compile_workers), warm_mixed)
             if self.use_graphs:
                 self._capture_ladder()
-            if self.mixed_graphs and bool(levers.warm_mixed) and self.states is None:
+            if warm_mixed:
                 self._warm_mixed()
                 self._mixed_compiled = True
         except BaseException:         # free the device memory and graphs now, not in a finalizer at exit
@@ -575,6 +579,41 @@ class CudaBackend(Backend):
     def _rope_host_tables(self) -> tuple[np.ndarray, np.ndarray]:
         """float32 cos/sin [max_model_len, rotary dims / 2] of the model's RoPE, its scaling included."""
         return model_rope(self.config).tables(self.max_model_len)
+
+    def _warmup_batches(self, warm_mixed: bool) -> list[ForwardBatch]:
+        sizes = [s for s in self.graph_sizes if s <= min(self.max_tokens, self.max_rows)] if self.use_graphs else []
+        ladder = [build_batch([Segment(np.zeros(1, np.int32), 0, np.zeros(1, np.int32)) for _ in range(size)],
+                              self.block_size) for size in sizes]
+        return ladder + (self.warm_mixed_batches() if warm_mixed else [])
+
+    def _precompile(self, workers: int, warm_mixed: bool) -> None:
+        """A start whose kernels are not all in the disk cache: a recording run of the warm-up
+        steps finds them (no kernel runs) and `workers` processes compile them at once
+        (kernels_numba/precompile.py); the warm-up after it loads them from the cache. A marker in
+        the cache skips the recording run on later starts of the same model and levers."""
+        if workers <= 0 or not self.part.parallel_compile or self.quantized or not precompile.available():
+            return
+        marker = precompile.marker(repr(self.config), str(self.cfg.levers), self.max_tokens, self.max_seqs,
+                                   self.max_rows, self.max_model_len, self.block_size)
+        if marker.exists():
+            return
+        t0 = time.perf_counter()
+        with precompile.recording() as pending:
+            for batch in self._warmup_batches(warm_mixed):
+                g, _ = self._geometry(batch)
+                self.meta.upload(batch, g, self.stream)
+                self._run(g)
+        self.stream.synchronize()
+        stats = {"recorded_s": round(time.perf_counter() - t0, 3), "pending": len(pending)}
+        if pending:
+            log.info("compiling %d kernels in %d processes", len(pending), min(workers, len(pending)))
+            stats.update(precompile.compile_in_workers(pending, workers))
+            if stats["failed"]:
+                log.warning("%d kernels did not compile in a worker (they compile on first use): %s",
+                            len(stats["failed"]), stats["failed"][0])
+        if not stats.get("failed"):
+            marker.touch()
+        self.compile_stats = stats
 
     def _capture_ladder(self) -> None:
         """Capture the decode graph of every ladder size at the first context bucket now (this also

@@ -22,6 +22,8 @@ class CudaPart:
     mixed_graphs = False           # prefill / mixed steps may replay from bucketed graphs (levers.mixed_graphs)
     f32_weights: tuple[str, ...] = ()   # name suffixes of matrices kept float32 (not GEMM operands)
     quantized_weights = False      # its ops take DeviceQuantized / DeviceFP8 matrices (levers.weights=native)
+    parallel_compile = False       # its forward reads nothing back to the host, so a recording run finds
+                                   # its kernels for levers.compile_workers
 
     def __init__(self, backend):
         self.b, self.config = backend, backend.config
@@ -70,7 +72,7 @@ class CudaPart:
 
 
 class DenseCuda(CudaPart):
-    carries_norm_sums = feeds_tokens = mixed_graphs = quantized_weights = True
+    carries_norm_sums = feeds_tokens = mixed_graphs = quantized_weights = parallel_compile = True
 
     def gemm_dims(self) -> list[tuple[str, int]]:
         c = self.config

@@ -62,7 +62,7 @@ class GdnCudaOps:
 
 class HybridCuda(DenseCuda):
     ops = (GdnCudaOps,)
-    carries_norm_sums = feeds_tokens = mixed_graphs = False   # written for the dense op sequence only
+    carries_norm_sums = feeds_tokens = mixed_graphs = parallel_compile = False   # written for the dense op sequence only
     f32_weights = (".lin_conv",)     # the conv taps: read as float32 by causal_conv1d
 
     def check(self) -> None:

@@ -222,7 +222,7 @@ class MoeCuda(MoeParallel, DenseCuda):
     The dense op sequence's fusions (carried norm sums, mixed-step graphs, quantized weights, the
     host a step ahead) are off: they were written for a dense MLP in every layer."""
     ops = (MoeCudaOps,)
-    carries_norm_sums = feeds_tokens = mixed_graphs = quantized_weights = False
+    carries_norm_sums = feeds_tokens = mixed_graphs = parallel_compile = quantized_weights = False
 
 
 class HybridMoeCuda(MoeParallel, HybridCuda):
