@@ -598,12 +598,16 @@ class CudaBackend(Backend):
         if marker.exists():
             return
         t0 = time.perf_counter()
-        with precompile.recording() as pending:
-            for batch in self._warmup_batches(warm_mixed):
-                g, _ = self._geometry(batch)
-                self.meta.upload(batch, g, self.stream)
-                self._run(g)
-        self.stream.synchronize()
+        try:
+            with precompile.recording() as pending:
+                for batch in self._warmup_batches(warm_mixed):
+                    g, _ = self._geometry(batch)
+                    self.meta.upload(batch, g, self.stream)
+                    self._run(g)
+            self.stream.synchronize()
+        except Exception as exc:   # noqa: BLE001 - the warm-up after it compiles in-process, as with 0 workers
+            log.warning("the recording run for parallel compiles failed (%s); compiling in this process", exc)
+            return
         stats = {"recorded_s": round(time.perf_counter() - t0, 3), "pending": len(pending)}
         if pending:
             log.info("compiling %d kernels in %d processes", len(pending), min(workers, len(pending)))
