@@ -552,10 +552,10 @@ def train(args) -> None:
 
 # ---------------------------------------------------------------------------- measure
 def measure(args) -> None:
-    measure_acceptance([(m, k) for m in ("ngram", "mtp") for k in (1, 2, 3)], args.max_tokens, args.log)
+    measure_acceptance([(m, k) for m in ("ngram", "mtp") for k in (1, 2, 3)], args.max_tokens, args.log, args.head)
 
 
-def measure_acceptance(runs: list[tuple[str, int]], max_tokens: int, log: str) -> None:
+def measure_acceptance(runs: list[tuple[str, int]], max_tokens: int, log: str, head: str | None = None) -> None:
     """Greedy speculation with exactly k drafts a step for each (method, k) on EVAL_PROMPTS,
     against plain decoding: acceptance, tokens per verify and per target forward, equality."""
     sys.path.insert(0, str(ROOT))
@@ -569,7 +569,7 @@ def measure_acceptance(runs: list[tuple[str, int]], max_tokens: int, log: str) -
     plain = base.generate([np.array(p) for p in prompts], params, use_tqdm=False)
     rows = []
     for method, k in runs:
-        spec = {"method": method, "num_drafts": k}
+        spec = {"method": method, "num_drafts": k, **({"mtp_head": head} if head and method == "mtp" else {})}
         cfg = compose(to_overrides({"device": "cpu", "spec": spec}))
         be = base.backend
         twin = NumpyBackend(be.config, be.weights.items(), num_blocks=be.num_blocks, block_size=be.block_size)
@@ -646,6 +646,7 @@ def main() -> None:
     ap.add_argument("--chain-weight", type=float, default=0.5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--head", default=None, help="measure: this head file instead of the bundled one")
     ap.add_argument("--train-python", default=str(ROOT / ".venv-train" / "bin" / "python"))
     args = ap.parse_args()
     resolve_defaults(args)
