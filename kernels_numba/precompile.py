@@ -1,11 +1,13 @@
-"""Compile many kernels at once, in worker processes, into the on-disk kernel cache (jit.py).
+"""Compile many kernels at once, in worker processes, for a start whose kernels are not in the
+on-disk kernel cache (jit.py).
 
 Numba compiles one kernel at a time (a process-wide lock) and a start with an empty cache spends
 most of its seconds there. `recording()` runs a forward's host code with every kernel launch
 recorded instead of run, and returns the (kernel, argument types) pairs that are neither compiled
 in this process nor in the disk cache; `compile_in_workers` compiles those pairs in parallel in
-fresh Python processes (each with its own CUDA context), which write them to the disk cache. The
-real warm-up after it then loads every kernel from the cache.
+fresh Python processes (each with its own CUDA context) and takes the compiled kernels back: they
+join their dispatchers here and are saved to the disk cache by this process alone. The real
+warm-up after it then launches them with no compile.
 
 Workers are plain subprocesses fed pickled kernels on stdin (no multiprocessing spawn, which would
 re-import the user's __main__). Everything here is best effort: a kernel a worker fails to
@@ -13,7 +15,6 @@ compile is compiled by the caller when it is first launched, as without this mod
 """
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import queue
@@ -92,19 +93,22 @@ def _name(dispatcher) -> str:
 
 
 def compile_in_workers(jobs: list[Job], workers: int, timeout_s: float = 300.0) -> dict:
-    """Compile `jobs` into the disk cache with up to `workers` processes, largest kernels first;
-    returns {jobs, workers, seconds, compiled, failed: [(kernel, error)]}."""
+    """Compile `jobs` with up to `workers` processes, largest kernels first. Each compiled kernel
+    comes back pickled, joins its dispatcher's overloads here and is saved to the disk cache from
+    this process only (the kernels of one factory share an index file, which concurrent writers
+    would race on). Returns {jobs, workers, seconds, compiled, failed: [(kernel, error)]}."""
     started = time.perf_counter()
-    blobs: queue.SimpleQueue = queue.SimpleQueue()
+    todo: queue.SimpleQueue = queue.SimpleQueue()
     # the attention and GEMV factories compile the longest: start them first
     order = sorted(jobs, key=lambda j: ("flash" not in _name(j[0]), "gemv" not in _name(j[0])))
-    for d, argtypes in order:
+    for job in order:
         try:
-            blobs.put((_name(d), pickle.dumps((d, argtypes))))
+            todo.put((job, pickle.dumps(job)))
         except Exception:   # noqa: BLE001 - an unpicklable kernel compiles in the caller on first launch
             pass
-    n = max(0, min(workers, blobs.qsize()))
-    results: list[dict] = []
+    n = max(0, min(workers, todo.qsize()))
+    done: list[tuple[Job, object]] = []          # (job, compiled kernel)
+    failed: list[tuple[str, str]] = []
     lock = threading.Lock()
 
     def drive() -> None:
@@ -112,22 +116,26 @@ def compile_in_workers(jobs: list[Job], workers: int, timeout_s: float = 300.0) 
         try:
             while True:
                 try:
-                    name, blob = blobs.get_nowait()
+                    job, blob = todo.get_nowait()
                 except queue.Empty:
                     return
-                proc.stdin.write(struct.pack("<I", len(blob)) + blob)
-                proc.stdin.flush()
-                line = proc.stdout.readline()
-                out = json.loads(line) if line else {"error": "the worker exited"}
-                with lock:
-                    results.append({"kernel": name, **out})
-                if not line:
+                try:
+                    _write(proc.stdin, blob)
+                    answer = pickle.loads(_read(proc.stdout))
+                except Exception as exc:   # noqa: BLE001 - the worker died: its job compiles in the caller
+                    with lock:
+                        failed.append((_name(job[0]), f"the worker failed: {exc}"))
                     return
+                with lock:
+                    if answer.get("error"):
+                        failed.append((_name(job[0]), answer["error"]))
+                    else:
+                        done.append((job, answer["kernel"]))
         finally:
-            proc.stdin.close()
             try:
+                proc.stdin.close()
                 proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
+            except Exception:   # noqa: BLE001
                 proc.kill()
 
     threads = [threading.Thread(target=drive, daemon=True) for _ in range(n)]
@@ -135,9 +143,35 @@ def compile_in_workers(jobs: list[Job], workers: int, timeout_s: float = 300.0) 
         t.start()
     for t in threads:
         t.join(timeout_s)
+    for (d, argtypes), kernel in done:
+        _install(d, argtypes, kernel)
     return {"jobs": len(jobs), "workers": n, "seconds": round(time.perf_counter() - started, 3),
-            "compiled": sum("error" not in r for r in results),
-            "failed": [(r["kernel"], r["error"]) for r in results if "error" in r]}
+            "compiled": len(done), "failed": failed}
+
+
+def _install(dispatcher, argtypes: tuple, kernel) -> None:
+    """What Dispatcher.compile does with a kernel it compiled: keep it, and save it to the disk cache."""
+    from numba.cuda.core.compiler_lock import global_compiler_lock
+    with global_compiler_lock:
+        if argtypes not in dispatcher.overloads:
+            dispatcher.add_overload(kernel, argtypes)
+            dispatcher._cache.save_overload(argtypes, kernel)
+
+
+def _write(stream, blob: bytes) -> None:
+    stream.write(struct.pack("<Q", len(blob)) + blob)
+    stream.flush()
+
+
+def _read(stream) -> bytes:
+    head = stream.read(8)
+    if len(head) < 8:
+        raise EOFError("the worker exited")
+    n = struct.unpack("<Q", head)[0]
+    blob = stream.read(n)
+    if len(blob) < n:
+        raise EOFError("the worker exited mid-answer")
+    return blob
 
 
 def _start_worker() -> subprocess.Popen:
@@ -149,24 +183,26 @@ def _start_worker() -> subprocess.Popen:
 
 
 def serve() -> None:
-    """A worker: read length-prefixed pickled (dispatcher, argtypes) jobs from stdin, compile each
-    into the disk cache, answer one JSON line per job."""
-    src, out = sys.stdin.buffer, sys.stdout
+    """A worker: read pickled (dispatcher, argtypes) jobs from stdin, compile each (no disk cache
+    here), answer each with the pickled kernel or the error; the protocol has stdout to itself."""
+    src = sys.stdin.buffer
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)                     # anything else printed goes to stderr, not into the answers
+    sys.stdout = sys.stderr
     while True:
-        head = src.read(4)
-        if len(head) < 4:
+        try:
+            blob = _read(src)
+        except EOFError:
             return
-        blob = src.read(struct.unpack("<I", head)[0])
         t = time.perf_counter()
         try:
             dispatcher, argtypes = pickle.loads(blob)
-            dispatcher.enable_caching()
-            dispatcher.compile(argtypes)
-            answer = {"seconds": round(time.perf_counter() - t, 3)}
+            kernel = dispatcher.compile(argtypes)
+            answer = {"kernel": kernel, "seconds": round(time.perf_counter() - t, 3)}
+            data = pickle.dumps(answer)
         except Exception as exc:   # noqa: BLE001 - reported to the caller, which compiles it itself
-            answer = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-        out.write(json.dumps(answer) + "\n")
-        out.flush()
+            data = pickle.dumps({"error": f"{type(exc).__name__}: {exc}"[:300]})
+        _write(out, data)
 
 
 if __name__ == "__main__":
