@@ -8,7 +8,8 @@ source "$(dirname "$0")/common.sh"
 smollm2_ready || exit 3
 mkdir -p $OUT/mtp
 stamp "train_mtp gpu"
-timeout 570 python3 tools/train_mtp.py gpu --model /tmp/mdl/smollm2.gguf --out $OUT/mtp/head.safetensors \
-    --corpus /tmp/mtp_corpus.npz --gpu-minutes ${GPU_MINUTES:-8.5} 2>&1 | grep -vE "^\{\"step" | cut -c1-300 | tail -40
+M=${GPU_MINUTES:-8.5}
+timeout $(python3 -c "print(int($M * 60 + 40))") python3 tools/train_mtp.py gpu --model /tmp/mdl/smollm2.gguf \
+    --out $OUT/mtp/head.safetensors --corpus /tmp/mtp_corpus.npz --gpu-minutes $M --samples ${SAMPLES:-4} 2>&1 | grep -vE "^\{\"step" | cut -c1-300 | tail -40
 ls -la $OUT/mtp
 stamp end
