@@ -23,8 +23,9 @@ class Levers:
     warm_mixed: bool = True              # CUDA with mixed_graphs: compile at start-up the kernels every
                                          # token and rows bucket uses (cached on disk), so a new prompt
                                          # length never waits for a compile while serving
-    compile_workers: int = 8             # CUDA: a start whose kernels are not in the disk cache yet compiles
-                                         # them in this many processes at once (0: one at a time, in this one)
+    compile_workers: int = 0             # CUDA: a start whose kernels are not in the disk cache yet compiles
+                                         # them in this many processes at once (0: one at a time, in this one;
+                                         # 8 becomes the default once its GPU test has run: docs/levers.md)
     sampling_split: bool = True          # CUDA: small steps' temperature / min-p rows (no top-k, top-p)
                                          # draw over spans of the row, a block each, not one block a row
                                          # (off until its GPU test and A/B have run: docs/levers.md)
