@@ -7,7 +7,7 @@ source "$(dirname "$0")/common.sh"
 RES=$OUT/s21d; mkdir -p $RES
 stamp "precompile GPU test"
 timeout 300 python3 -m pytest -q -x -s tests/gpu/test_precompile_gpu.py -p no:cacheprovider 2>&1 | grep -E "first start|passed|failed|Error|assert" | cut -c1-600 | head -20
-for lv in '{}' '{"compile_workers": 0}'; do
+for lv in '{"compile_workers": 8}' '{"compile_workers": 0}'; do
   stamp "startup $lv"
   timeout 200 python3 -m bench.startup --model llama-3.2-1b-shape --device cuda --runs 2 --levers "$lv" 2>&1 | grep -E "^startup|Error" | cut -c1-400
 done
