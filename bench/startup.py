@@ -30,13 +30,18 @@ print(json.dumps({"ready_s": ready, "ttft_s": first, "load_s": e.load_seconds,
 """
 
 
-def start_once(model: str, device: str, env: dict, levers: str = "{}") -> dict:
+def run_child(child: str, args: list[str], env: dict) -> dict:
+    """A fresh Python running `child` with argv [process start time, *args]; its last line's JSON."""
     t0 = time.time()
-    out = subprocess.run([sys.executable, "-c", CHILD, repr(t0), model, device, levers], env=env,
+    out = subprocess.run([sys.executable, "-c", child, repr(t0), *args], env=env,
                          capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(f"start failed ({out.returncode}): {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def start_once(model: str, device: str, env: dict, levers: str = "{}") -> dict:
+    return run_child(CHILD, [model, device, levers], env)
 
 
 def main() -> None:

@@ -9,10 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
-import time
+
+from bench.startup import run_child
 
 CHILD = r"""
 import cProfile, io, json, pstats, sys, time
@@ -55,15 +54,6 @@ print(json.dumps({"imported_s": imported, "ready_s": ready, "ttft_s": first, "lo
 """
 
 
-def start_once(model: str, device: str, env: dict) -> dict:
-    t0 = time.time()
-    out = subprocess.run([sys.executable, "-c", CHILD, repr(t0), model, device], env=env,
-                         capture_output=True, text=True, timeout=600)
-    if out.returncode != 0:
-        raise RuntimeError(f"start failed ({out.returncode}): {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-3.2-1b-shape")
@@ -75,7 +65,7 @@ def main() -> None:
     env.pop("NUMBA_CACHE_DIR", None)
     runs = []
     for start in ("first", "again"):
-        r = start_once(a.model, a.device, env)
+        r = run_child(CHILD, [a.model, a.device], env)
         r["start"] = start
         runs.append(r)
         print(f"{start}: imported {r['imported_s']:.1f} s, ready {r['ready_s']:.1f} s, first token {r['ttft_s']:.1f} s, "
