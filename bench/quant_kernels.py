@@ -40,7 +40,7 @@ ITERS, WARMUP = 30, 3
 
 
 def _kernel_jobs(types, shapes, rows, fp8=False):
-    """(qtype, one, cfg) of every GEMV kernel the run launches."""
+    """(qtype, one, cfg) of every GEMV kernel the run launches (FP8: its x-rows bucket for one)."""
     from kernels_numba import quant_fp8 as F
     from kernels_numba import quant_gemv as QG
     jobs = set()
@@ -49,7 +49,7 @@ def _kernel_jobs(types, shapes, rows, fp8=False):
             N, K = SHAPES[name]
             for T in rows:
                 t = min(T, F.MAX_T)
-                jobs.add(("FP8", t == 1, F.fp8_gemv_cfg(N, K, t)))
+                jobs.add(("FP8", F.x_rows_bucket(t), F.fp8_gemv_cfg(N, K, t)))
     for qt in types:
         for name in shapes:
             N, K = SHAPES[name]

@@ -14,8 +14,8 @@ them with `cvt.rn.f16x2.e4m3x2` (two a conversion, exact) and `cvt.f32.f16`, mul
 read through L1 (four 16-byte loads, shared by the warp's R rows), and scales the 16-weight partial
 dot by its block's scale (bk is a multiple of 16, so one scale a chunk). Warps of a block take R
 rows each; the grid is persistent as quant_gemv's (row tiles walked, the next step's loads in flight,
-the first before the PDL wait); T = 1 keeps its sums in registers, T > 1 loops over the rows of x
-at run time with the lanes' partial sums in shared memory. Generated source, as quant_gemv's.
+the first before the PDL wait); a variant per bucket of T (1, 2, 4, 8) keeps a sum per row of x and
+row of the weights in registers, the rows of x unrolled. Generated source, as quant_gemv's.
 """
 from __future__ import annotations
 
@@ -74,9 +74,11 @@ def gemv_ref(x, w, bias=None, residual=None) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- GEMV
-def _source(ONE: bool, W: int, R: int, U: int, PIPE: bool, has_bias: bool, has_res: bool) -> str:
+def _source(TT: int, W: int, R: int, U: int, PIPE: bool, has_bias: bool, has_res: bool) -> str:
+    """The GEMV for T <= TT rows of x (TT = 1, 2, 4 or 8): a sum a row of x and row of the weights
+    in registers, the rows of x unrolled (rows t >= T load row T - 1 and are not written)."""
     NT, RPB = 32 * W, W * R
-    RR, UU = range(R), range(U)
+    RR, UU, TR = range(R), range(U), range(TT)
     L = []
 
     def emit(ind, line):
@@ -86,14 +88,17 @@ def _source(ONE: bool, W: int, R: int, U: int, PIPE: bool, has_bias: bool, has_r
     for ln in ("K = x.shape[1]", "N = q.shape[0]", "nch = K >> 4", "tid = cuda.threadIdx.x", "lane = tid & 31",
                f"wrow = (tid >> 5) * {R}", "bid = cuda.blockIdx.x", "nblk = cuda.gridDim.x",
                f"iters = (nch + {32 * U - 1}) // {32 * U}", f"ntiles = (N + {RPB - 1}) // {RPB}",
-               "total = ((ntiles - bid + nblk - 1) // nblk) * iters", "sm = cuda.shared.array(0, uint32)"):
+               "total = ((ntiles - bid + nblk - 1) // nblk) * iters"):
         emit(1, ln)
+    for t in TR:
+        emit(1, f"xr{t} = min({t}, T - 1)")
     names = [f"{r}_{v}_{e}" for r in RR for v in UU for e in range(4)]
     if PIPE:
         for nm in names:
             emit(1, f"wr{nm} = uint32(0)")
-    for r in RR:
-        emit(1, f"acc{r} = float32(0.0)")
+    for t in TR:
+        for r in RR:
+            emit(1, f"acc{t}_{r} = float32(0.0)")
     emit(1, f"for s in range(total + {int(PIPE)}):")
     ind = 2
     if PIPE:
@@ -115,9 +120,6 @@ def _source(ONE: bool, W: int, R: int, U: int, PIPE: bool, has_bias: bool, has_r
     emit(2, "if s == 0:")
     emit(3, "grid_wait()")
     emit(3, "grid_trigger_early()")
-    if not ONE:
-        emit(3, f"for i in range(tid, T * {R * NT}, {NT}):")
-        emit(4, "sm[i] = uint32(0)")
     ind = 2
     if PIPE:
         emit(2, "if s > 0:")
@@ -137,48 +139,29 @@ def _source(ONE: bool, W: int, R: int, U: int, PIPE: bool, has_bias: bool, has_r
                 b = f"{src}{r}_{v}_{e}"
                 emit(ind, f"f{r}_{v}_{4 * e}, f{r}_{v}_{4 * e + 1} = e4m3x2_f32({b} & MASK16)")
                 emit(ind, f"f{r}_{v}_{4 * e + 2}, f{r}_{v}_{4 * e + 3} = e4m3x2_f32({b} >> U16)")
-    if ONE:
-        emit(ind, "t = 0")
-        tind = ind
-    else:
-        emit(ind, "for t in range(T):")
-        tind = ind + 1
-        for r in RR:
-            emit(tind, f"ps{r} = float32(0.0)")
-    for v in UU:
-        for j in range(4):
-            emit(tind, f"x{j} = ldg_f32x4(x, t, k{v} + {4 * j})")
-        for r in RR:
-            terms = " + ".join(f"f{r}_{v}_{4 * j + e} * x{j}[{e}]" for j in range(4) for e in range(4))
-            emit(tind, f"d = {terms}")
-            emit(tind, f"{'acc' if ONE else 'ps'}{r} += (d * sc{r}_{v}) if ok{v} else float32(0.0)")
-    if not ONE:
-        for r in RR:
-            emit(tind, f"ia = (t * {R} + {r}) * {NT} + tid")
-            emit(tind, f"sm[ia] = f32_bits(bits_f32(sm[ia]) + ps{r})")
+    for t in TR:
+        for v in UU:
+            for j in range(4):
+                emit(ind, f"x{j} = ldg_f32x4(x, xr{t}, k{v} + {4 * j})")
+            for r in RR:
+                terms = " + ".join(f"f{r}_{v}_{4 * j + e} * x{j}[{e}]" for j in range(4) for e in range(4))
+                emit(ind, f"d = {terms}")
+                emit(ind, f"acc{t}_{r} += (d * sc{r}_{v}) if ok{v} else float32(0.0)")
     emit(ind, "if it == iters - 1:")
     emit(ind + 1, "grid_trigger_late()")
-    if ONE:
-        emit(ind + 1, "t = 0")
-        eind = ind + 1
-    else:
-        emit(ind + 1, "for t in range(T):")
-        eind = ind + 2
-    for r in RR:
-        if ONE:
-            emit(eind, f"a = acc{r}")
-            emit(eind, f"acc{r} = float32(0.0)")
-        else:
-            emit(eind, f"ia = (t * {R} + {r}) * {NT} + tid")
-            emit(eind, "a = bits_f32(sm[ia])")
-            emit(eind, "sm[ia] = uint32(0)")
-        for off in (16, 8, 4, 2, 1):
-            emit(eind, f"a += shfl_xor_f32(a, {off})")
-        emit(eind, f"n = row0 + {r}")
-        emit(eind, "if lane == 0 and n < N:")
-        emit(eind + 1, "col = n_off + n")
-        val = "a" + (" + bias[col]" if has_bias else "") + (" + res[t, col]" if has_res else "")
-        emit(eind + 1, f"out[t, col] = {val}")
+    eind = ind + 1
+    for t in TR:
+        for r in RR:
+            emit(eind, f"a = acc{t}_{r}")
+            emit(eind, f"acc{t}_{r} = float32(0.0)")
+            for off in (16, 8, 4, 2, 1):
+                emit(eind, f"a += shfl_xor_f32(a, {off})")
+            emit(eind, f"n = row0 + {r}")
+            cond = "lane == 0 and n < N" + (f" and {t} < T" if TT > 1 else "")
+            emit(eind, f"if {cond}:")
+            emit(eind + 1, "col = n_off + n")
+            val = "a" + (" + bias[col]" if has_bias else "") + (f" + res[{t}, col]" if has_res else "")
+            emit(eind + 1, f"out[{t}, col] = {val}")
     return "\n".join(L) + "\n"
 
 
@@ -198,7 +181,7 @@ _KERNELS: dict = {}
 
 
 def py_kernel(*cfg):
-    """The kernel function of (one (T = 1), warps, rows, unroll, pipe, has_bias, has_res), with
+    """The kernel function of (TT (1, 2, 4 or 8: x rows it takes), warps, rows, unroll, pipe, has_bias, has_res), with
     quant_gemv's current STREAM_HINT."""
     key = cfg + (STREAM_HINT["on"],)
     if key not in _PY:
@@ -213,7 +196,7 @@ def py_kernel(*cfg):
     return _PY[key]
 
 
-def launch_bounds(one: bool, warps: int) -> tuple[int, int]:
+def launch_bounds(tt: int, warps: int) -> tuple[int, int]:
     """3 blocks of 128 threads a multiprocessor (<= 168 registers; at 4 blocks the T = 1 kernel with
     two rows and two chunks a lane spills 72 bytes)."""
     return 32 * warps, max(1, 3 * 4 // warps)
@@ -236,10 +219,19 @@ def fp8_gemv_cfg(N: int, K: int, T: int = 1) -> tuple[int, int, int, bool]:
     """(warps, rows, unroll, pipe): one chunk of 16 weights a lane a step, the next step's loads in
     flight; few row tiles (N <= 8192 at K <= 4096: qkv, o) take 4 rows a warp in blocks of 4 warps,
     larger products 2 rows a warp in blocks of 8 (the fastest of bench.quant_kernels --types FP8
-    --sweep at one row on the 8B shapes; docs/quant.md)."""
+    --sweep at one row on the 8B shapes; docs/quant.md). Beyond 2 rows of x, 2 rows a warp in blocks
+    of 4: the registers hold a sum per row of x and row of the weights, and 3 such blocks fit a
+    multiprocessor with no spill (8 warps a block would fit one)."""
+    if T > 2:
+        return 4, 2, 1, True
     if N <= 8192 and K <= 4096:
         return 4, 4, 1, True
     return 8, 2, 1, True
+
+
+def x_rows_bucket(T: int) -> int:
+    """The kernel variant for T rows of x: 1, 2, 4 or 8 (its sums stay in registers)."""
+    return 1 << (T - 1).bit_length()
 
 
 def fp8_gemv(x, q, S, out, T: int, *, bn: int, bk: int, n_off: int = 0, bias=None, residual=None,
@@ -251,12 +243,11 @@ def fp8_gemv(x, q, S, out, T: int, *, bn: int, bk: int, n_off: int = 0, bias=Non
     assert x.dtype == np.float32 and out.dtype == np.float32 and q.dtype == np.uint8
     assert n_off + N <= out.shape[1] and out.shape[0] >= T and x.shape[0] >= T
     warps, rows, unroll, pipe = cfg or fp8_gemv_cfg(N, K, T)
-    k = kernel(T == 1, warps, rows, unroll, pipe, bias is not None, residual is not None)
+    k = kernel(x_rows_bucket(T), warps, rows, unroll, pipe, bias is not None, residual is not None)
     tiles = -(-N // (warps * rows))
     grid = min(tiles, (PERSIST if persist is None else persist) * sm_count())
-    nbytes = 0 if T == 1 else 4 * T * rows * 32 * warps
-    k[grid, 32 * warps, stream, nbytes](x, q, S, out, out if bias is None else bias,
-                                        out if residual is None else residual, n_off, T, bn, bk)
+    k[grid, 32 * warps, stream](x, q, S, out, out if bias is None else bias,
+                                out if residual is None else residual, n_off, T, bn, bk)
 
 
 # ----------------------------------------------------------------------------- many rows: dequantize

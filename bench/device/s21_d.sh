@@ -11,6 +11,12 @@ for lv in '{"compile_workers": 8}' '{"compile_workers": 0}'; do
   stamp "startup $lv"
   timeout 200 python3 -m bench.startup --model llama-3.2-1b-shape --device cuda --runs 2 --levers "$lv" 2>&1 | grep -E "^startup|Error" | cut -c1-400
 done
+if [ -n "${FP8:-}" ]; then    # FP8=1: the FP8 GEMV's GPU test (T = 1, 8: x rows in registers) and the 8B FP8 decode
+  stamp "fp8 gemv GPU test"
+  timeout 150 python3 -m pytest -q -x tests/gpu/test_quant_gpu.py -k fp8_gemv -p no:cacheprovider 2>&1 | tail -2
+  stamp "fp8 decode"
+  timeout 120 python3 -m bench.quant_decode --fp8 --batch 1 2 4 8 32 2>&1 | grep -E "^decode|Error" | cut -c1-200
+fi
 [ -n "${SERVE:-}" ] || { stamp end; exit 0; }    # SERVE=1: the one-stream served check too
 stamp "one stream: served, then the library"
 PORT=8315

@@ -144,3 +144,23 @@ def test_announced_bytes_bound_the_upload():
     parts = QuantizedStream.of([("layers.0.qkv", t)]).parts["layers.0.qkv"]
     assert dq.nbytes == t.nbytes == 64 * K + 4 * 64 * 1
     assert dq.nbytes <= device_bytes_bound(parts) <= dq.nbytes + 512
+
+
+@pytest.mark.parametrize("T", [3, 5, 8])
+def test_gemv_rows_of_x_in_registers(T):
+    """The GEMV variants for 4 and 8 rows of x with fewer rows given: every given row right (bias and
+    residual added), the rows of `out` past T untouched."""
+    from kernels_numba import quant_fp8 as F
+    rng = np.random.default_rng(T)
+    q, s, w = _member(rng, 24, K, (16, 32))
+    S, bn, bk = F.scale_grid(s, 24, K, (16, 32))
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    bias = rng.standard_normal(24).astype(np.float32)
+    res = rng.standard_normal((8, 24)).astype(np.float32)
+    d_out = cuda.to_device(res.copy())
+    F.fp8_gemv(cuda.to_device(x), cuda.to_device(q), cuda.to_device(S), d_out, T, bn=bn, bk=bk,
+               bias=cuda.to_device(bias), residual=d_out)
+    got = d_out.copy_to_host()
+    assert F.x_rows_bucket(T) in (4, 8)
+    assert _relerr(got[:T], x.astype(np.float64) @ w.T + bias + res[:T]) < 1e-5
+    assert np.array_equal(got[T:], res[T:])
