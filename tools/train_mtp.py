@@ -254,12 +254,6 @@ def forced_hidden(backend, streams: list[np.ndarray], plens: list[int], *, max_t
     return [np.concatenate(r) for r in rows]
 
 
-def host_float32(array) -> np.ndarray:
-    """A weight as a float32 host array (a CPU backend may hold GGUF blocks as they are)."""
-    from metrale.models.quantized import kept
-    return np.asarray(array.dequantize() if kept(array) else array, np.float32)
-
-
 def collect_gpu(args, prompts: list[tuple[str, bool]] | None = None, engine=None) -> dict:
     """Sampled continuations of every prompt (--samples each) in one generate call, then their hidden
     rows teacher-forced through the engine's backend. Writes the corpus (no top-k: train derives it
@@ -297,7 +291,7 @@ def collect_gpu(args, prompts: list[tuple[str, bool]] | None = None, engine=None
     t_forced = time.time() - t0 - t_load - t_gen
     last = f"layers.{cfg.num_layers - 1}."
     wanted = {"embed", "final_norm", *(last + n for n in LAST_LAYER)}
-    w = {n: host_float32(a) for n, a in eng.backend.export_weights() if n in wanted}
+    w = {n: np.asarray(a, np.float32) for n, a in eng.backend.export_weights() if n in wanted}
     figures = {"collect_seconds": round(time.time() - t0, 1), "load_seconds": round(t_load, 1),
                "generate_seconds": round(t_gen, 1), "forced_seconds": round(t_forced, 1),
                "prompts": len(ids), "samples": args.samples, "sequences": len(keep),

@@ -79,8 +79,11 @@ class Backend(Protocol):
         return self.num_blocks * self.block_size
 
     def export_weights(self) -> Iterator[tuple[str, np.ndarray]]:
-        """The weights as float host arrays under the canonical names (a NumPy twin's input)."""
-        yield from self.weights.items()
+        """The weights as float host arrays under the canonical names (a NumPy twin's input); GGUF
+        blocks kept as they are (levers.cpu_kernels=numba) dequantized."""
+        from metrale.models.quantized import kept
+        for name, a in self.weights.items():
+            yield name, a.dequantize() if kept(a) else a
 
     def memory_report(self) -> dict:
         """Bytes used by weights, caches and activations; peak device memory where known."""

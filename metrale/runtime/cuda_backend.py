@@ -580,17 +580,22 @@ class CudaBackend(Backend):
         """float32 cos/sin [max_model_len, rotary dims / 2] of the model's RoPE, its scaling included."""
         return model_rope(self.config).tables(self.max_model_len)
 
+    def _ladder_batches(self) -> list[ForwardBatch]:
+        """A one-token-a-sequence step per decode graph size. Warm-up tokens write block 0, which no
+        sequence owns yet."""
+        sizes = [s for s in self.graph_sizes if s <= min(self.max_tokens, self.max_rows)]
+        return [build_batch([Segment(np.zeros(1, np.int32), 0, np.zeros(1, np.int32)) for _ in range(size)],
+                            self.block_size) for size in sizes]
+
     def _warmup_batches(self, warm_mixed: bool) -> list[ForwardBatch]:
-        sizes = [s for s in self.graph_sizes if s <= min(self.max_tokens, self.max_rows)] if self.use_graphs else []
-        ladder = [build_batch([Segment(np.zeros(1, np.int32), 0, np.zeros(1, np.int32)) for _ in range(size)],
-                              self.block_size) for size in sizes]
-        return ladder + (self.warm_mixed_batches() if warm_mixed else [])
+        return (self._ladder_batches() if self.use_graphs else []) + (self.warm_mixed_batches() if warm_mixed else [])
 
     def _precompile(self, workers: int, warm_mixed: bool) -> None:
         """A start whose kernels are not all in the disk cache: a recording run of the warm-up
         steps finds them (no kernel runs) and `workers` processes compile them at once
-        (kernels_numba/precompile.py); the warm-up after it loads them from the cache. A marker in
-        the cache skips the recording run on later starts of the same model and levers."""
+        (kernels_numba/precompile.py), which installs them here and in the disk cache; the warm-up
+        after it compiles none. A marker in the cache skips the recording run on later starts of the
+        same model and levers."""
         if workers <= 0 or not self.part.parallel_compile or self.quantized or not precompile.available():
             return
         marker = precompile.marker(repr(self.config), str(self.cfg.levers), self.max_tokens, self.max_seqs,
@@ -622,15 +627,14 @@ class CudaBackend(Backend):
     def _capture_ladder(self) -> None:
         """Capture the decode graph of every ladder size at the first context bucket now (this also
         compiles every decode kernel): a run's first steps, and the speculation gate's first timings
-        of verify steps, then replay instead of paying for a capture. Warm-up tokens write block 0,
-        which no sequence owns yet."""
+        of verify steps, then replay instead of paying for a capture."""
         import sys
         from tqdm.auto import tqdm
-        sizes = [s for s in self.graph_sizes if s <= min(self.max_tokens, self.max_rows)]
-        log.info("compiling kernels and capturing %d decode graphs (batch %s)", len(sizes), sizes)
-        for size in tqdm(sizes, desc="CUDA graphs", unit="graph", leave=False, disable=not sys.stderr.isatty()):
-            segs = [Segment(np.zeros(1, np.int32), 0, np.zeros(1, np.int32)) for _ in range(size)]
-            self.forward_greedy(build_batch(segs, self.block_size))
+        batches = self._ladder_batches()
+        log.info("compiling kernels and capturing %d decode graphs (batch %s)", len(batches),
+                 [b.num_tokens for b in batches])
+        for batch in tqdm(batches, desc="CUDA graphs", unit="graph", leave=False, disable=not sys.stderr.isatty()):
+            self.forward_greedy(batch)
 
     def warm_mixed_batches(self) -> list[ForwardBatch]:
         """A step per mixed bucket pair (token bucket i, rows bucket i): prefill segments long
