@@ -40,6 +40,8 @@ class Levers:
     cublaslt_autotune: int = 8           # cuBLASLt candidates timed per decode-ladder shape (<= 256 rows)
     cublaslt_split_k: bool = True        # autotune may pick split-K candidates (false: one-kernel ones only)
                                          # at the first (eager) use; 0 or 1: the heuristic's first
+    cublaslt_tune_cache: bool = True     # keep the autotune's picks on disk (~/.cache/metrale/cublaslt) and
+                                         # take them at later starts instead of timing again
     prefix_caching: bool = True          # reuse KV blocks of identical prompt prefixes
     preempt_mode: str = "recompute"      # recompute | abort  (what happens to a preempted request)
     min_p_floor: bool = True             # raise min_p to the model's floor
@@ -159,6 +161,7 @@ class SpecConfig:
     self_layers: Optional[int] = None    # layers of the target the self-speculative drafter runs (default: a third)
     draft_model: Optional[str] = None    # preset or path of the draft model (method=draft)
     mtp_head: Optional[str] = None       # MTP head .safetensors (method=mtp); None: the model's bundled head
+    mtp_draft_vocab: bool = True         # use the MTP head's draft vocabulary (its d2t) when the file has one
     dflash_head: Optional[str] = None    # DFlash drafter .safetensors (method=dflash; block = num_drafts + 1);
                                          # None: the model's bundled drafter; "random": untrained (tests)
     gate: SpecGateConfig = field(default_factory=SpecGateConfig)

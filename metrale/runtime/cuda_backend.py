@@ -462,7 +462,8 @@ class CudaBackend(Backend):
             ws = self.act["blas_workspace"]
             self.blas = CublasLt(_ptr(ws), ws.nbytes, autotune=int(levers.cublaslt_autotune),
                                  autotune_rows=set(self.graph_sizes) if self.use_graphs else None,
-                                 split_k=bool(levers.cublaslt_split_k))
+                                 split_k=bool(levers.cublaslt_split_k),
+                                 tune_cache=bool(levers.cublaslt_tune_cache))
         self.graphs: dict[Geometry, CudaGraph] = {}
         self.mixed_ladder = token_ladder(self.max_tokens)
         self._mixed_lru: dict[Geometry, None] = {}      # mixed geometries in self.graphs, oldest first

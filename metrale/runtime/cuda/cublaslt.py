@@ -22,15 +22,33 @@ shape, 32 rows: 2.5-2.8 TB/s on qkv/o_proj against 3.8 for gate_up). Plans first
 is being captured are not tuned (nothing may run then); the backend's eager warm-up run makes them
 before every capture.
 
+Picks on disk (`tune_cache`; the backend passes `levers.cublaslt_tune_cache`): each pick is kept in
+a small JSON file (tune_cache.py, under ~/.cache/metrale/cublaslt/) keyed by the GPU (name,
+compute capability, SM count), the driver, cuBLASLt and CUDA runtime versions, this module's
+recipe (`RECIPE`, the workspace, the candidate count, split_k) and the product (T, N, K, accumulate,
+bias). What is stored is the pick's index in the heuristic's list, the list's length and the picked
+algorithm's configuration attributes (`ALGO_FIELDS`): the heuristic returns the same list for the
+same descriptors on the same GPU and library, so a later start queries it again and takes the
+stored index when the length and that candidate's attributes match, and times the candidates
+otherwise. The opaque 64-byte algo struct itself is not stored: the re-query rebuilds it, and checks
+that the library still offers it for these descriptors and this workspace. Deleting the directory
+forgets every pick.
+
 Optional: `available()` is False when nvmath-python or the cuBLASLt library is missing, and the
 backend keeps its Numba kernels (the CPU machine and CI never load this).
 """
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from metrale.runtime.cuda.tune_cache import Pick, PickStore
+
+log = logging.getLogger("metrale.cuda")
 
 CUDA_R_32F = 0          # cudaDataType
 CUDA_R_16BF = 14
@@ -39,6 +57,12 @@ CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 WORKSPACE_BYTES = 32 << 20
 FLUSH_BYTES = 192 << 20  # > 3x the H200's L2: written before each timed autotune run
 MAX_PLANS = 512          # plans kept (LRU): eager prefill chunks of every length would grow it
+# what a stored pick was tuned for besides the device and the shape: change it when the product's
+# descriptors or the timing method change, so that older picks are timed again
+RECIPE = "D=TN(A bf16,B bf16)->f32 compute32F bias-epilogue; cold-L2 median of 5"
+# the algorithm configuration attributes a stored pick is checked against (its fingerprint)
+ALGO_FIELDS = ("ID", "TILE_ID", "STAGES_ID", "SPLITK_NUM", "REDUCTION_SCHEME", "CTA_SWIZZLING",
+               "CUSTOM_OPTION", "INNER_SHAPE_ID", "CLUSTER_SHAPE_ID")
 
 
 def _lib() -> Any:
@@ -83,18 +107,23 @@ class CublasLt:
 
     def __init__(self, workspace_ptr: int, workspace_bytes: int = WORKSPACE_BYTES, *,
                  autotune: int = 0, autotune_max_rows: int = 256, autotune_rows: set[int] | None = None,
-                 split_k: bool = True) -> None:
+                 split_k: bool = True, tune_cache: bool | str | os.PathLike = False) -> None:
         """autotune_rows: the only row counts tuned (the backend's CUDA-graph ladder, whose plans its
         warm-up makes before capture); None: every count up to autotune_max_rows. Other row counts
         (eager steps: short prompts, odd mixes) take the heuristic's first choice, so serving never
         stops to time candidates the first time a step of a new size runs. split_k=False: autotune
         skips split-K candidates (a second kernel, the reduce, a node more in a CUDA graph) unless
-        every candidate is one."""
+        every candidate is one. tune_cache: keep autotune picks on disk and take them at later
+        starts (True: under ~/.cache/metrale/cublaslt; a path: that directory; False: time every
+        start)."""
         self.L = L = _lib()
         self.autotune, self.autotune_max_rows = int(autotune), int(autotune_max_rows)
         self.autotune_rows = None if autotune_rows is None else {int(t) for t in autotune_rows}
         self.split_k = bool(split_k)
         self.tuned: dict[tuple, tuple[int, float, float]] = {}    # key -> (chosen index, its us, first's us)
+        self.reused: dict[tuple, int] = {}                         # key -> index taken from the disk picks
+        self.tune_cache = tune_cache
+        self._store: PickStore | None = None
         self._scratch, self._scratch_bytes = 0, 0
         self.handle = L.create()
         self.workspace, self.workspace_bytes = int(workspace_ptr), int(workspace_bytes)
@@ -141,11 +170,77 @@ class CublasLt:
             raise RuntimeError(f"cuBLASLt has no algorithm for T={T} N={N} K={K}")
         pick = 0
         if tune and count[0] > 1:
-            pick = self._fastest(key, desc, (a, b, d), result, int(count[0]), tune_with)
+            pick = self._pick(key, desc, (a, b, d), result, int(count[0]), tune_with)
         # the algo is the struct's first member; the result array stays referenced by the plan
         p = _Plan(desc, (a, b, d), result, int(result[pick].ptr) if n > 1 else int(result.ptr))
         self.plans[key] = p
         return p
+
+    def _pick(self, key: tuple, desc: int, layouts: tuple, result: Any, count: int, tune_with: tuple) -> int:
+        """The stored pick of this product when it still applies, else the fastest (then stored)."""
+        store = self._pick_store()
+        name = "{}x{}x{} acc={:d} bias={:d}".format(*key)
+        if store is not None:
+            index = store.resolve(name, count, lambda i: self._fingerprint(int(result[i].ptr)))
+            if (index is not None and int(result[index].state) == 0
+                    and int(result[index].workspace_size) <= self.workspace_bytes):
+                self.reused[key] = index
+                return index
+        pick = self._fastest(key, desc, layouts, result, count, tune_with)
+        if store is not None and np.isfinite(self.tuned[key][1]):
+            store.put(name, Pick(pick, count, self._fingerprint(int(result[pick].ptr))))
+        return pick
+
+    def _pick_store(self) -> PickStore | None:
+        """The disk picks of this GPU, libraries and setup (made on first use; None when off or
+        when the device cannot be described)."""
+        if self._store is None and self.tune_cache is not False:
+            try:
+                directory = None if self.tune_cache is True else self.tune_cache
+                self._store = PickStore(self._context(), directory)
+            except Exception as exc:  # no disk picks: the candidates are timed
+                log.debug("cuBLASLt picks off: %s", exc)
+                self.tune_cache = False
+        return self._store
+
+    def _context(self) -> dict:
+        """What the picks depend on besides the product: the GPU, the driver and libraries, the
+        tuning setup."""
+        from cuda.bindings import driver as drv
+        dev = _check(drv.cuCtxGetDevice())
+        A = drv.CUdevice_attribute
+        name = _check(drv.cuDeviceGetName(256, dev))
+        name = name.split(b"\0")[0].decode(errors="replace") if isinstance(name, bytes) else str(name)
+        try:
+            cudart = int(self.L.get_cudart_version())
+        except Exception:  # an older binding
+            cudart = 0
+        return {"gpu": name.strip(),
+                "cc": [int(_check(drv.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev))),
+                       int(_check(drv.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev)))],
+                "sms": int(_check(drv.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev))),
+                "driver": int(_check(drv.cuDriverGetVersion())),
+                "cublaslt": int(self.L.get_version()), "cudart": cudart,
+                "recipe": RECIPE, "workspace": self.workspace_bytes, "candidates": self.autotune,
+                "split_k": self.split_k}
+
+    def _fingerprint(self, algo_ptr: int) -> tuple[int, ...]:
+        """The algorithm's configuration attributes (ALGO_FIELDS; -1 where one is unknown)."""
+        L, out = self.L, []
+        for field in ALGO_FIELDS:
+            attr = getattr(L.MatmulAlgoConfigAttribute, field, None)
+            value = -1
+            if attr is not None:
+                try:
+                    buf = np.zeros(1, L.get_matmul_algo_config_attribute_dtype(int(attr)))
+                    written = np.zeros(1, np.uint64)
+                    L.matmul_algo_config_get_attribute(algo_ptr, int(attr), buf.ctypes.data, buf.nbytes,
+                                                       written.ctypes.data)
+                    value = int(buf[0])
+                except Exception:  # not readable with this library
+                    value = -1
+            out.append(value)
+        return tuple(out)
 
     def _fastest(self, key: tuple, desc: int, layouts: tuple, result: Any, count: int, tune_with: tuple) -> int:
         """Index of the fastest of `count` candidates, timed on the given operands (median of 5 runs
