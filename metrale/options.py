@@ -61,6 +61,7 @@ class SpecOptions:
     self_layers: int | None
     draft_model: str | None
     mtp_head: str | None
+    mtp_draft_vocab: bool
     dflash_head: str | None
     gate: GateOptions
 

@@ -176,10 +176,11 @@ def test_train_on_a_collect_gpu_corpus(tmp_path):
     _tiny_corpus(tmp_path / "corpus.npz")
     args = argparse.Namespace(corpus=str(tmp_path / "corpus.npz"), out=str(tmp_path / "head.safetensors"),
                               log=str(tmp_path / "log.json"), device="cpu", threads=1, seed=0, batch=4, lr=1e-3,
-                              chain_weight=0.5, train_minutes=0.002, eval_every=2)
+                              chain_weight=0.5, train_minutes=0.002, eval_every=2, draft_vocab=0)
     tm.train(args)
     head = load_file(args.out)
     assert head["eh_proj"].shape == (16, 32) and head["qkv"].dtype == np.float16
+    assert "d2t" not in head                                  # --draft-vocab 0: none
     log = json.loads(Path(args.log).read_text())
     assert log["steps"] >= 4 and log["device"] == "cpu"
     assert set(log["eval_by_draft"]["after"]) == {"draft1", "draft2"}

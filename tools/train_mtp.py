@@ -15,8 +15,15 @@ Phases
                engine; a second, chained term feeds the head's own output as the hidden of position p+1
                (what draft 2 sees). The block starts as the target's last layer, eh_proj as identity on
                the hidden half. Time-boxed; writes the head as fp16 safetensors and a JSON log (loss
-               curve, held-out evaluation per draft before and after, collection figures).
-  measure      (metrale's venv): greedy acceptance of mtp (k = 1..3) next to n-gram on held-out prompts.
+               curve, held-out evaluation per draft before and after, collection figures) and, unless
+               --draft-vocab 0, the draft vocabulary `d2t` (int32, ascending): the --draft-vocab (8192)
+               most frequent tokens of the corpus's continuations and prompts.
+  measure      (metrale's venv): greedy acceptance of mtp (k = 1..3) next to n-gram on held-out prompts,
+               per draft position; --draft-vocab 0 measures the head without its draft vocabulary.
+  d2t          (metrale's venv): add (or replace) the draft vocabulary of an existing head file (--head,
+               default the bundled one; written to --out if given, else in place) from a corpus: the
+               --draft-vocab most frequent tokens of its continuations and prompts. The other tensors
+               are kept byte for byte.
   all          collect, then train under .venv-train.
   gpu          collect-gpu, then train --device cuda, each a process of this interpreter (torch and
                metrale in one environment); training takes what is left of --gpu-minutes.
@@ -24,6 +31,7 @@ Phases
     python3.11 -m venv .venv-train && .venv-train/bin/pip install torch==2.13.0 "numpy<2.5" safetensors
     .venv/bin/python tools/train_mtp.py all          # OpenBLAS on 1 thread: faster here than 2
     .venv/bin/python tools/train_mtp.py measure
+    .venv/bin/python tools/train_mtp.py d2t --corpus /tmp/mtp_corpus.npz     # d2t into the bundled head
 
   On a GPU machine (torch with CUDA beside metrale and numba-cuda):
     python tools/train_mtp.py gpu --model /tmp/mdl/smollm2.gguf --out /tmp/mtp_head.safetensors
@@ -48,6 +56,7 @@ HEAD_OUT = ROOT / "metrale" / "assets" / "mtp" / "smollm2-135m-instruct.safetens
 CORPUS = Path("/tmp/mtp_corpus.npz")
 TOPK = 32
 TRAIN_LOG = "/tmp/mtp_train_log.json"
+DRAFT_VOCAB = 8192       # EAGLE-3's draft vocabulary size
 
 TOPICS = ["the ocean", "volcanoes", "the moon", "honey bees", "the Roman Empire", "photosynthesis", "chess",
           "the internet", "coffee", "bicycles", "rain forests", "the human heart", "electricity", "trains",
@@ -155,6 +164,7 @@ def collect(args) -> None:
              tokens=np.concatenate([np.asarray(out[i], np.int32) for i in keep]),
              lengths=np.array([len(out[i]) for i in keep], np.int32),
              prompt_lens=np.array([len(ids[i]) for i in keep], np.int32),
+             prompt_tokens=np.concatenate([np.asarray(ids[i], np.int32) for i in keep]),
              hidden=np.concatenate([np.stack(hidden[i]) for i in keep]),
              top_i=np.concatenate([np.stack(top_i[i]) for i in keep]),
              top_v=np.concatenate([np.stack(top_v[i]) for i in keep]),
@@ -305,6 +315,89 @@ def collect_gpu(args, prompts: list[tuple[str, bool]] | None = None, engine=None
     print(f"collected {figures['rows']} rows from {len(keep)} sequences in {time.time() - t0:.0f} s -> {args.corpus}",
           flush=True)
     return figures
+
+
+# ---------------------------------------------------------------------------- draft vocabulary
+def token_counts(corpus, vocab_size: int, top_i: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(counts, secondary) of each target id in a corpus (an .npz path or its loaded arrays). counts:
+    its continuation tokens (what the head predicts), its prompt tokens if it kept them and, with
+    the teacher's top-k ids (`top_i`, else the corpus's own if it has them), each row's top-1.
+    secondary: how often an id is in a row's top-k, the order among ids of equal counts (the rarer
+    ids a small corpus never sampled)."""
+    z = np.load(corpus) if isinstance(corpus, (str, Path)) else corpus
+    names = getattr(z, "files", z)
+
+    def count(ids) -> np.ndarray:
+        return np.bincount(np.asarray(ids).ravel(), minlength=vocab_size)[:vocab_size].astype(np.int64)
+
+    counts = count(z["tokens"])
+    if "prompt_tokens" in names:
+        counts += count(z["prompt_tokens"])
+    top_i = z["top_i"] if top_i is None and "top_i" in names else top_i
+    secondary = np.zeros(vocab_size, np.int64)
+    if top_i is not None:
+        counts += count(top_i[:, 0])
+        secondary = count(top_i)
+    return counts, secondary
+
+
+def draft_vocab(counts: np.ndarray, n: int, secondary: np.ndarray | None = None) -> np.ndarray:
+    """EAGLE-3's d2t: the n most frequent ids by `counts`, ties by `secondary`, then the lower id
+    (BPE ids come roughly in merge order), ascending, int32."""
+    n = min(int(n), len(counts))
+    secondary = np.zeros_like(counts) if secondary is None else secondary
+    order = np.lexsort((np.arange(len(counts)), -np.asarray(secondary), -np.asarray(counts)))
+    return np.sort(order[:n]).astype(np.int32)
+
+
+def coverage(d2t: np.ndarray, tokens: np.ndarray) -> float:
+    """The share of `tokens` inside the draft vocabulary."""
+    tokens = np.asarray(tokens).ravel()
+    return float(np.isin(tokens, d2t).mean()) if len(tokens) else 0.0
+
+
+def corpus_draft_vocab(corpus, vocab_size: int, n: int, top_i: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
+    """(d2t, figures): the draft vocabulary of a corpus (token_counts) and its coverage of the
+    corpus's continuation tokens."""
+    z = np.load(corpus) if isinstance(corpus, (str, Path)) else corpus
+    names = getattr(z, "files", z)
+    counts, secondary = token_counts(z, vocab_size, top_i)
+    d2t = draft_vocab(counts, n, secondary)
+    figures = {"size": int(len(d2t)), "corpus_tokens": int(len(z["tokens"])), "seen": int((counts > 0).sum()),
+               "prompts_counted": "prompt_tokens" in names, "top_k_counted": bool(secondary.any()),
+               "coverage": round(coverage(d2t, z["tokens"]), 4)}
+    return d2t, figures
+
+
+def add_d2t(args) -> None:
+    """Write the draft vocabulary of --corpus into the head file --head (to --out, else in place):
+    every other tensor byte for byte, the metadata kept with `draft_vocab` added."""
+    from safetensors.numpy import load_file, save_file
+    from safetensors import safe_open
+
+    head = Path(args.head or HEAD_OUT)
+    out = Path(args.out or head)
+    with safe_open(str(head), framework="numpy") as f:
+        meta = dict(f.metadata() or {})
+    tensors = load_file(str(head))
+    vocab = int(meta.get("vocab_size") or json.loads(str(np.load(args.corpus)["config"]))["vocab_size"])
+    tensors.pop("d2t", None)
+    if args.draft_vocab:
+        d2t, figures = corpus_draft_vocab(args.corpus, vocab, args.draft_vocab)
+        tensors["d2t"] = d2t
+        meta["draft_vocab"] = json.dumps({**figures, "corpus": Path(args.corpus).name})
+        print(f"d2t: {len(d2t)} of {vocab} ids cover {100 * figures['coverage']:.1f}% of the corpus's "
+              f"{figures['corpus_tokens']} continuation tokens", flush=True)
+    else:
+        meta.pop("draft_vocab", None)
+        print("d2t removed", flush=True)
+    before = {n: a.tobytes() for n, a in tensors.items() if n != "d2t"}
+    mode = (out if out.exists() else head).stat().st_mode
+    save_file(tensors, str(out), metadata=meta)
+    out.chmod(mode & 0o777)
+    after = load_file(str(out))
+    assert all(after[n].tobytes() == b for n, b in before.items()), "a tensor changed"
+    print(f"wrote {out} ({out.stat().st_size / 1e6:.2f} MB)", flush=True)
 
 
 # ---------------------------------------------------------------------------- train (torch)
@@ -532,6 +625,12 @@ def train(args) -> None:
             "trained": json.dumps({"steps": step, "kept_step": best[1] if best[0] > -1 else step, "seconds": round(time.time() - t0), "eval": final,
                                    "rows": int(lengths.sum()), "sequences": len(lengths), "shortlist": len(shortlist)})}
     out = {n: p.detach().to(torch.float16).cpu().contiguous() for n, p in params.items()}
+    if args.draft_vocab:
+        d2t, vocab_figures = corpus_draft_vocab(z, cfg["vocab_size"], args.draft_vocab, top_i.cpu().numpy())
+        out["d2t"] = torch.from_numpy(d2t)
+        meta["draft_vocab"] = json.dumps({**vocab_figures, "corpus": Path(args.corpus).name})
+        print(f"d2t: {len(d2t)} ids cover {100 * vocab_figures['coverage']:.1f}% of the corpus's continuation tokens",
+              flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     save_file(out, str(args.out), metadata=meta)
     Path(args.log).parent.mkdir(parents=True, exist_ok=True)
@@ -540,18 +639,24 @@ def train(args) -> None:
                                           "collect": {k: cfg[k] for k in COLLECT_KEYS if k in cfg},
                                           "eval_by_draft": {"before": by_draft(log0["eval_step0"]), "after": by_draft(final)},
                                           "device": str(dev), "batch": args.batch, "rows": int(lengths.sum()),
-                                          "sequences": len(lengths), "curve": curve}, indent=0))
+                                          "sequences": len(lengths), "curve": curve,
+                                          "draft_vocab": json.loads(meta.get("draft_vocab", "null"))}, indent=0))
     print(f"wrote {args.out} ({Path(args.out).stat().st_size / 1e6:.1f} MB) in {time.time() - t0:.0f} s", flush=True)
 
 
 # ---------------------------------------------------------------------------- measure
 def measure(args) -> None:
-    measure_acceptance([(m, k) for m in ("ngram", "mtp") for k in (1, 2, 3)], args.max_tokens, args.log, args.head)
+    methods = ("mtp",) if args.mtp_only else ("ngram", "mtp")
+    measure_acceptance([(m, k) for m in methods for k in (1, 2, 3)], args.max_tokens, args.log, args.head,
+                       draft_vocab=args.draft_vocab != 0)
 
 
-def measure_acceptance(runs: list[tuple[str, int]], max_tokens: int, log: str, head: str | None = None) -> None:
+def measure_acceptance(runs: list[tuple[str, int]], max_tokens: int, log: str, head: str | None = None,
+                       draft_vocab: bool = True) -> None:
     """Greedy speculation with exactly k drafts a step for each (method, k) on EVAL_PROMPTS,
-    against plain decoding: acceptance, tokens per verify and per target forward, equality."""
+    against plain decoding: acceptance (overall and of each draft position: the share of verifies
+    with that many drafts that accepted at least that many), tokens per verify and per target
+    forward, equality. draft_vocab False: the MTP head without its d2t."""
     sys.path.insert(0, str(ROOT))
     from metrale import Engine, SamplingParams
     from metrale.runtime.numpy_backend import NumpyBackend
@@ -560,15 +665,36 @@ def measure_acceptance(runs: list[tuple[str, int]], max_tokens: int, log: str, h
     base = Engine(model="smollm2-135m", device="cpu")
     prompts = [base.encode_prompt(p, chat=chat) for p, chat in EVAL_PROMPTS]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    plain = base.generate([np.array(p) for p in prompts], params, use_tqdm=False)
-    rows = []
-    for method, k in runs:
-        spec = {"method": method, "num_drafts": k, **({"mtp_head": head} if head and method == "mtp" else {})}
+    be = base.backend
+
+    def engine(spec: dict) -> Engine:
+        """An engine on a NumPy twin of the target (plain decoding too: the default CPU backend's
+        kernels round differently, and greedy equality is checked against the same arithmetic)."""
         cfg = compose(to_overrides({"device": "cpu", "spec": spec}))
-        be = base.backend
         twin = NumpyBackend(be.config, be.weights.items(), num_blocks=be.num_blocks, block_size=be.block_size)
-        eng = Engine(cfg=cfg, parts=(be.config, base.tokenizer, twin))
-        eng.speculator.gate.drafts_for = lambda request_id, k=k: k     # exactly k drafts every step
+        return Engine(cfg=cfg, parts=(be.config, base.tokenizer, twin))
+
+    plain = engine({"method": "none"}).generate([np.array(p) for p in prompts], params, use_tqdm=False)
+    rows, vocab = [], None
+    for method, k in runs:
+        spec = {"method": method, "num_drafts": k, **({"mtp_head": head} if head and method == "mtp" else {}),
+                **({"mtp_draft_vocab": draft_vocab} if method == "mtp" else {})}
+        eng = engine(spec)
+        gate = eng.speculator.gate
+        gate.drafts_for = lambda request_id, left=None, k=k: k          # exactly k drafts every step,
+        gate.verify_length = lambda request_id, confidences, batch=None: len(confidences)   # all verified
+        verified: list[tuple[int, int]] = []                            # (proposed, accepted) of each verify
+
+        def update(request_id, proposed, accepted, inner=gate.update):
+            verified.append((proposed, accepted))
+            return inner(request_id, proposed, accepted)
+        gate.update = update
+        if method == "mtp" and vocab is None:
+            d2t = eng.speculator.drafter.head.d2t
+            decoded_ids = np.concatenate([np.asarray(o.token_ids[1:]) for o in plain])
+            vocab = {"size": None if d2t is None else len(d2t),
+                     "coverage_of_plain_output": None if d2t is None else round(coverage(d2t, decoded_ids), 4)}
+            print(json.dumps({"draft_vocab": vocab}), flush=True)
         t = time.time()
         outs = eng.generate([np.array(p) for p in prompts], params, use_tqdm=False)
         secs = time.time() - t
@@ -577,10 +703,13 @@ def measure_acceptance(runs: list[tuple[str, int]], max_tokens: int, log: str, h
         decoded = sum(len(o.token_ids) for o in outs) - len(outs)      # the first token comes from the prefill
         rows.append({"method": method, "k": k, "acceptance": round(st["acceptance_rate"], 3),
                      "tokens_per_verify": round(st["tokens_per_verify"], 2),
+                     "by_position": [round(sum(a >= j for p, a in verified if p >= j) /
+                                           max(1, sum(p >= j for p, _ in verified)), 3) for j in range(1, k + 1)],
                      "tokens_per_forward": round(decoded / (decoded - st["accepted"]), 2), "verifies": st["verifies"],
                      "proposed": st["proposed"], "same_as_plain": same, "seconds": round(secs, 1)})
         print(json.dumps(rows[-1]), flush=True)
-    Path(log).write_text(json.dumps({"prompts": EVAL_PROMPTS, "max_tokens": max_tokens, "rows": rows}, indent=1))
+    Path(log).write_text(json.dumps({"prompts": EVAL_PROMPTS, "max_tokens": max_tokens, "head": head,
+                                     "draft_vocab": vocab if draft_vocab else "off", "rows": rows}, indent=1))
 
 
 # ---------------------------------------------------------------------------- gpu
@@ -617,13 +746,17 @@ def resolve_defaults(args) -> None:
     args.eval_every = args.eval_every or (10 if on_cpu else 50)
     if args.train_minutes is None and args.phase != "gpu":      # gpu: what is left of --gpu-minutes
         args.train_minutes = 8.0
+    if args.draft_vocab is None and args.phase != "measure":   # measure: the head file's, if it has one
+        args.draft_vocab = DRAFT_VOCAB
+    if args.out is None and args.phase != "d2t":               # d2t: in place, unless --out
+        args.out = str(HEAD_OUT)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("phase", choices=["all", "collect", "train", "measure", "collect-gpu", "gpu"])
+    ap.add_argument("phase", choices=["all", "collect", "train", "measure", "collect-gpu", "gpu", "d2t"])
     ap.add_argument("--corpus", default=str(CORPUS))
-    ap.add_argument("--out", default=str(HEAD_OUT))
+    ap.add_argument("--out", default=None, help="the head file written (default the bundled one; d2t: --head)")
     ap.add_argument("--log", default=None)
     ap.add_argument("--model", default="smollm2-135m", help="collect-gpu: a preset or a .gguf path")
     ap.add_argument("--device", default=None, help="collect-gpu: the engine's (default cuda); train: torch's (default cpu)")
@@ -640,7 +773,11 @@ def main() -> None:
     ap.add_argument("--chain-weight", type=float, default=0.5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--head", default=None, help="measure: this head file instead of the bundled one")
+    ap.add_argument("--head", default=None, help="measure, d2t: this head file instead of the bundled one")
+    ap.add_argument("--draft-vocab", type=int, default=None,
+                    help=f"train, d2t: the draft vocabulary's size (default {DRAFT_VOCAB}; 0: none); "
+                         "measure: 0 runs the head without its d2t")
+    ap.add_argument("--mtp-only", action="store_true", help="measure: skip the n-gram rows")
     ap.add_argument("--train-python", default=str(ROOT / ".venv-train" / "bin" / "python"))
     args = ap.parse_args()
     resolve_defaults(args)
@@ -659,6 +796,8 @@ def main() -> None:
     elif args.phase == "measure":
         args.log = args.log or "/tmp/mtp_measure.json"
         measure(args)
+    elif args.phase == "d2t":
+        add_d2t(args)
 
 
 if __name__ == "__main__":

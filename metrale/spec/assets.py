@@ -16,11 +16,14 @@ def bundled(kind: str) -> dict[str, Path]:
 
 
 def read_safetensors(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """(float32 tensors, metadata) of a drafter file."""
+    """(tensors, metadata) of a drafter file: floating tensors as float32, integer ones (an MTP
+    head's d2t) as stored."""
     from safetensors import safe_open
     with safe_open(str(path), framework="numpy") as f:
         meta = f.metadata() or {}
-        tensors = {k: np.asarray(f.get_tensor(k), dtype=np.float32) for k in f.keys()}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors = {k: a if np.issubdtype(a.dtype, np.integer) else np.asarray(a, dtype=np.float32)
+               for k, a in tensors.items()}
     return tensors, meta
 
 

@@ -10,6 +10,11 @@ embedding of the next token x_{p+1}, and predicts x_{p+2}:
 
 Draft j+1 feeds the head's own output for draft j in place of the target's hidden state.
 
+Draft vocabulary (EAGLE-3's d2t): a head file may carry `d2t`, the sorted target ids the draft's
+LM head is restricted to (the most frequent tokens of the training corpus); the draft's logits are
+then rows embed[d2t] of the shared LM head, and its argmax maps back through d2t. The target's
+verify is untouched, so greedy output stays exact; a token outside d2t is simply never drafted.
+
 KV and hidden bookkeeping. The head's K/V lives in its own pool indexed by the target's block
 tables (like ModelDrafter). The head only sees positions from the first hidden row the engine
 handed it (the prefill's last row), so its attention runs over a window [lo, p] of positions
@@ -80,7 +85,7 @@ class MtpHead:
     paged KV pool: num_blocks x block_size positions, the target's block ids."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], *, num_blocks: int,
-                 block_size: int, dtype=np.float32):
+                 block_size: int, dtype=np.float32, d2t: np.ndarray | None = None):
         missing = [n for n in HEAD + ("embed", "final_norm") if n not in weights]
         if missing:
             raise ValueError(f"MTP head: missing weights {', '.join(missing)}")
@@ -89,13 +94,27 @@ class MtpHead:
         self.block_size, self.num_blocks, self.dtype = block_size, num_blocks, np.dtype(dtype)
         self.weights = {n: np.ascontiguousarray(a, dtype=self.dtype) for n, a in weights.items()}
         self.kv = HostKvPages(1, num_blocks, block_size, config.num_kv_heads, config.head_dim, self.dtype)
+        # the draft vocabulary (EAGLE-3's d2t): draft logits over these target ids only
+        self.d2t = None if d2t is None else check_d2t(d2t, config.vocab_size)
+        self.draft_lm_head = None if self.d2t is None else \
+            np.ascontiguousarray(self.weights.get("lm_head", self.weights["embed"])[self.d2t])
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.config.vocab_size if self.d2t is None else len(self.d2t)
+
+    def target_ids(self, idx: np.ndarray) -> np.ndarray:
+        """Ids of the target's vocabulary for argmax indices of `forward`'s logits."""
+        idx = np.asarray(idx)
+        return idx.astype(np.int32) if self.d2t is None else self.d2t[idx]
 
     def rope_for(self, batch: ForwardBatch):
         return self.rope.cos_sin(batch.positions)
 
     def forward(self, batch: ForwardBatch, hidden: np.ndarray, lo: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """hidden [T, D]: one row per token of the batch; lo [S]: each segment's window start.
-        Returns (logits, output hidden rows) for the batch's logits rows."""
+        Returns (logits, output hidden rows) for the batch's logits rows. With a draft vocabulary
+        the logits are over its ids only ([R, len(d2t)]; `target_ids` maps an index back)."""
         w = self.weights
         with np.errstate(over="ignore"):
             ops = MtpOps(self, batch, np.asarray(hidden, dtype=self.dtype), lo)
@@ -106,14 +125,27 @@ class MtpHead:
             h = ops.rms_norm(x, w["mlp_norm"])
             x = ops.linear_residual(ops.silu_mul(ops.linear(h, w["gate_up"])), w["down"], x)
             rows = ops.logits_rows(x)
-            logits = ops.linear(ops.rms_norm(rows, w["final_norm"]), w.get("lm_head", w["embed"]))
+            lm_head = w.get("lm_head", w["embed"]) if self.draft_lm_head is None else self.draft_lm_head
+            logits = ops.linear(ops.rms_norm(rows, w["final_norm"]), lm_head)
         return logits, rows
 
 
+def check_d2t(d2t: np.ndarray, vocab_size: int) -> np.ndarray:
+    """A draft vocabulary as int32: 1-D, strictly ascending target ids in [0, vocab_size)."""
+    d = np.asarray(d2t)
+    if d.ndim != 1 or len(d) == 0 or not np.issubdtype(d.dtype, np.integer):
+        raise ValueError(f"MTP head: d2t must be a non-empty 1-D integer array, got {d.dtype} {d.shape}")
+    if d[0] < 0 or d[-1] >= vocab_size or np.any(np.diff(d) <= 0):
+        raise ValueError(f"MTP head: d2t must be strictly ascending ids in [0, {vocab_size})")
+    return np.ascontiguousarray(d, dtype=np.int32)
+
+
 def load_head(path: str | Path, model_config: ModelConfig, target_weights: dict[str, np.ndarray], *,
-              num_blocks: int, block_size: int, dtype=np.float32) -> MtpHead:
-    """A head file (tools/train_mtp.py writes them) checked against the target's shapes."""
+              num_blocks: int, block_size: int, dtype=np.float32, draft_vocab: bool = True) -> MtpHead:
+    """A head file (tools/train_mtp.py writes them) checked against the target's shapes. Its `d2t`
+    tensor, if any, is the draft vocabulary (used unless draft_vocab is False)."""
     tensors, meta = assets.read_safetensors(path)
+    d2t = tensors.pop("d2t", None)
     D, V = model_config.hidden_size, model_config.vocab_size
     if int(meta.get("hidden_size", D)) != D or int(meta.get("vocab_size", V)) != V:
         raise ValueError(f"MTP head {path} was made for hidden {meta.get('hidden_size')} / vocab "
@@ -124,7 +156,8 @@ def load_head(path: str | Path, model_config: ModelConfig, target_weights: dict[
     if "rope_interleaved" in meta:        # the head's Q/K row layout, whatever the target was loaded from
         config = dataclasses.replace(config, rope_interleaved=meta["rope_interleaved"] == "true")
     shared = {n: target_weights[n] for n in ("embed", "final_norm", "lm_head") if n in target_weights}
-    return MtpHead(config, {**tensors, **shared}, num_blocks=num_blocks, block_size=block_size, dtype=dtype)
+    return MtpHead(config, {**tensors, **shared}, num_blocks=num_blocks, block_size=block_size, dtype=dtype,
+                   d2t=d2t if draft_vocab else None)
 
 
 # ---------------------------------------------------------------------------- the engine hook
@@ -221,9 +254,9 @@ class MtpDrafter:
         weights = backend.weights
         if not all(isinstance(a, np.ndarray) for a in weights.values()):       # device arrays: to the host
             weights = {n: a for n, a in backend.export_weights() if n in ("embed", "final_norm", "lm_head")}
-        head = load_head(path, model_config, weights, num_blocks=backend.num_blocks,
-                         block_size=backend.block_size, dtype=backend.dtype)
-        log.info("MTP head %s", path)
+        head = load_head(path, model_config, weights, num_blocks=backend.num_blocks, block_size=backend.block_size,
+                         dtype=backend.dtype, draft_vocab=getattr(spec, "mtp_draft_vocab", True))
+        log.info("MTP head %s (draft vocabulary %d)", path, head.draft_vocab_size)
         return cls(head)
 
     # the engine hands the hidden rows of each step here
@@ -281,9 +314,9 @@ class MtpDrafter:
             for row, i in enumerate(live):
                 x = logits[row] - logits[row].max()
                 p = np.exp(x)
-                tok = int(np.argmax(x))
-                drafts[i].tokens.append(tok)
-                drafts[i].confidences.append(float(p[tok] / p.sum()))
+                idx = int(np.argmax(x))                 # over the draft vocabulary, if the head has one
+                drafts[i].tokens.append(int(self.head.target_ids(idx)))
+                drafts[i].confidences.append(float(p[idx] / p.sum()))
             keep = [row for row, i in enumerate(live) if len(drafts[i].tokens) < ks[i]]
             if not keep:
                 return drafts

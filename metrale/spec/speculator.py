@@ -362,9 +362,10 @@ def make_speculator(spec: SpecOptions, backend, model_config, load_draft_backend
         drafter = ModelDrafter(backend, num_layers=layers, shares_target_cache=True, name="self")
         drafter.cost_per_token = forward_share(model_config, layers)
     elif spec.method == "mtp":
-        from metrale.spec.mtp import MtpDrafter
-        drafter = MtpDrafter.from_config(spec, backend, model_config)
-        drafter.cost_per_token = forward_share(model_config, 1)      # one decoder block + the LM head
+        from metrale.spec.mtp_cuda import mtp_drafter     # the head on the device with a CUDA target (else MtpDrafter)
+        drafter = mtp_drafter(spec, backend, model_config)
+        # one decoder block + the LM head (the rows of its draft vocabulary)
+        drafter.cost_per_token = forward_share(model_config, 1, getattr(drafter.head, "draft_vocab_size", None))
     elif spec.method == "dflash":
         from metrale.spec.dflash import DFlashDrafter
         drafter = DFlashDrafter.from_config(spec, backend, model_config)
@@ -411,13 +412,15 @@ DFLASH_COST_PER_DRAFT = 0.6     # one DFlash forward over [last, MASK x k] per p
 CUDA_HOST_DRAFT_COST = {"self": 2.0, "mtp": 4.0}
 
 
-def forward_share(model_config, layers: int) -> float:
-    """The cost of running `layers` decoder layers + the LM head, as a share of the target's forward
-    (weights read per row: decode is weight-bound)."""
+def forward_share(model_config, layers: int, head_rows: int | None = None) -> float:
+    """The cost of running `layers` decoder layers + the LM head (its first `head_rows` rows' worth:
+    an MTP head's draft vocabulary), as a share of the target's forward (weights read per row:
+    decode is weight-bound)."""
     head = model_config.vocab_size * model_config.hidden_size
     total = model_config.num_parameters()
     per_layer = max(0.0, (total - head) / model_config.num_layers)
-    return min(1.0, (layers * per_layer + head) / (model_config.num_layers * per_layer + head))
+    rows = model_config.vocab_size if head_rows is None else min(head_rows, model_config.vocab_size)
+    return min(1.0, (layers * per_layer + rows * model_config.hidden_size) / (model_config.num_layers * per_layer + head))
 
 
 def gate_costs(g: GateOptions, backend, drafter, method: str) -> dict:
@@ -436,7 +439,7 @@ def gate_costs(g: GateOptions, backend, drafter, method: str) -> dict:
         0.8 if pinned else PRIOR_ACCEPTANCE.get(method, 0.5))
     # a pinned verify_cost is the whole cost of a draft token (verify and drafting)
     auto_draft = 0.0 if pinned else getattr(drafter, "cost_per_token", 0.0)
-    if not pinned and not cpu:
+    if not pinned and not cpu and not getattr(drafter, "on_device", False):    # mtp_cuda drafts on the device
         auto_draft += CUDA_HOST_DRAFT_COST.get(method, 0.0)
     draft_cost = g.draft_cost if g.draft_cost >= 0 else auto_draft
     draft_fixed = 0.0 if pinned else getattr(drafter, "cost_per_draft", 0.0)

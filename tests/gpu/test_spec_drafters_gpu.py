@@ -66,10 +66,34 @@ def engines():
     return out
 
 
+def record_device_head(drafter, log: dict):
+    """record() for the MTP head on the device (metrale/spec/mtp_cuda.py): its first round's logits
+    (head.logits_log; recorded proposals run eagerly)."""
+    head, propose = drafter.head, drafter.propose
+    head.logits_log = []
+
+    def wrapped(seqs, ks):
+        head.logits_log.clear()
+        drafts = propose(seqs, ks)
+        live = [i for i, k in enumerate(ks) if k > 0 and drafts[i].tokens]
+        if live:
+            rows = np.asarray(head.logits_log[0][1], dtype=np.float64)
+            for row, i in enumerate(live):
+                tok = drafts[i].tokens[0]
+                log[tuple(seqs[i].token_ids)] = (tok if head.d2t is None else int(np.searchsorted(head.d2t, tok)),
+                                                 rows[row])
+        return drafts
+
+    drafter.propose = wrapped
+    return lambda: (setattr(head, "logits_log", None), setattr(drafter, "propose", propose))
+
+
 def record(engine, log: dict):
-    """Record, per drafter call, each drafting sequence's token history -> (first draft token,
-    the drafter's first-round logits row)."""
+    """Record, per drafter call, each drafting sequence's token history -> (first draft token, as
+    its column of the logits row, the drafter's first-round logits row)."""
     drafter = engine.speculator.drafter
+    if getattr(drafter, "on_device", False):          # the MTP head on the device (CUDA engines)
+        return record_device_head(drafter, log)
     if drafter.name == "mtp":
         owner = drafter.head
     else:
@@ -96,8 +120,10 @@ def record(engine, log: dict):
         if live:
             rows = state["logits"]
             assert rows is not None and len(rows) >= len(live)
+            d2t = getattr(owner, "d2t", None)               # an MTP head's draft vocabulary: logits over d2t
             for row, i in enumerate(live):
-                log[tuple(seqs[i].token_ids)] = (drafts[i].tokens[0], rows[row])
+                tok = drafts[i].tokens[0]
+                log[tuple(seqs[i].token_ids)] = (tok if d2t is None else int(np.searchsorted(d2t, tok)), rows[row])
         return drafts
 
     drafter.propose = wrapped

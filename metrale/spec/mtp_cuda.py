@@ -1,0 +1,823 @@
+"""The MTP head on the device (docs/mtp.md, "The head on the device"): the drafter a CUDA target
+gets for spec.method=mtp. Its drafts are those of the NumPy head (metrale/spec/mtp.py, the
+reference) computed with the target's own kernels; no hidden row, logit or K/V leaves the device,
+one HtoD copy of metadata and one DtoH copy of draft ids and confidences per proposal.
+
+Pieces:
+- `MtpPlanner` (host only, no device): the per-sequence bookkeeping and the metadata of each
+  device pass (`ObservePlan`, `DraftPlan`).
+- `MtpCudaHead`: the head's block uploaded as a one-layer dense model (bf16 matrices, float32
+  norms) run by the target's CudaOps class (`MtpCudaOps` adds two ops), sharing the target's
+  stream, cuBLASLt handle, RoPE tables, embedding, final norm and LM head (no copies; a draft
+  vocabulary's rows are gathered once into a matrix of their own); its own activations, metadata
+  buffers and paged K/V (one layer, the target's block geometry, indexed by the target's tables).
+- `DeviceHiddenTap`: the target backend, whose forwards leave their hidden rows where they are
+  (`act["rows"]`, gathered by logits_rows) and hand the engine a `DeviceRows` handle.
+- `MtpCudaDrafter`: the propose / observe / release contract of `MtpDrafter`.
+
+When the head computes. `observe` runs a K/V-only pass right after the target's step (the fused
+input, attn_norm, the QKV product, RoPE and the K/V store: no attention, MLP or LM head) over the
+hidden rows each sampled sequence emitted (the NumPy head defers the same K/V to its next
+`propose`: identical values, as a position's K/V depends on its own row only), and copies each
+sequence's last row into a per-sequence store. `propose` then runs `rounds` one-row-per-sequence
+passes of the whole block: round 0 from the stored row (draft 1), round j from round j - 1's output
+row and draft token (fed on the device); the argmax, its softmax probability and the d2t mapping
+run on the device. The NumPy head's round 0 recomputes K/V at every pending position too, so the
+K/V each round reads is the same.
+
+The window [lo, p]. The head's K/V of position p is stored at the virtual position
+v = p - (lo mod block_size) of the sequence's own table (v <= p: a block the sequence holds; from
+lo's block on, so no prefix-cached block is written), which puts lo at a block start. Attention
+then reads keys 0..p - lo through the table shifted by lo // block_size blocks: exactly [lo, p],
+with the target's unmodified decode attention kernels (RoPE still rotates by p). A window restart
+(a gap in the rows) moves lo, and with it the mapping; K/V stored under the old one is not read.
+Difference from the NumPy head: it restarts the window of a sequence that does not draft for
+MAX_PENDING (512) steps (a host-memory bound on its pending rows); the device head keeps the
+window, as its K/V is computed as the rows arrive.
+
+Graphs: with the target's cuda_graphs on, a proposal is one CUDA graph per (batch bucket of the
+target's ladder, rounds, context bucket) and the observe pass one per token bucket, captured on
+first use after an eager run (that run gives the result), replayed after.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from metrale.spec.drafter import Draft
+
+log = logging.getLogger("metrale.spec")
+
+BLOCK = ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "down")
+OPTIONAL = ("qkv_bias", "q_norm", "k_norm")
+MIN_GRAPH_CONTEXT = 512          # context buckets of the draft graphs: powers of two from here (as the target's)
+FREE_MARGIN = 256 << 20          # device memory left free after the head's allocations
+
+
+class HeadDoesNotFit(RuntimeError):
+    """The device head's K/V pool and buffers do not fit beside the target (the drafter then runs
+    the NumPy head)."""
+
+
+# ---------------------------------------------------------------------------- host bookkeeping
+@dataclass
+class _Track:
+    lo: int          # window start: the head's K/V is valid on [lo, next)
+    next: int        # one past the last position whose hidden row the head has
+    slot: int        # the sequence's row in the last-row store (position next - 1)
+    fresh: bool      # rows came since its last draft (the NumPy head's pending rows)
+
+
+@dataclass
+class ObservePlan:
+    """The K/V pass over one step's hidden rows: token t is position positions[t], fed the token
+    after it (token_ids[t]) and the target's hidden row hidden_src[t]; its K/V goes to slots[t]
+    (the virtual position's slot). copy_src[i] -> copy_dst[i]: each sequence's last row into the store."""
+    token_ids: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    hidden_src: np.ndarray
+    copy_src: np.ndarray
+    copy_dst: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class DraftPlan:
+    """`rounds` passes of one row per drafting sequence (b < B): live[b] its index in propose's
+    seqs, ks[b] its draft count. Round 0 feeds token_ids and the stored row store_rows[b]; round j
+    feeds round j - 1's draft and output row. positions / slots / attn_pos: [rounds, B] (slot -1
+    past a sequence's k: nothing stored); tables [B, W]: each table from its window's first block."""
+    live: list[int]
+    ks: list[int]
+    rounds: int
+    token_ids: np.ndarray
+    store_rows: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    attn_pos: np.ndarray
+    tables: np.ndarray
+
+    @property
+    def batch(self) -> int:
+        return len(self.live)
+
+    @property
+    def max_context(self) -> int:
+        return int(self.attn_pos.max()) + 1
+
+
+def virtual_slot(table, position: int, lo: int, block_size: int) -> int:
+    """The head's K/V slot of `position` in a window starting at lo (module doc, "The window")."""
+    v = position - lo % block_size
+    return int(table[v // block_size]) * block_size + v % block_size
+
+
+class MtpPlanner:
+    """The per-sequence tracks (window, last-row store slot) and the metadata of each pass. Pure
+    host code: the device head and the tests' NumPy executor run the same plans."""
+
+    def __init__(self, block_size: int, num_slots: int):
+        self.block_size = block_size
+        self.tracks: dict[str, _Track] = {}          # least recently observed first
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    def _slot(self, keep: set) -> int:
+        if self._free:
+            return self._free.pop()
+        # every slot taken (tracks never released): the least recently observed one gives its slot up
+        rid = next(r for r in self.tracks if r not in keep)
+        return self.tracks.pop(rid).slot
+
+    def observe(self, scheduled, emitted: list[list[int]], num_rows: int) -> ObservePlan | None:
+        """scheduled: the step's sampling rows (before their tokens are committed); emitted: their
+        tokens; num_rows: hidden rows the step left (logits-row order, as MtpDrafter.observe)."""
+        bs = self.block_size
+        toks, pos, slots, src, csrc, cdst = [], [], [], [], [], []
+        r, seen = 0, set()
+        for s, tokens in zip(scheduled, emitted):
+            n = 1 + len(s.draft)
+            m = min(len(tokens), n, max(0, num_rows - r))
+            if m > 0:
+                first = s.seq.num_computed_tokens + s.num_tokens - n      # position of the block's row 0
+                rid = s.seq.request_id
+                seen.add(rid)
+                t = self.tracks.pop(rid, None)
+                if t is None:
+                    t = _Track(first, first, self._slot(seen), False)
+                elif t.next != first:              # a gap: the window restarts here
+                    t.lo = t.next = first
+                self.tracks[rid] = t               # most recently observed last
+                table = s.seq.block_table
+                for j in range(m):
+                    toks.append(tokens[j])
+                    pos.append(first + j)
+                    slots.append(virtual_slot(table, first + j, t.lo, bs))
+                    src.append(r + j)
+                t.next, t.fresh = first + m, True
+                csrc.append(r + m - 1)
+                cdst.append(t.slot)
+            r += n
+        if not toks:
+            return None
+        i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
+        return ObservePlan(i32(toks), i32(pos), i32(slots), i32(src), i32(csrc), i32(cdst))
+
+    def ready(self, seq) -> bool:
+        t = self.tracks.get(seq.request_id)
+        return t is not None and t.fresh and t.next == seq.num_tokens - 1
+
+    def plan_drafts(self, seqs, ks: list[int]) -> DraftPlan | None:
+        """The proposal of seqs[i] with ks[i] drafts (those with fresh rows up to their last token)."""
+        bs = self.block_size
+        live = [i for i, k in enumerate(ks) if k > 0 and self.ready(seqs[i])]
+        if not live:
+            return None
+        kept, rows = [], []
+        for i in live:
+            seq, t = seqs[i], self.tracks[seqs[i].request_id]
+            table = seq.block_table
+            p0 = seq.num_tokens - 2                 # position of the row round 0 feeds
+            k = ks[i]
+            while k > 1 and (p0 + k - 1 - t.lo % bs) // bs >= len(table):   # K/V past the table: fewer drafts
+                k -= 1
+            kept.append(k)
+            rows.append((seq, t, p0, table))
+        rounds, B = max(kept), len(live)
+        positions = np.zeros((rounds, B), np.int32)
+        slots = np.full((rounds, B), -1, np.int32)
+        attn = np.zeros((rounds, B), np.int32)
+        tokens = np.zeros(B, np.int32)
+        store = np.zeros(B, np.int32)
+        width = max(1, max(len(table) - t.lo // bs for _, t, _, table in rows))
+        tables = np.zeros((B, width), np.int32)
+        for b, ((seq, t, p0, table), k) in enumerate(zip(rows, kept)):
+            tokens[b] = seq.token_slice(seq.num_tokens - 1, seq.num_tokens)[0]
+            store[b] = t.slot
+            shifted = np.asarray(table[t.lo // bs:], np.int32)
+            tables[b, :len(shifted)] = shifted
+            for j in range(rounds):
+                positions[j, b] = p0 + j
+                attn[j, b] = p0 + j - t.lo
+                if j < k:
+                    slots[j, b] = virtual_slot(table, p0 + j, t.lo, bs)
+            t.fresh = False
+        return DraftPlan(live, kept, rounds, tokens, store, positions, slots, attn, tables)
+
+    def release(self, request_id: str) -> None:
+        t = self.tracks.pop(request_id, None)
+        if t is not None:
+            self._free.append(t.slot)
+
+
+# ---------------------------------------------------------------------------- the engine hook
+class DeviceRows:
+    """The hidden rows (before the final norm) of the target's last forward, still on the device:
+    rows [0, n) of `array` (the backend's act["rows"]), valid until its next forward."""
+
+    def __init__(self, backend, n: int):
+        self.backend, self.n = backend, n
+        self.array = backend.act["rows"]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def to_host(self) -> np.ndarray:
+        """A host copy (tests, debugging)."""
+        return self.backend.hidden_rows(self.n)
+
+
+class DeviceHiddenTap:
+    """The target backend; after each full forward `take_hidden` hands the engine a DeviceRows
+    of its logits rows (nothing is copied). Everything else passes through."""
+
+    def __init__(self, backend):
+        self.inner, self._rows = backend, None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _kept(self, batch, num_layers) -> None:
+        self._rows = len(batch.logits_indices) if num_layers is None else None
+
+    def forward(self, batch, num_layers=None, return_hidden=False):
+        self._rows = None
+        out = self.inner.forward(batch, num_layers, return_hidden=return_hidden)
+        self._kept(batch, num_layers)
+        return out
+
+    def forward_greedy(self, batch, num_layers=None):
+        self._rows = None
+        ids = self.inner.forward_greedy(batch, num_layers)
+        self._kept(batch, num_layers)
+        return ids
+
+    def forward_device(self, batch, num_layers=None):
+        self._rows = None
+        logits = self.inner.forward_device(batch, num_layers)
+        self._kept(batch, num_layers)
+        return logits
+
+    def launch_greedy(self, *args, **kwargs):      # a step ahead: its rows are not the next observe's
+        self._rows = None
+        return self.inner.launch_greedy(*args, **kwargs)
+
+    def launch_logits(self, *args, **kwargs):
+        self._rows = None
+        return self.inner.launch_logits(*args, **kwargs)
+
+    def take_hidden(self) -> DeviceRows | None:
+        n, self._rows = self._rows, None
+        return None if n is None else DeviceRows(self.inner, n)
+
+
+# ---------------------------------------------------------------------------- the drafter
+class MtpCudaDrafter:
+    """MtpDrafter's contract with the head on the device. `head`: an MtpCudaHead (or anything
+    with block_size, num_slots, observe(plan, hidden), draft(plan) -> (ids, conf) [rounds, B])."""
+    name = "mtp"
+    needs_hidden = True
+    lookup_only = False
+    on_device = True           # its drafts cost no host work (spec gate: no CUDA_HOST_DRAFT_COST)
+
+    def __init__(self, head):
+        self.head = head
+        self.planner = MtpPlanner(head.block_size, head.num_slots)
+
+    @classmethod
+    def from_config(cls, spec, backend, model_config) -> "MtpCudaDrafter":
+        from metrale.spec import assets
+        path = assets.resolve("mtp", getattr(spec, "mtp_head", None), model_config, lever="spec.mtp_head", method="mtp")
+        head = load_device_head(path, backend, max_drafts=int(spec.num_drafts),
+                                draft_vocab=bool(getattr(spec, "mtp_draft_vocab", True)))
+        log.info("MTP head %s on the device (draft vocabulary %d)", path, head.vocab)
+        return cls(head)
+
+    @property
+    def tracks(self) -> dict:
+        return self.planner.tracks
+
+    def tap(self, backend):
+        return backend if isinstance(backend, DeviceHiddenTap) else DeviceHiddenTap(backend)
+
+    def observe(self, scheduled, emitted: list[list[int]], hidden) -> None:
+        if hidden is None:
+            return
+        plan = self.planner.observe(scheduled, emitted, len(hidden))
+        if plan is not None:
+            self.head.observe(plan, hidden)
+
+    def propose(self, seqs, ks: list[int]) -> list[Draft]:
+        drafts = [Draft() for _ in seqs]
+        plan = self.planner.plan_drafts(seqs, ks)
+        if plan is None:
+            return drafts
+        ids, conf = self.head.draft(plan)
+        for b, (i, k) in enumerate(zip(plan.live, plan.ks)):
+            drafts[i] = Draft([int(x) for x in ids[:k, b]], [float(c) for c in conf[:k, b]])
+        return drafts
+
+    def release(self, seq) -> None:
+        self.planner.release(seq.request_id)
+
+
+def device_head_possible(backend) -> bool:
+    """The CUDA backend of a dense model without expert parallelism (the head's block is a dense
+    layer run by its CudaOps)."""
+    family = getattr(backend, "family", None)
+    return (getattr(backend, "name", "") == "cuda" and family is not None and family.name == "dense"
+            and getattr(backend, "ep", None) is None and getattr(backend, "kv", None) is not None)
+
+
+def mtp_drafter(spec, backend, model_config):
+    """spec.method=mtp: the device head on a CUDA target (MtpCudaDrafter), else the NumPy head
+    (MtpDrafter); the NumPy head also when the device head's K/V pool does not fit."""
+    from metrale.spec.mtp import MtpDrafter
+    if device_head_possible(backend):
+        try:
+            return MtpCudaDrafter.from_config(spec, backend, model_config)
+        except HeadDoesNotFit as exc:
+            log.warning("the MTP head drafts on the host: %s", exc)
+    return MtpDrafter.from_config(spec, backend, model_config)
+
+
+# ---------------------------------------------------------------------------- the head on the device
+def _check_d2t(d2t, vocab_size: int) -> np.ndarray:
+    d = np.asarray(d2t)
+    if d.ndim != 1 or len(d) == 0 or not np.issubdtype(d.dtype, np.integer):
+        raise ValueError(f"MTP head: d2t must be a non-empty 1-D integer array, got {d.dtype} {d.shape}")
+    if d[0] < 0 or d[-1] >= vocab_size or np.any(np.diff(d) <= 0):
+        raise ValueError(f"MTP head: d2t must be strictly ascending ids in [0, {vocab_size})")
+    return np.ascontiguousarray(d, dtype=np.int32)
+
+
+def load_device_head(path, target, *, max_drafts: int, draft_vocab: bool = True) -> "MtpCudaHead":
+    """A head file (tools/train_mtp.py) checked as mtp.load_head checks it, on the target's device."""
+    from metrale.spec import assets
+    tensors, meta = assets.read_safetensors(path)
+    d2t = tensors.pop("d2t", None)
+    c = target.config
+    D, V = c.hidden_size, c.vocab_size
+    if int(meta.get("hidden_size", D)) != D or int(meta.get("vocab_size", V)) != V:
+        raise ValueError(f"MTP head {path} was made for hidden {meta.get('hidden_size')} / vocab "
+                         f"{meta.get('vocab_size')}, the target has {D} / {V}")
+    if tensors.get("eh_proj") is None or tensors["eh_proj"].shape != (D, 2 * D):
+        raise ValueError(f"MTP head {path}: eh_proj must be [{D}, {2 * D}]")
+    missing = [n for n in ("enorm", "hnorm") + BLOCK if n not in tensors]
+    if missing:
+        raise ValueError(f"MTP head {path}: missing weights {', '.join(missing)}")
+    config = head_config(c, meta.get("rope_interleaved"))
+    return MtpCudaHead(target, config, tensors, d2t=d2t if draft_vocab else None, max_drafts=max_drafts)
+
+
+def head_config(target_config, rope_interleaved: str | None = None):
+    """The head's model config: the target's, one layer, no sliding window (the NumPy head's
+    attention reads its whole window), the head file's Q/K row layout."""
+    extra = {} if rope_interleaved is None else {"rope_interleaved": rope_interleaved == "true"}
+    return dataclasses.replace(target_config, num_layers=1, sliding_window=0, sliding_layers=(), moe_layers=(),
+                               layer_types=(), **extra)
+
+
+class MtpCudaOps:
+    """CudaOps of the head's one-layer model (composed before the target's ops class): `embed`
+    builds eh_proj @ [rms(embed[x], enorm); rms(h, hnorm)] from the token rows and the hidden
+    rows (b.hidden[hidden_src]); attention reads each row's window through the shifted tables at
+    position attn_pos (module doc). Everything else is the target's op."""
+
+    def __init__(self, backend, g):
+        super().__init__(backend, g)
+        m = backend.meta
+        self.attn_pos, self.hidden_src = m.view("attn_pos", g.tokens), m.view("hidden_src", g.tokens)
+
+    def embed(self, weight):
+        from kernels_numba import embedding, qkv
+        from metrale.runtime.cuda.quant import DeviceQuantized, quant_embedding
+        b, T = self.b, self.g.tokens
+        w = b.head_weights
+        x, out = b.view("mtp_x", T), self._buf("residual")
+        if isinstance(weight, DeviceQuantized):
+            from kernels_numba import quant_dequant
+            quant_dequant.feed_ids(self.token_ids, self.token_src, b.feed, stream=self.s)
+            quant_embedding(self.token_ids, weight, x, self.s)
+        else:
+            embedding.embedding_feed(weight, self.token_ids, self.token_src, b.feed, x, stream=self.s)
+        self._norm_product(x, w["enorm"], w["eh_e"], out, accumulate=False)
+        qkv.gather_rows(b.hidden, self.hidden_src, x, stream=self.s)
+        self._norm_product(x, w["hnorm"], w["eh_h"], out, accumulate=True)
+        self._resid_ss = None
+        return out
+
+    def _norm_product(self, x, norm_w, weight, out, accumulate: bool) -> None:
+        """out (+)= rms_norm(x, norm_w) @ weight.T: at one row the norm is the GEMV's prologue."""
+        from kernels_numba import gemm, rmsnorm
+        rows, eps = x.shape[0], self.cfg.rms_norm_eps
+        if self._fused(rows, weight):
+            gemm.gemv(x, weight, out, prologue="rmsnorm", norm_w=norm_w, eps=eps, accumulate=accumulate, stream=self.s)
+            return
+        n = self.b.view("mtp_n", rows)
+        rmsnorm.rms_norm(x, norm_w, eps, n, stream=self.s)
+        if self.b.blas_takes(rows, weight):
+            self.b.blas_linear(n, weight, out, None, accumulate=accumulate)
+        elif accumulate:
+            gemm.linear_residual(n, weight, out, stream=self.s, skinny_max_t=self.b.skinny_max_t)
+        else:
+            gemm.linear(n, weight, out, stream=self.s, skinny_max_t=self.b.skinny_max_t)
+
+    def attention(self, q, layer):
+        out = self._buf("attn")
+        self._decode_attention(q, layer, out)
+        return self.b.view("attn", self.g.tokens, (self.g.tokens, self.cfg.q_size))
+
+    def _decode_attention(self, q, layer, out) -> None:
+        from kernels_numba import attention, flash_decode
+        decode = flash_decode.flash_decode_attention if self.b.flash_decode else attention.paged_attention
+        decode(q, self.b.kv.k64[layer], self.b.kv.v64[layer], self.block_tables, self.token_seq, self.attn_pos,
+               self._scale(), out, scratch=self.b.attn_scratch, max_context=self.g.max_context, stream=self.s)
+
+
+def _head_backend_class():
+    from metrale.runtime.cuda_backend import CudaBackend
+
+    class HeadBackend:
+        """What CudaOps reads of a backend, for the head's one-layer model: the target's stream,
+        cuBLASLt handle, kernel choices, RoPE tables and quantized-weight scratch; the head's own
+        config, activations, metadata (`meta`, set per pass), K/V pages, and the hidden rows and
+        fed ids the pass reads (`hidden`, `feed`)."""
+        view = CudaBackend.view
+        _cached = CudaBackend._cached
+        blas_takes = CudaBackend.blas_takes
+        blas_input = CudaBackend.blas_input
+        blas_linear = CudaBackend.blas_linear
+        quant_scratch_view = CudaBackend.quant_scratch_view
+        SHARED = ("stream", "blas", "blas_min_rows", "fuse_decode", "prefetch_o_proj", "flash_decode",
+                  "flash_prefill", "prefill_min_tokens", "skinny_max_t", "cos", "sin", "quant_scratch",
+                  "quant_mma_rows", "max_model_len", "block_size")
+
+        def __init__(self, target, config, act, kv, head_weights):
+            for name in self.SHARED:
+                setattr(self, name, getattr(target, name, None))
+            self.config, self.act, self.kv, self.head_weights = config, act, kv, head_weights
+            self.attn_scratch = act["attn_scratch"]
+            self.carry_norm_sums = self.overlap = False
+            self._views: dict = {}
+            self.meta = self.hidden = self.feed = None
+
+    return HeadBackend
+
+
+class _HeadMeta:
+    """The head's step metadata: int32 fields [sets, FIELDS, N + 1] then the tables [N, max_blocks],
+    one pinned host mirror. Sets 0..K-1 are the draft rounds, set K the observe pass."""
+    FIELDS = ("token_ids", "positions", "slot_mapping", "token_seq", "seq_query_start", "context_lens",
+              "logits_indices", "token_src", "attn_pos", "hidden_src", "copy_src", "copy_dst")
+
+    def __init__(self, sets: int, n: int, max_blocks: int):
+        from numba import cuda
+        self.sets, self.n, self.max_blocks = sets, n, max_blocks
+        self.stride = len(self.FIELDS) * (n + 1)
+        self.table_offset = sets * self.stride
+        total = self.table_offset + n * max_blocks
+        self.host = cuda.pinned_array(total, dtype=np.int32)
+        self.host[:] = 0
+        f = self.fields()
+        f[:, self.FIELDS.index("token_seq"), :] = np.arange(n + 1, dtype=np.int32)
+        f[:, self.FIELDS.index("seq_query_start"), :] = np.arange(n + 1, dtype=np.int32)
+        f[:, self.FIELDS.index("logits_indices"), :] = np.arange(n + 1, dtype=np.int32)
+        f[:, self.FIELDS.index("token_src"), :] = -1
+        self.device = cuda.to_device(self.host)
+        self._views: dict = {}
+        self.sets_view = [_SetMeta(self, j) for j in range(sets)]
+
+    def fields(self) -> np.ndarray:
+        return self.host[:self.table_offset].reshape(self.sets, len(self.FIELDS), self.n + 1)
+
+    def view(self, j: int, name: str, n: int):
+        key = (j, name, n)
+        v = self._views.get(key)
+        if v is None:
+            o = j * self.stride + self.FIELDS.index(name) * (self.n + 1)
+            v = self._views[key] = self.device[o:o + n]
+        return v
+
+    def tables(self, seqs: int):
+        key = ("tables", seqs)
+        v = self._views.get(key)
+        if v is None:
+            t = self.table_offset
+            v = self._views[key] = self.device[t:t + seqs * self.max_blocks].reshape(seqs, self.max_blocks)
+        return v
+
+
+class _SetMeta:
+    """One set of _HeadMeta as CudaOps reads a backend's meta (view(name, n), tables(seqs))."""
+
+    def __init__(self, meta: _HeadMeta, j: int):
+        self.meta, self.j = meta, j
+
+    def view(self, name: str, n: int):
+        return self.meta.view(self.j, name, n)
+
+    def tables(self, seqs: int):
+        return self.meta.tables(seqs)
+
+
+class MtpCudaHead:
+    """The head's weights, buffers and K/V on the target's device; `observe` and `draft` run the
+    planner's passes (module doc)."""
+
+    def __init__(self, target, config, tensors: dict, *, d2t=None, max_drafts: int = 4):
+        from numba import cuda
+
+        from kernels_numba.bf16 import SIMULATOR, to_bf16_bits
+        from metrale.runtime.cuda_dense import DenseCuda
+        self.sim = SIMULATOR
+        self.target, self.config = target, config
+        c = config
+        D = c.hidden_size
+        self.block_size = int(target.block_size)
+        self.max_drafts = max(1, int(max_drafts))
+        self.n = n = int(target.max_rows)                 # rows of a pass: one step's rows, or drafting sequences
+        self.num_slots = int(getattr(target, "max_seqs", n))
+        self.num_blocks = int(target.num_blocks)
+        self.stream = target.stream
+        self.use_graphs = bool(getattr(target, "use_graphs", False)) and not self.sim
+        self.graph_sizes = sorted(getattr(target, "graph_sizes", []) or [])
+        # the head's block: bf16 matrices, float32 vectors; eh_proj split into its two halves
+        host = {name: tensors[name] for name in BLOCK + OPTIONAL if name in tensors}
+        eh = np.asarray(tensors["eh_proj"], np.float32)
+        host["eh_e"], host["eh_h"] = eh[:, :D], eh[:, D:]
+        host["enorm"], host["hnorm"] = tensors["enorm"], tensors["hnorm"]
+        up = lambda a: cuda.to_device(np.ascontiguousarray(a))  # noqa: E731
+        self.w = {name: up(to_bf16_bits(a) if np.ndim(a) >= 2 else np.asarray(a, np.float32)) for name, a in host.items()}
+        # shared with the target: embedding, final norm, LM head (a draft vocabulary: its rows, once)
+        tw = target.weights
+        self.embed, self.final_norm = tw["embed"], tw["final_norm"]
+        self.lm_head = tw.get("lm_head", self.embed)
+        self.d2t = None if d2t is None else _check_d2t(d2t, c.vocab_size)
+        self.vocab = c.vocab_size if self.d2t is None else len(self.d2t)
+        out_cols = c.vocab_size
+        if self.d2t is not None:
+            out_cols = -(-self.vocab // 64) * 64          # the GEMM kernels' multiple of 64 (padding rows repeat row 0)
+            self.lm_head = self._draft_lm_head(out_cols)
+            self.d2t_dev = up(self.d2t)
+        else:
+            self.d2t_dev = None
+        # activations: the dense plan at N rows, the target's RoPE tables and cuBLASLt workspace
+        ns = type("Plan", (), dict(config=c, max_tokens=n, max_rows=n, max_model_len=target.max_model_len,
+                                   use_blas=getattr(target, "blas", None) is not None))()
+        plan = DenseCuda(ns).activation_plan()
+        for name in ("cos", "sin", "blas_workspace"):
+            plan.pop(name, None)
+        if c.vocab_size not in (c.q_size + 2 * c.kv_size, D, 2 * c.intermediate_size):   # not a layer's buffer too
+            plan.pop(f"out{c.vocab_size}")
+        plan[f"out{out_cols}"] = ((n, out_cols), np.float32)
+        plan["mtp_x"] = ((n, D), np.float32)
+        plan["mtp_n"] = ((n, D), np.float32)
+        plan["last"] = ((self.num_slots, D), np.float32)
+        plan["draft_ids"] = ((self.max_drafts, n), np.int32)
+        plan["draft_conf"] = ((self.max_drafts, n), np.float32)
+        kv_shape = (1, self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        need = 2 * 2 * math.prod(kv_shape) + sum(math.prod(s) * np.dtype(t).itemsize for s, t in plan.values())
+        self._check_memory(need)
+        self.act = {name: cuda.to_device(np.zeros(shape, dt)) for name, (shape, dt) in plan.items()}
+        self.kv = self._kv_pages(kv_shape)
+        self.meta = _HeadMeta(self.max_drafts + 1, n, int(target.max_blocks))
+        self.proxy = _head_backend_class()(target, c, self.act, self.kv, self.w)
+        self.ops_class = type("MtpCudaOps", (MtpCudaOps, target.ops_class), {})
+        self.graphs: dict = {}
+        self.logits_log: list | None = None     # tests: [(round, host logits [B, vocab])] of eager proposals
+        pinned = cuda.pinned_array
+        self._ids_host = pinned((self.max_drafts, n), dtype=np.int32)
+        self._conf_host = pinned((self.max_drafts, n), dtype=np.float32)
+        self._observe_copy = None               # event after the observe pass's metadata copy
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.vocab
+
+    # ------------------------------------------------------------------ set-up
+    def _check_memory(self, need: int) -> None:
+        if self.sim:
+            return
+        from metrale.runtime.cuda import free_device_memory
+        free, _ = free_device_memory()
+        if need + FREE_MARGIN > free:
+            raise HeadDoesNotFit(f"its K/V pool and buffers need {need / 2**20:.0f} MiB, {free / 2**20:.0f} MiB "
+                                 "are free (lower cache.gpu_memory_utilization or set cache.num_blocks)")
+
+    def _kv_pages(self, shape):
+        from numba import cuda
+
+        from metrale.runtime.cuda.pages import DeviceKvPages
+        if self.sim:
+            return DeviceKvPages(cuda.to_device(np.zeros(shape, np.uint16)), cuda.to_device(np.zeros(shape, np.uint16)))
+        from numba.cuda.cudadrv.driver import device_memset
+        k, v = cuda.device_array(shape, np.uint16), cuda.device_array(shape, np.uint16)
+        device_memset(k, 0, k.nbytes)       # padding rows read block 0: finite values
+        device_memset(v, 0, v.nbytes)
+        return DeviceKvPages(k, v)
+
+    def _draft_lm_head(self, rows: int):
+        """The draft vocabulary's rows of the target's LM head, bf16 [rows, D]; the rows past
+        len(d2t) repeat the first one (argmax and confidence read only the first len(d2t))."""
+        from numba import cuda
+
+        from kernels_numba import qkv
+        from kernels_numba.bf16 import to_bf16_bits
+        idx = np.concatenate([self.d2t, np.full(rows - len(self.d2t), self.d2t[0], np.int32)])
+        from metrale.runtime.cuda.quant import DeviceFP8, DeviceQuantized
+        if isinstance(self.lm_head, (DeviceQuantized, DeviceFP8)):      # its rows dequantized on the host
+            from metrale.runtime.cuda_backend import _host_float
+            return cuda.to_device(to_bf16_bits(_host_float(self.lm_head)[idx]))
+        out = cuda.device_array((rows, self.lm_head.shape[1]), self.lm_head.dtype)
+        qkv.gather_rows(self.lm_head, cuda.to_device(idx), out, stream=self.stream.numba)
+        self.stream.synchronize()
+        return out
+
+    # ------------------------------------------------------------------ transfers
+    def _htod(self, lo: int, hi: int) -> None:
+        """host[lo:hi] -> device[lo:hi] on the stream."""
+        if hi <= lo:
+            return
+        if self.sim:
+            self.meta.device[lo:hi].copy_to_device(self.meta.host[lo:hi])
+            return
+        from metrale.runtime.cuda import cu
+        from metrale.runtime.cuda_backend import _ptr
+        cu("cuMemcpyHtoDAsync", _ptr(self.meta.device) + 4 * lo, self.meta.host.ctypes.data + 4 * lo, 4 * (hi - lo),
+           self.stream.handle)
+
+    def _tables_htod(self, rows: int, width: int) -> None:
+        m = self.meta
+        if self.sim:
+            self._htod(m.table_offset, m.table_offset + rows * m.max_blocks)
+            return
+        from metrale.runtime.cuda_backend import _ptr, copy_rows_htod
+        t = 4 * m.table_offset
+        copy_rows_htod(_ptr(m.device) + t, m.host.ctypes.data + t, 4 * m.max_blocks, 4 * width, rows, self.stream.handle)
+
+    def _fetch(self, rounds: int) -> tuple[np.ndarray, np.ndarray]:
+        ids, conf = self.act["draft_ids"], self.act["draft_conf"]
+        if self.sim:
+            return ids.copy_to_host()[:rounds], conf.copy_to_host()[:rounds]
+        from metrale.runtime.cuda import cu
+        from metrale.runtime.cuda_backend import _ptr
+        nbytes = 4 * rounds * self.n
+        cu("cuMemcpyDtoHAsync", self._ids_host.ctypes.data, _ptr(ids), nbytes, self.stream.handle)
+        cu("cuMemcpyDtoHAsync", self._conf_host.ctypes.data, _ptr(conf), nbytes, self.stream.handle)
+        self.stream.synchronize()
+        return self._ids_host[:rounds].copy(), self._conf_host[:rounds].copy()
+
+    def _bucket(self, n: int) -> tuple[int, bool]:
+        """(rows, graphed): the graph ladder size that holds n rows; (n, False) past the ladder or
+        without graphs (those passes run eagerly)."""
+        if self.use_graphs:
+            for s in self.graph_sizes:
+                if n <= s <= self.n:
+                    return s, True
+        return n, False
+
+    def _launch(self, key, fn) -> None:
+        """fn's launches: replayed from the graph of `key`, captured after an eager run on first
+        use (that run is this call's work); eagerly without graphs."""
+        if not self.use_graphs or key is None:
+            fn()
+            return
+        graph = self.graphs.get(key)
+        if graph is None:
+            from metrale.runtime.cuda import CudaGraph
+            self.graphs[key] = CudaGraph.capture(self.stream, fn, warmup=1)
+        else:
+            graph.replay()
+
+    # ------------------------------------------------------------------ the block
+    def _block(self, ops, full: bool):
+        """The head's one decoder layer (llama_forward's op sequence for one layer); full=False
+        stops after the K/V store (the observe pass)."""
+        w = self.w
+        x = ops.embed(self.embed)
+        q = ops.norm_qkv_to_cache(x, w["attn_norm"], w["qkv"], w.get("qkv_bias"), 0, w.get("q_norm"), w.get("k_norm"))
+        if not full:
+            return None
+        x = ops.attention_linear_residual(q, 0, w["o"], x)
+        x = ops.mlp_residual(x, w["mlp_norm"], w["gate_up"], w["down"])
+        rows = ops.logits_rows(x)
+        return ops.norm_linear(rows, self.final_norm, self.lm_head)
+
+    def _geometry(self, tokens: int, max_context: int):
+        from metrale.runtime.cuda_backend import Geometry
+        return Geometry(tokens, tokens, tokens, max_context, 1)
+
+    # ------------------------------------------------------------------ observe: the K/V pass
+    def observe(self, plan: ObservePlan, hidden) -> None:
+        """The K/V of the plan's rows and each sequence's last row into the store; hidden: the
+        target's DeviceRows (its act["rows"])."""
+        array = hidden.array if isinstance(hidden, DeviceRows) else hidden
+        T = plan.num_tokens
+        if T > self.n:
+            raise ValueError(f"MTP observe: {T} rows, the head's buffers hold {self.n}")
+        Tp, graphed = self._bucket(T)
+        m, K = self.meta, self.max_drafts
+        if self._observe_copy is not None:       # the last observe's copy has read the host buffer
+            self._observe_copy.synchronize()
+        f = m.fields()[K]
+        F = m.FIELDS.index
+        f[F("token_ids"), :T], f[F("token_ids"), T:Tp] = plan.token_ids, 0
+        f[F("positions"), :T], f[F("positions"), T:Tp] = plan.positions, 0
+        f[F("slot_mapping"), :T], f[F("slot_mapping"), T:Tp] = plan.slots, -1
+        f[F("context_lens"), :Tp] = f[F("positions"), :Tp] + 1
+        f[F("hidden_src"), :T], f[F("hidden_src"), T:Tp] = plan.hidden_src, 0
+        c = len(plan.copy_src)
+        f[F("copy_src"), :c], f[F("copy_src"), c:Tp] = plan.copy_src, 0
+        f[F("copy_dst"), :c], f[F("copy_dst"), c:Tp] = plan.copy_dst, -1
+        self._htod(K * m.stride, (K + 1) * m.stride)
+        if not self.sim:
+            from metrale.runtime.cuda import Event
+            self._observe_copy = (self._observe_copy or Event(timing=False)).record(self.stream)
+        self._launch(("observe", Tp, id(array)) if graphed else None, lambda: self._run_observe(Tp, array))
+
+    def _run_observe(self, Tp: int, rows) -> None:
+        from kernels_numba import mtp_head
+        px, K = self.proxy, self.max_drafts
+        px.meta, px.hidden = self.meta.sets_view[K], rows
+        px.feed = px._cached(("feed", 0), lambda: self.act["draft_ids"][0])      # nothing fed (token_src -1)
+        self._block(self.ops_class(px, self._geometry(Tp, 0)), full=False)
+        mtp_head.copy_rows(rows, self.meta.view(K, "copy_src", Tp), self.act["last"], self.meta.view(K, "copy_dst", Tp),
+                           stream=self.stream.numba)
+
+    # ------------------------------------------------------------------ draft: the rounds
+    def draft(self, plan: DraftPlan) -> tuple[np.ndarray, np.ndarray]:
+        """(draft ids, confidences), [rounds, B]: row j of column b is sequence b's draft j + 1."""
+        if plan.rounds > self.max_drafts:
+            raise ValueError(f"MTP draft: {plan.rounds} rounds, the head was built for {self.max_drafts}")
+        out_ids, out_conf = [], []
+        for a in range(0, plan.batch, self.n):      # more drafting sequences than a pass holds: in parts
+            ids, conf = self._draft_part(plan, a, min(plan.batch, a + self.n))
+            out_ids.append(ids)
+            out_conf.append(conf)
+        return np.concatenate(out_ids, axis=1), np.concatenate(out_conf, axis=1)
+
+    def _draft_part(self, plan: DraftPlan, a: int, z: int) -> tuple[np.ndarray, np.ndarray]:
+        B, R = z - a, plan.rounds
+        record = self.logits_log is not None
+        Bp, graphed = (B, False) if record else self._bucket(B)
+        ctx = int(plan.attn_pos[:, a:z].max()) + 1
+        if graphed:
+            ctx = min(max(MIN_GRAPH_CONTEXT, 1 << (ctx - 1).bit_length()), self.target.max_model_len)
+        m = self.meta
+        f = m.fields()
+        F = m.FIELDS.index
+        for j in range(R):
+            r = f[j]
+            if j == 0:
+                r[F("token_ids"), :B], r[F("token_ids"), B:Bp] = plan.token_ids[a:z], 0
+                r[F("hidden_src"), :B], r[F("hidden_src"), B:Bp] = plan.store_rows[a:z], 0
+                r[F("token_src"), :Bp] = -1
+            else:
+                r[F("token_ids"), :Bp] = 0
+                r[F("hidden_src"), :Bp] = np.arange(Bp, dtype=np.int32)
+                r[F("token_src"), :B], r[F("token_src"), B:Bp] = np.arange(B, dtype=np.int32), -1
+            r[F("positions"), :B], r[F("positions"), B:Bp] = plan.positions[j, a:z], 0
+            r[F("slot_mapping"), :B], r[F("slot_mapping"), B:Bp] = plan.slots[j, a:z], -1
+            r[F("attn_pos"), :B], r[F("attn_pos"), B:Bp] = plan.attn_pos[j, a:z], 0
+            r[F("context_lens"), :Bp] = r[F("attn_pos"), :Bp] + 1
+        tables = m.host[m.table_offset:m.table_offset + Bp * m.max_blocks].reshape(Bp, m.max_blocks)
+        width = min(plan.tables.shape[1], m.max_blocks)
+        tables[:B, :width] = plan.tables[a:z, :width]
+        tables[B:, :width] = 0
+        self._htod(0, R * m.stride)
+        self._tables_htod(Bp, width)
+        self._launch(("draft", Bp, R, ctx) if graphed else None, lambda: self._run_draft(Bp, R, ctx, record))
+        ids, conf = self._fetch(R)
+        return ids[:, :B], conf[:, :B]
+
+    def _run_draft(self, Bp: int, R: int, ctx: int, record: bool = False) -> None:
+        from kernels_numba import argmax, mtp_head
+        px, g, s = self.proxy, self._geometry(Bp, ctx), self.stream.numba
+        ids, conf = self.act["draft_ids"], self.act["draft_conf"]
+        for j in range(R):
+            px.meta = self.meta.sets_view[j]
+            px.hidden = self.act["last"] if j == 0 else self.act["rows"]
+            px.feed = px._cached(("feed", j), lambda: ids[max(j - 1, 0)])   # round 0 feeds nothing (token_src -1)
+            logits = self._block(self.ops_class(px, g), full=True)
+            lv = logits if logits.shape[1] == self.vocab else px._cached(("draft_logits", Bp),
+                                                                         lambda: logits[:, :self.vocab])
+            am = px.view("argmax", Bp)
+            argmax.argmax_rows(lv, am, self.act["argmax_work"], stream=s)
+            mtp_head.draft_pick(lv, am, self.d2t_dev, px._cached(("ids", j, Bp), lambda: ids[j][:Bp]),
+                                px._cached(("conf", j, Bp), lambda: conf[j][:Bp]), stream=s)
+            if record:
+                self.stream.synchronize()
+                self.logits_log.append((j, logits.copy_to_host()[:, :self.vocab]))
+
+    def close(self) -> None:
+        for graph in self.graphs.values():
+            graph.close()
+        self.graphs.clear()
