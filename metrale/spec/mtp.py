@@ -140,10 +140,9 @@ def check_d2t(d2t: np.ndarray, vocab_size: int) -> np.ndarray:
     return np.ascontiguousarray(d, dtype=np.int32)
 
 
-def load_head(path: str | Path, model_config: ModelConfig, target_weights: dict[str, np.ndarray], *,
-              num_blocks: int, block_size: int, dtype=np.float32, draft_vocab: bool = True) -> MtpHead:
-    """A head file (tools/train_mtp.py writes them) checked against the target's shapes. Its `d2t`
-    tensor, if any, is the draft vocabulary (used unless draft_vocab is False)."""
+def read_head(path: str | Path, model_config: ModelConfig) -> tuple[dict[str, np.ndarray], np.ndarray | None, dict]:
+    """A head file (tools/train_mtp.py writes them) checked against the target's shapes: its block's
+    tensors, its draft vocabulary (`d2t`, checked; None when the file has none) and its metadata."""
     tensors, meta = assets.read_safetensors(path)
     d2t = tensors.pop("d2t", None)
     D, V = model_config.hidden_size, model_config.vocab_size
@@ -152,6 +151,17 @@ def load_head(path: str | Path, model_config: ModelConfig, target_weights: dict[
                          f"{meta.get('vocab_size')}, the target has {D} / {V}")
     if tensors.get("eh_proj") is None or tensors["eh_proj"].shape != (D, 2 * D):
         raise ValueError(f"MTP head {path}: eh_proj must be [{D}, {2 * D}]")
+    missing = [n for n in ("enorm", "hnorm") + BLOCK if n not in tensors]
+    if missing:
+        raise ValueError(f"MTP head {path}: missing weights {', '.join(missing)}")
+    return tensors, None if d2t is None else check_d2t(d2t, V), meta
+
+
+def load_head(path: str | Path, model_config: ModelConfig, target_weights: dict[str, np.ndarray], *,
+              num_blocks: int, block_size: int, dtype=np.float32, draft_vocab: bool = True) -> MtpHead:
+    """The NumPy head of a head file; its `d2t`, if any, is the draft vocabulary (used unless
+    draft_vocab is False)."""
+    tensors, d2t, meta = read_head(path, model_config)
     config = model_config
     if "rope_interleaved" in meta:        # the head's Q/K row layout, whatever the target was loaded from
         config = dataclasses.replace(config, rope_interleaved=meta["rope_interleaved"] == "true")

@@ -49,10 +49,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from metrale.spec.drafter import Draft
+from metrale.spec.mtp import BLOCK, MtpDrafter, check_d2t, read_head
 
 log = logging.getLogger("metrale.spec")
 
-BLOCK = ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "down")
 OPTIONAL = ("qkv_bias", "q_norm", "k_norm")
 MIN_GRAPH_CONTEXT = 512          # context buckets of the draft graphs: powers of two from here (as the target's)
 FREE_MARGIN = 256 << 20          # device memory left free after the head's allocations
@@ -339,7 +339,6 @@ def device_head_possible(backend) -> bool:
 def mtp_drafter(spec, backend, model_config):
     """spec.method=mtp: the device head on a CUDA target (MtpCudaDrafter), else the NumPy head
     (MtpDrafter); the NumPy head also when the device head's K/V pool does not fit."""
-    from metrale.spec.mtp import MtpDrafter
     if device_head_possible(backend):
         try:
             return MtpCudaDrafter.from_config(spec, backend, model_config)
@@ -349,31 +348,10 @@ def mtp_drafter(spec, backend, model_config):
 
 
 # ---------------------------------------------------------------------------- the head on the device
-def _check_d2t(d2t, vocab_size: int) -> np.ndarray:
-    d = np.asarray(d2t)
-    if d.ndim != 1 or len(d) == 0 or not np.issubdtype(d.dtype, np.integer):
-        raise ValueError(f"MTP head: d2t must be a non-empty 1-D integer array, got {d.dtype} {d.shape}")
-    if d[0] < 0 or d[-1] >= vocab_size or np.any(np.diff(d) <= 0):
-        raise ValueError(f"MTP head: d2t must be strictly ascending ids in [0, {vocab_size})")
-    return np.ascontiguousarray(d, dtype=np.int32)
-
-
 def load_device_head(path, target, *, max_drafts: int, draft_vocab: bool = True) -> "MtpCudaHead":
-    """A head file (tools/train_mtp.py) checked as mtp.load_head checks it, on the target's device."""
-    from metrale.spec import assets
-    tensors, meta = assets.read_safetensors(path)
-    d2t = tensors.pop("d2t", None)
-    c = target.config
-    D, V = c.hidden_size, c.vocab_size
-    if int(meta.get("hidden_size", D)) != D or int(meta.get("vocab_size", V)) != V:
-        raise ValueError(f"MTP head {path} was made for hidden {meta.get('hidden_size')} / vocab "
-                         f"{meta.get('vocab_size')}, the target has {D} / {V}")
-    if tensors.get("eh_proj") is None or tensors["eh_proj"].shape != (D, 2 * D):
-        raise ValueError(f"MTP head {path}: eh_proj must be [{D}, {2 * D}]")
-    missing = [n for n in ("enorm", "hnorm") + BLOCK if n not in tensors]
-    if missing:
-        raise ValueError(f"MTP head {path}: missing weights {', '.join(missing)}")
-    config = head_config(c, meta.get("rope_interleaved"))
+    """A head file (checked as mtp.read_head checks it) on the target's device."""
+    tensors, d2t, meta = read_head(path, target.config)
+    config = head_config(target.config, meta.get("rope_interleaved"))
     return MtpCudaHead(target, config, tensors, d2t=d2t if draft_vocab else None, max_drafts=max_drafts)
 
 
@@ -560,7 +538,7 @@ class MtpCudaHead:
         tw = target.weights
         self.embed, self.final_norm = tw["embed"], tw["final_norm"]
         self.lm_head = tw.get("lm_head", self.embed)
-        self.d2t = None if d2t is None else _check_d2t(d2t, c.vocab_size)
+        self.d2t = None if d2t is None else check_d2t(d2t, c.vocab_size)
         self.vocab = c.vocab_size if self.d2t is None else len(self.d2t)
         out_cols = c.vocab_size
         if self.d2t is not None:
