@@ -210,9 +210,9 @@ def head_with(w, num_blocks=256, d2t=None):
     return MtpHead(TINY, w, num_blocks=num_blocks, block_size=BS, dtype=np.float64, **kw)
 
 
-def run_twin(rng, d2t=None, max_tokens=14, num_drafts=3):
+def run_twin(rng, d2t=None, max_tokens=14, num_drafts=3, verify_cost=0.0):
     eng = fake_engine(num_blocks=256, block_size=BS, **{"spec.method": "ngram", "spec.num_drafts": num_drafts,
-                                                         "levers.spec_verify_cost": 0.0})
+                                                         "levers.spec_verify_cost": verify_cost})
     w = tiny_weights(TINY, seed=5)
     device = MtpCudaDrafter(PlanHead(head_with(w, d2t=d2t), num_slots=8))
     twin = Twin(device, MtpDrafter(head_with(w, d2t=d2t)), w)
@@ -225,6 +225,7 @@ def run_twin(rng, d2t=None, max_tokens=14, num_drafts=3):
         assert list(o.token_ids) == reference_continuation(p, max_tokens)
     assert device.tracks == {} and twin.host.tracks == {}
     eng.blocks.check_no_leaks([])
+    twin.engine = eng
     return twin, device
 
 
@@ -233,6 +234,15 @@ def test_plans_draft_what_the_numpy_head_drafts_in_the_engine(rng):
     assert twin.compared > 20 and twin.tokens > twin.compared
     assert max(device.head.rounds) == 3 and min(device.head.rounds) >= 1
     # windows not aligned to blocks were exercised (prompts of 3, 11, 6 and 9 tokens: lo = 2, 10, 5, 8)
+
+
+def test_shadow_proposals_draft_what_the_block_tables_hold(rng):
+    """A pinned verify cost that loses: the gate shadows (Speculator._start_shadows proposes
+    num_drafts without growing any block table). Both drafters cut a shadow's drafts to the K/V
+    positions its table holds (mtp.drafts_that_fit; the NumPy head used to raise ValueError from
+    build_batch there) and still draft the same tokens."""
+    twin, _ = run_twin(rng, max_tokens=40, num_drafts=4, verify_cost=0.9)
+    assert twin.engine.speculator.shadows > 0 and twin.compared > 20
 
 
 def test_a_draft_chain_equals_the_head_run_from_scratch():

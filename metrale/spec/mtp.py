@@ -242,6 +242,13 @@ def forward_with_layer_rows(backend, batch: ForwardBatch, layers: tuple[int, ...
 
 
 # ---------------------------------------------------------------------------- the drafter
+def drafts_that_fit(seq: Sequence, k: int, block_size: int) -> int:
+    """k, or fewer (at least 1): draft j + 1 writes the head's K/V at position num_tokens - 2 + j,
+    which the sequence's block table must hold. A verify proposal's table was grown for its k
+    drafts; a shadow's was not (Speculator._start_shadows grows no blocks)."""
+    return max(1, min(k, len(seq.block_table) * block_size - seq.num_tokens + 2))
+
+
 @dataclass
 class _Track:
     lo: int                 # window start: the head's K/V is valid on [lo, pos)
@@ -308,6 +315,9 @@ class MtpDrafter:
         live = [i for i, k in enumerate(ks) if k > 0 and self._ready(seqs[i])]
         if not live:
             return drafts
+        ks = list(ks)
+        for i in live:
+            ks[i] = drafts_that_fit(seqs[i], ks[i], self.head.block_size)
         tracks = [self.tracks[seqs[i].request_id] for i in live]
         # round 0: the pending rows (head K/V from true hidden states) and draft 1, all sequences at once
         segs = [Segment(np.asarray(seqs[i].token_ids[t.pos + 1:], np.int32), t.pos,

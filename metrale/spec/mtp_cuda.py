@@ -1,7 +1,7 @@
 """The MTP head on the device (docs/mtp.md, "The head on the device"): the drafter a CUDA target
 gets for spec.method=mtp. Its drafts are those of the NumPy head (metrale/spec/mtp.py, the
-reference) computed with the target's own kernels; no hidden row, logit or K/V leaves the device,
-one HtoD copy of metadata and one DtoH copy of draft ids and confidences per proposal.
+reference) computed with the target's own kernels; no hidden row, logit or K/V leaves the device:
+a proposal copies in its metadata and block tables, and out its draft ids and confidences.
 
 Pieces:
 - `MtpPlanner` (host only, no device): the per-sequence bookkeeping and the metadata of each
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from metrale.spec.drafter import Draft
-from metrale.spec.mtp import BLOCK, MtpDrafter, check_d2t, read_head
+from metrale.spec.mtp import BLOCK, MtpDrafter, check_d2t, drafts_that_fit, read_head
 
 log = logging.getLogger("metrale.spec")
 
@@ -108,10 +108,6 @@ class DraftPlan:
     @property
     def batch(self) -> int:
         return len(self.live)
-
-    @property
-    def max_context(self) -> int:
-        return int(self.attn_pos.max()) + 1
 
 
 def virtual_slot(table, position: int, lo: int, block_size: int) -> int:
@@ -185,10 +181,7 @@ class MtpPlanner:
             seq, t = seqs[i], self.tracks[seqs[i].request_id]
             table = seq.block_table
             p0 = seq.num_tokens - 2                 # position of the row round 0 feeds
-            k = ks[i]
-            while k > 1 and (p0 + k - 1 - t.lo % bs) // bs >= len(table):   # K/V past the table: fewer drafts
-                k -= 1
-            kept.append(k)
+            kept.append(drafts_that_fit(seq, ks[i], bs))      # as MtpDrafter: K/V past the table, fewer drafts
             rows.append((seq, t, p0, table))
         rounds, B = max(kept), len(live)
         positions = np.zeros((rounds, B), np.int32)
@@ -575,6 +568,10 @@ class MtpCudaHead:
         self._ids_host = pinned((self.max_drafts, n), dtype=np.int32)
         self._conf_host = pinned((self.max_drafts, n), dtype=np.float32)
         self._observe_copy = None               # event after the observe pass's metadata copy
+        # the uploads and K/V memsets above ran on the legacy default stream (a memset, and the DMA
+        # of a pageable upload, may still run after they return), which the target's non-blocking
+        # stream does not wait for: finish them before any pass reads them (as CudaBackend.__init__)
+        cuda.synchronize()
 
     @property
     def draft_vocab_size(self) -> int:
@@ -615,7 +612,8 @@ class MtpCudaHead:
             from metrale.runtime.cuda_backend import _host_float
             return cuda.to_device(to_bf16_bits(_host_float(self.lm_head)[idx]))
         out = cuda.device_array((rows, self.lm_head.shape[1]), self.lm_head.dtype)
-        qkv.gather_rows(self.lm_head, cuda.to_device(idx), out, stream=self.stream.numba)
+        idx_dev = cuda.to_device(idx, stream=self.stream.numba)      # on the stream the gather runs on
+        qkv.gather_rows(self.lm_head, idx_dev, out, stream=self.stream.numba)
         self.stream.synchronize()
         return out
 
@@ -657,23 +655,31 @@ class MtpCudaHead:
         """(rows, graphed): the graph ladder size that holds n rows; (n, False) past the ladder or
         without graphs (those passes run eagerly)."""
         if self.use_graphs:
-            for s in self.graph_sizes:
-                if n <= s <= self.n:
-                    return s, True
+            from metrale.runtime.cuda.graph import pick_size
+            s = pick_size(sorted(self.graph_sizes), n)
+            if s is not None and s <= self.n:
+                return s, True
         return n, False
 
     def _launch(self, key, fn) -> None:
         """fn's launches: replayed from the graph of `key`, captured after an eager run on first
-        use (that run is this call's work); eagerly without graphs."""
+        use (that run is this call's work); eagerly without graphs, and for a key whose capture
+        failed (logged once)."""
         if not self.use_graphs or key is None:
             fn()
             return
-        graph = self.graphs.get(key)
-        if graph is None:
-            from metrale.runtime.cuda import CudaGraph
-            self.graphs[key] = CudaGraph.capture(self.stream, fn, warmup=1)
-        else:
-            graph.replay()
+        if key in self.graphs:
+            graph = self.graphs[key]
+            graph.replay() if graph is not None else fn()
+            return
+        from metrale.runtime.cuda import CudaGraph
+        fn()
+        try:
+            self.graphs[key] = CudaGraph.capture(self.stream, fn, warmup=0)
+        except Exception as exc:  # noqa: BLE001 - the eager run above did this call's work
+            if not any(g is None for g in self.graphs.values()):
+                log.warning("an MTP head graph capture failed (%s); its passes run eagerly", exc)
+            self.graphs[key] = None
 
     # ------------------------------------------------------------------ the block
     def _block(self, ops, full: bool):
@@ -795,7 +801,3 @@ class MtpCudaHead:
                 self.stream.synchronize()
                 self.logits_log.append((j, logits.copy_to_host()[:, :self.vocab]))
 
-    def close(self) -> None:
-        for graph in self.graphs.values():
-            graph.close()
-        self.graphs.clear()
