@@ -163,7 +163,9 @@ def test_bundled_head_is_small_and_checked(smollm2):
         load_head(HEAD, dataclasses.replace(cfg, hidden_size=64), {}, num_blocks=4, block_size=16)
 
 
-def test_smollm2_greedy_mtp_equals_plain(smollm2):
+def f64_spec_engines(smollm2):
+    """engine(spec): an Engine over a float64 NumPy twin of SmolLM2 (exact greedy comparisons), every
+    draft verified (spec_verify_cost 0)."""
     from metrale.runtime.numpy_backend import NumpyBackend
     from metrale.settings import compose, to_overrides
     be = smollm2.backend
@@ -174,7 +176,11 @@ def test_smollm2_greedy_mtp_equals_plain(smollm2):
                                     "spec": spec, "cache": {"num_blocks": 64}}))
         twin = NumpyBackend(be.config, f64.items(), num_blocks=64, block_size=be.block_size, dtype="float64")
         return Engine(cfg=cfg, parts=(be.config, smollm2.tokenizer, twin))
+    return engine
 
+
+def test_smollm2_greedy_mtp_equals_plain(smollm2):
+    engine = f64_spec_engines(smollm2)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     plain = engine({"method": "none"}).generate(PROMPTS, params, use_tqdm=False)
     eng = engine({"method": "mtp", "num_drafts": 3})

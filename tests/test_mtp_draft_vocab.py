@@ -246,17 +246,8 @@ PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def f64_engine(smollm2):
-    from metrale.runtime.numpy_backend import NumpyBackend
-    from metrale.settings import compose, to_overrides
-    be = smollm2.backend
-    f64 = {n: a.astype(np.float64) for n, a in be.weights.items()}
-
-    def engine(spec):
-        cfg = compose(to_overrides({"device": "cpu", "levers": {"numpy_dtype": "float64", "spec_verify_cost": 0.0},
-                                    "spec": spec, "cache": {"num_blocks": 64}}))
-        twin = NumpyBackend(be.config, f64.items(), num_blocks=64, block_size=be.block_size, dtype="float64")
-        return Engine(cfg=cfg, parts=(be.config, smollm2.tokenizer, twin))
-    return engine
+    from test_mtp import f64_spec_engines          # tests/ (the conftest's directory) is on sys.path
+    return f64_spec_engines(smollm2)
 
 
 @pytest.fixture(scope="module")
