@@ -197,10 +197,11 @@ class MtpPlanner:
             shifted = np.asarray(table[t.lo // bs:], np.int32)
             tables[b, :len(shifted)] = shifted
             for j in range(rounds):
-                positions[j, b] = p0 + j
-                attn[j, b] = p0 + j - t.lo
+                p = p0 + min(j, k - 1)          # rounds past this row's k repeat its last (results unused)
+                positions[j, b] = p
+                attn[j, b] = p - t.lo
                 if j < k:
-                    slots[j, b] = virtual_slot(table, p0 + j, t.lo, bs)
+                    slots[j, b] = virtual_slot(table, p, t.lo, bs)
             t.fresh = False
         return DraftPlan(live, kept, rounds, tokens, store, positions, slots, attn, tables)
 
