@@ -824,8 +824,7 @@ class CudaBackend(Backend):
                    and (R == T or self.mixed_graphs) and self.graph_sizes and T <= self.graph_sizes[-1])
         if graphed:
             size = next(s for s in self.graph_sizes if s >= T)
-            bucket = max(MIN_GRAPH_CONTEXT, 1 << (max_ctx - 1).bit_length())
-            return Geometry(size, size, size, min(bucket, self.max_model_len), 1, num_layers), True
+            return Geometry(size, size, size, self.context_bucket(max_ctx), 1, num_layers), True
         # prefill / mixed steps (any segment of several tokens the decode graphs did not take: short
         # ones too, beyond the decode ladder): a bucket whose query length is at least the prefill
         # attention kernel's minimum, so its forward runs that kernel for every segment
@@ -914,6 +913,11 @@ class CudaBackend(Backend):
             if graph is not None:
                 graph.close()
                 self.mixed_stats["evictions"] += 1
+
+    def context_bucket(self, max_ctx: int) -> int:
+        """The context length a decode graph is captured for: a power of two >= max_ctx (at least
+        MIN_GRAPH_CONTEXT), at most max_model_len."""
+        return min(max(MIN_GRAPH_CONTEXT, 1 << (max_ctx - 1).bit_length()), self.max_model_len)
 
     def _fetch(self, array, host: np.ndarray) -> np.ndarray:
         cu("cuMemcpyDtoHAsync", host.ctypes.data, _ptr(array), host.nbytes, self.stream.handle)

@@ -54,7 +54,6 @@ from metrale.spec.mtp import BLOCK, MtpDrafter, check_d2t, drafts_that_fit, read
 log = logging.getLogger("metrale.spec")
 
 OPTIONAL = ("qkv_bias", "q_norm", "k_norm")
-MIN_GRAPH_CONTEXT = 512          # context buckets of the draft graphs: powers of two from here (as the target's)
 FREE_MARGIN = 256 << 20          # device memory left free after the head's allocations
 
 
@@ -755,7 +754,7 @@ class MtpCudaHead:
         Bp, graphed = (B, False) if record else self._bucket(B)
         ctx = int(plan.attn_pos[:, a:z].max()) + 1
         if graphed:
-            ctx = min(max(MIN_GRAPH_CONTEXT, 1 << (ctx - 1).bit_length()), self.target.max_model_len)
+            ctx = self.target.context_bucket(ctx)
         m = self.meta
         f = m.fields()
         F = m.FIELDS.index
