@@ -13,7 +13,7 @@ tests/gpu/test_mtp_cuda_gpu.py; about a minute on an H100 or H200).
 
 The model: the real SmolLM2-135M-Instruct when present (METRALE_SMOLLM2_GGUF, default
 /tmp/mdl/smollm2.gguf, or the embedded `smollm2-135m` preset's package), else random weights of
-its shape (`smollm2-135m-shape`; the bundled head fits both). Skips without a GPU.
+its shape (`smollm2-135m-shape`; the bundled head fits both). Run with -m gpu (deselected by default, as every tests/gpu file).
 """
 import importlib.util
 import inspect
@@ -26,13 +26,7 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-try:
-    from numba import cuda
-    HAVE_GPU = cuda.is_available()
-except Exception:          # no numba / no driver
-    HAVE_GPU = False
-if not HAVE_GPU:
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+from numba import cuda  # noqa: E402
 
 from kernels_numba.bf16 import bf16_round  # noqa: E402
 from metrale import Engine, SamplingParams  # noqa: E402
