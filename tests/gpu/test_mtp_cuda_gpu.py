@@ -26,7 +26,6 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-from numba import cuda  # noqa: E402
 
 from kernels_numba.bf16 import bf16_round  # noqa: E402
 from metrale import Engine, SamplingParams  # noqa: E402
