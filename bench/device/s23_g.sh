@@ -2,7 +2,9 @@
 # Session 23, call g (carry .m3, within 30 s of the calls that carried .m1 and .m2: s21_e.sh): the
 # real SmolLM2 joined in /tmp/mdl; its native-Q4_1 greedy top-1 along the float32 reference
 # (bench.top1_agreement, step and batch roads), then the MTP head trained on the GPU (s21_g.sh).
+here=$PWD
 source "$(dirname "$0")/common.sh"
+mkdir -p tests/fixtures && cp "$here/tests/fixtures/golden_smollm2.npz" tests/fixtures/ 2>/dev/null
 smollm2_ready || exit 3
 mkdir -p $OUT/top1 $OUT/mtp
 for mode in step batch; do
