@@ -1,6 +1,7 @@
 """Embedding gather: bf16 table rows -> float32 activations.
 
-One block per token, threads stride over the row. Ids outside [0, V) produce zero rows.
+One block per token, threads stride over the row. Ids outside [0, V) produce zero rows; the
+slice variant (tensor parallelism) takes a vocab range [lo, hi) and zeroes ids outside it.
 """
 
 from __future__ import annotations
@@ -65,4 +66,34 @@ def embedding_gather_ref(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
     out = np.zeros((ids.shape[0], rows.shape[1]), np.float32)
     ok = (ids >= 0) & (ids < rows.shape[0])
     out[ok] = rows[ids[ok]]
+    return out
+
+
+@cached_jit
+def _embedding_slice_kernel(table, ids, lo, hi, out):
+    grid_wait()
+    grid_trigger()
+    t = cuda.blockIdx.x
+    tok = ids[t]
+    valid = tok >= lo and tok < hi
+    row = tok - lo if valid else 0
+    for d in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
+        out[t, d] = bf16_to_f32(table[row, d]) if valid else np.float32(0.0)
+
+
+def embedding_gather_slice(table, ids, lo: int, hi: int, out, stream=0) -> None:
+    """A vocab-parallel rank's embedding: out[t] = f32(table[ids[t] - lo]) for ids in [lo, hi),
+    zero rows for the others (another rank holds them; the all-reduce adds them). table: uint16
+    [>= hi - lo, D], its rows [0, hi - lo) the ids lo .. hi - 1."""
+    if ids.shape[0] == 0:
+        return
+    _embedding_slice_kernel[ids.shape[0], THREADS, stream](table, ids, np.int32(lo), np.int32(hi), out)
+
+
+def embedding_gather_slice_ref(table: np.ndarray, ids: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    rows = from_bf16_bits(np.asarray(table))
+    ids = np.asarray(ids)
+    out = np.zeros((ids.shape[0], rows.shape[1]), np.float32)
+    ok = (ids >= lo) & (ids < hi)
+    out[ok] = rows[ids[ok] - lo]
     return out

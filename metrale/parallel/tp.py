@@ -26,7 +26,9 @@ at a time passes through the host before it is cut).
 Steps: rank 0 runs the Engine (scheduler, sampling) over TpLeader, a Backend whose forward
 broadcasts the step (one int32 array: the mode word, then a StepPlan whose work[0] is the batch
 every rank runs) and runs rank 0's share; ranks > 0 run TPRank.follow until STOP. launch_tp runs
-that as one process per rank (metrale.parallel.launch), joined by QueueCommunicator on the CPU.
+that as one process per rank (metrale.parallel.launch), joined by QueueCommunicator. device=cuda:
+each rank a TpCudaBackend on its own GPU (metrale/runtime/cuda_tp.py, parallel/tp_cuda.py), the
+partial sums all-reduced on the device (NCCL), the step plans still through the queues.
 """
 from __future__ import annotations
 
@@ -310,6 +312,8 @@ class TPRank:
     def execute(self, mode: int, batch: ForwardBatch, num_layers: int | None):
         """This rank's share of a step; rank 0 gets (full logits | token ids, hidden rows)."""
         self.steps += 1
+        if mode != LOGITS and getattr(self.backend, "picks_greedy", False):
+            return self._device_greedy(mode, batch, num_layers)
         local, hidden = self.backend.forward(batch, num_layers, return_hidden=True)
         if self.experts_only:                   # every rank has the whole logits
             if self.comm.rank:
@@ -321,6 +325,15 @@ class TPRank:
             return (None if parts is None else np.ascontiguousarray(np.concatenate(parts).T)), hidden
         parts = gather(self.comm, greedy_pairs(local, lo))
         return (None if parts is None else pick_greedy(parts)), hidden
+
+    def _device_greedy(self, mode: int, batch: ForwardBatch, num_layers: int | None):
+        """A greedy step on a backend that picks across ranks itself (the CUDA ranks: an all_gather
+        of (max, index) pairs on the device): rank 0 reads its ids, the others read nothing."""
+        if self.comm.rank:
+            self.backend.follow_step(batch, num_layers)
+            return None, None
+        ids = self.backend.forward_greedy(batch, num_layers)
+        return ids, (self.backend.hidden_rows(len(ids)) if mode == GREEDY_HIDDEN else None)
 
     def lead(self, mode: int, batch: ForwardBatch, num_layers: int | None = None):
         """Rank 0: broadcast the step, run it, return (logits | ids, hidden rows)."""
@@ -356,6 +369,8 @@ class TpLeader(Backend):
         self.followers = list(followers or ())        # processes this leader started (local_leader)
         self.config, self.family = getattr(b, "full_config", b.config), b.family
         self.block_size, self.num_blocks, self.weights, self.dtype = b.block_size, b.num_blocks, b.weights, b.dtype
+        self.max_rows, self.max_tokens = b.max_rows, b.max_tokens       # the CUDA ranks' step buffers
+        self.name = "cuda-tp" if b.name == "cuda" else "cpu"          # sampling stays on the host (full logits)
         self.stopped = False
 
     def forward(self, batch, num_layers=None, return_hidden=False):
@@ -388,6 +403,7 @@ class TpLeader(Backend):
             self.stopped = True
             self.rank.stop()
             self.rank.comm.finish()      # the followers get STOP even if this process exits next
+            self.shard.close()           # CUDA: its graphs, device memory and collectives
         for proc in self.followers:
             proc.join(timeout=30)
             if proc.is_alive():
@@ -437,10 +453,11 @@ def load_expert_rank(cfg, comm: Communicator):
     return config, tokenizer, TPRank(comm, backend)
 
 
-def load_rank(cfg, comm: Communicator):
+def load_rank(cfg, comm: Communicator, unique_id: bytes | None = None):
     """(full config, tokenizer, TPRank) of one rank for a composed config (cfg.model: an HF
     directory is read shard by shard; a GGUF file or a random preset is cut tensor by tensor).
-    parallel.expert > 1: load_expert_rank."""
+    device=cuda: a TpCudaBackend (parallel/tp_cuda.py), over NCCL when rank 0 handed out
+    `unique_id`, else host-staged through comm. parallel.expert > 1: load_expert_rank."""
     world, kind = parallel_world(cfg), "expert" if int(cfg.parallel.expert) > 1 else "tensor"
     if world != comm.world_size:
         raise ValueError(f"parallel.{kind}={world} but {comm.world_size} ranks were started")
@@ -450,16 +467,22 @@ def load_rank(cfg, comm: Communicator):
     from metrale.models.checkpoint import random_weights
     from metrale.models.registry import resolve_model
     from metrale.runtime.select import resolve_device
-    if resolve_device(cfg.device) != "cpu":
-        raise ValueError("parallel.tensor > 1 runs on device=cpu only so far (the CUDA side: docs/parallel.md)")
+    device = resolve_device(cfg.device)
     source = resolve_model(cfg.model)
     config, tokenizer, weights = read_model(source)
     reader = SliceReader(source.path) if source.kind == "hf" else None    # an HF directory: read shard by shard
     tp = TensorParallel.of(config, comm)
     if reader is not None:
         stream = hf_shard_stream(reader, config, tp)
-    else:
-        stream = shard_stream(weights() if weights is not None else random_weights(config, int(cfg.seed)), tp)
+    elif weights is not None:
+        stream = shard_stream(weights(), tp)
+    else:                       # a random preset: the CUDA ranks fill their local shapes on the device
+        stream = None if device == "cuda" else shard_stream(random_weights(config, int(cfg.seed)), tp)
+    if device == "cuda":
+        from metrale.parallel.tp_cuda import cuda_rank_backend
+        backend = cuda_rank_backend(cfg, tp, stream, comm, unique_id)
+        backend.bytes_read = reader.bytes_read if reader is not None else None
+        return config, tokenizer, TPRank(comm, backend)
     bs = int(cfg.cache.block_size)
     backend = TpNumpyBackend(tp, stream, num_blocks=int(cfg.cache.num_blocks or max(1, cfg.cache.cpu_kv_tokens // bs)),
                              block_size=bs, dtype=cfg.levers.numpy_dtype)
@@ -467,11 +490,11 @@ def load_rank(cfg, comm: Communicator):
     return config, tokenizer, TPRank(comm, backend)
 
 
-def tp_engine(cfg, comm: Communicator):
+def tp_engine(cfg, comm: Communicator, unique_id: bytes | None = None):
     """Rank 0: an Engine over TpLeader (call engine.backend.close() at the end to stop the
     followers). Ranks > 0: run until rank 0 stops them; returns the steps run."""
     from metrale.engine import Engine
-    config, tokenizer, rank = load_rank(cfg, comm)
+    config, tokenizer, rank = load_rank(cfg, comm, unique_id)
     if comm.rank != 0:
         return rank.follow()
     return Engine(cfg=cfg, parts=(config, tokenizer, TpLeader(rank)))
@@ -479,20 +502,29 @@ def tp_engine(cfg, comm: Communicator):
 
 def local_leader(cfg) -> tuple[ModelConfig, object, "TpLeader"]:
     """parallel.tensor=N or parallel.expert=N inside the caller's process (Engine(...), serve): rank 0 here, ranks
-    1..N-1 spawned as follower processes joined by queues (CPU). The leader's close() stops them;
-    they are daemons, so they also end with this process. A rank that fails to load here stops
-    the followers before the error propagates."""
+    1..N-1 spawned as follower processes joined by queues. device=cuda: rank r on the r-th visible
+    GPU (the follower started with CUDA_VISIBLE_DEVICES set to it), the device collectives over
+    NCCL (the unique id made here). The leader's close() stops them; they are daemons, so they
+    also end with this process. A rank that fails to load here stops the followers before the
+    error propagates."""
     import multiprocessing as mp
     from metrale.parallel.comm import QueueCommunicator
+    from metrale.runtime.select import resolve_device
     world = parallel_world(cfg)
+    cuda_ranks = int(cfg.parallel.tensor) > 1 and resolve_device(cfg.device) == "cuda"
+    uid, devices = None, None
+    if cuda_ranks:
+        from metrale.parallel.nccl import nccl_unique_id
+        from metrale.parallel.tp_cuda import rank_devices
+        devices, uid = rank_devices(world), nccl_unique_id()
     ctx = mp.get_context("spawn")
     boxes = [ctx.Queue() for _ in range(world)]
-    followers = [ctx.Process(target=_follower_main, args=(r, cfg, boxes), daemon=True, name=f"metrale-tp-rank{r}")
+    followers = [ctx.Process(target=_follower_main, args=(r, cfg, boxes, uid), daemon=True, name=f"metrale-tp-rank{r}")
                  for r in range(1, world)]
-    for proc in followers:
-        proc.start()
+    for r, proc in enumerate(followers, start=1):
+        _start_on(proc, None if devices is None else devices[r])
     try:
-        config, tokenizer, rank = load_rank(cfg, QueueCommunicator(0, boxes))
+        config, tokenizer, rank = load_rank(cfg, QueueCommunicator(0, boxes), uid)
     except BaseException:
         for proc in followers:
             proc.terminate()
@@ -500,10 +532,25 @@ def local_leader(cfg) -> tuple[ModelConfig, object, "TpLeader"]:
     return config, tokenizer, TpLeader(rank, followers)
 
 
-def _follower_main(rank: int, cfg, boxes) -> None:
+def _start_on(proc, device: str | None) -> None:
+    """Start a spawned process with CUDA_VISIBLE_DEVICES = device (None: this process's own)."""
+    import os
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if device is not None:              # the child is exec'd with this environment
+        os.environ["CUDA_VISIBLE_DEVICES"] = device
+    try:
+        proc.start()
+    finally:
+        if visible is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+
+
+def _follower_main(rank: int, cfg, boxes, unique_id: bytes | None = None) -> None:
     """local_leader's follower: load this rank's shards, run rank 0's steps until STOP."""
     from metrale.parallel.comm import QueueCommunicator
-    _, _, me = load_rank(cfg, QueueCommunicator(rank, boxes))
+    _, _, me = load_rank(cfg, QueueCommunicator(rank, boxes), unique_id)
     me.follow()
 
 
@@ -513,7 +560,7 @@ def _rank_main(rank, world, uid, report, overrides, boxes, prompts, params, chat
     from metrale.settings import compose
     cfg = compose(list(overrides))
     comm = QueueCommunicator(rank, boxes)
-    got = tp_engine(cfg, comm)
+    got = tp_engine(cfg, comm, uid)
     if rank != 0:
         report("followed", steps=got)
         return
@@ -527,22 +574,31 @@ def _rank_main(rank, world, uid, report, overrides, boxes, prompts, params, chat
 
 def launch_tp(overrides: list[str], prompts: list, params=None, timeout: float = 600.0, chat: bool = False):
     """Run `prompts` through a tensor-parallel Engine of parallel.tensor processes (one per rank,
-    metrale.parallel.launch; CPU ranks joined by queues). Returns (rank 0's outputs message, Report)."""
+    metrale.parallel.launch; the step plans through queues; device=cuda: one GPU a rank, the
+    collectives over NCCL). Returns (rank 0's outputs message, Report)."""
     import multiprocessing as mp
     from metrale.parallel.launch import launch
+    from metrale.runtime.select import resolve_device
     from metrale.settings import compose
     cfg = compose(list(overrides))
     world = parallel_world(cfg)
+    on_gpus = int(cfg.parallel.tensor) > 1 and resolve_device(cfg.device) == "cuda"
+    make_id = None
+    if on_gpus:
+        from metrale.parallel.nccl import nccl_unique_id
+        from metrale.parallel.tp_cuda import rank_devices
+        rank_devices(world)             # refused here, in one line, with too few GPUs
+        make_id = nccl_unique_id
     ctx = mp.get_context("spawn")
     boxes = [ctx.Queue() for _ in range(world)]
-    report = launch(world, _rank_main, (list(overrides), boxes, prompts, params, chat), pin_devices=False,
-                    timeout=timeout)
+    report = launch(world, _rank_main, (list(overrides), boxes, prompts, params, chat), pin_devices=on_gpus,
+                    make_id=make_id, timeout=timeout)
     return report.of("outputs").get(0), report
 
 
 def main(argv: list[str] | None = None) -> int:
     """python -m metrale <settings> parallel.tensor=N (or python -m metrale.parallel.tp ...): generate
-    cfg.prompt on N CPU ranks, one process each."""
+    cfg.prompt on N ranks (CPU, or one GPU each with device=cuda), one process each."""
     import sys
     from metrale.engine import Engine
     from metrale.settings import compose
@@ -555,7 +611,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(out["text"][0])
     n = len(out["token_ids"][0])
-    print(f"[metrale] {n} tokens on {parallel_world(cfg)} CPU ranks in {time.perf_counter() - t0:.2f} s "
+    kind = "GPU" if str(cfg.device) == "cuda" else "CPU"
+    print(f"[metrale] {n} tokens on {parallel_world(cfg)} {kind} ranks in {time.perf_counter() - t0:.2f} s "
           "(start-up included)", file=sys.stderr)
     return 0
 

@@ -173,6 +173,7 @@ def copy_rows_htod(dst: int, src: int, pitch: int, width: int, rows: int, stream
 class CudaOps:
     """The Ops of a forward (models/llama.py) as kernel launches on one stream, over fixed buffers
     (graph-safe); a family's extra ops are mixins composed onto it (CudaPart.ops)."""
+    accumulate = True        # products into the residual add to it (a tensor-parallel rank > 0 overwrites)
 
     def __init__(self, backend: "CudaBackend", g: Geometry):
         self.b, self.g, self.s = backend, g, backend.stream.numba
@@ -251,18 +252,24 @@ class CudaOps:
             return self._residual_gemv(x, weight, residual, prefetch=prefetch)
         self._resid_ss = None
         if self.b.blas_takes(x.shape[0], weight):
-            self.b.blas_linear(x, weight, residual, None, accumulate=True)
-        else:
+            self.b.blas_linear(x, weight, residual, None, accumulate=self.accumulate)
+        elif self.accumulate:
             gemm.linear_residual(x, weight, residual, stream=self.s, skinny_max_t=self.b.skinny_max_t)
-        return residual
+        else:
+            gemm.linear(x, weight, residual, stream=self.s, skinny_max_t=self.b.skinny_max_t)
+        return self._residual_done(residual)
 
     def _residual_gemv(self, x, weight, residual, **gemv_args):
         """residual += the one-row GEMV of x (gemm.gemv with gemv_args: a prologue, prefetch); with
         carried norm sums on and the step's residual as the target, its epilogue also sums the
         squares of the new residual for the next norm (self._resid_ss)."""
         ss = self._take_ss() if self._carry_norm() and _ptr(residual) == _ptr(self.b.act["residual"]) else None
-        gemm.gemv(x, weight, residual, accumulate=True, stream=self.s, ss_out=ss, **gemv_args)
+        gemm.gemv(x, weight, residual, accumulate=self.accumulate, stream=self.s, ss_out=ss, **gemv_args)
         self._resid_ss = ss
+        return self._residual_done(residual)
+
+    def _residual_done(self, residual):
+        """After a product into the residual (tensor parallelism: the all-reduce of the partial sums)."""
         return residual
 
     def _rope(self, layer: int) -> tuple:
@@ -328,8 +335,8 @@ class CudaOps:
                                         prefetch=self.b.prefetch_o_proj and T == 1 and self.b.fuse_decode)
         self._decode_attention(q, layer, self.b.blas_input((T, self.cfg.q_size)))
         self._resid_ss = None
-        self.b.blas_linear(None, weight, residual, None, accumulate=True, rows=T)
-        return residual
+        self.b.blas_linear(None, weight, residual, None, accumulate=self.accumulate, rows=T)
+        return self._residual_done(residual)
 
     def silu_mul(self, gate_up):
         out = self._buf("act")
@@ -369,8 +376,8 @@ class CudaOps:
         rows = gate_up.shape[0]
         if self.b.blas_takes(rows, weight):             # cuBLASLt: silu*mul writes its bf16 input
             activation.silu_mul_bf16(gate_up, self.b.blas_input((rows, weight.shape[1])), stream=self.s)
-            self.b.blas_linear(None, weight, residual, None, accumulate=True, rows=rows)
-            return residual
+            self.b.blas_linear(None, weight, residual, None, accumulate=self.accumulate, rows=rows)
+            return self._residual_done(residual)
         if not self._fused(rows, weight):
             return self.linear_residual(self.silu_mul(gate_up), weight, residual)
         return self._residual_gemv(gate_up, weight, residual, prologue="silu_mul")
@@ -410,6 +417,7 @@ class CudaBackend(Backend):
     family; what differs it asks the family's CUDA part (self.part, runtime/cuda_dense.py)."""
     name = "cuda"
     dtype = np.dtype(np.float32)     # logits and hidden rows (weights and caches are bf16)
+    tp = None                        # tensor parallelism (runtime/cuda_tp.py: TpCudaBackend sets it)
 
     def __init__(self, config: ModelConfig, weights: WeightStream | None, *, cfg, random_seed: int = 0,
                  family: Family | None = None, ep=None, quantized: dict | None = None):
@@ -430,7 +438,7 @@ class CudaBackend(Backend):
         self.prefill_min_tokens = int(levers.prefill_attention_min_tokens)
         self.flash_prefill = _choice("prefill_attention_kernel", levers.prefill_attention_kernel, ("mma", "fma")) == "mma"
         self.flash_decode = _choice("decode_attention_kernel", levers.decode_attention_kernel, ("mma", "fma")) == "mma"
-        self.use_graphs = bool(levers.cuda_graphs) and ep is None
+        self.use_graphs = bool(levers.cuda_graphs) and ep is None and self._can_capture()
         self.sampling_split = bool(levers.sampling_split)
         self.overlap = bool(levers.overlap) and self.part.feeds_tokens     # the host a step ahead (engine)
         self.supports_overlap = self.overlap
@@ -518,9 +526,9 @@ class CudaBackend(Backend):
         if expert > 1:
             raise ValueError(f"parallel.expert={expert}: expert parallelism through the Engine runs on the NumPy "
                              "backend so far (docs/parallel.md); on CUDA, bench/ep_bench.py's ep_generate")
-        if tensor > 1:
-            raise ValueError(f"parallel.tensor={tensor}: tensor parallelism runs on the NumPy backend so far "
-                             "(python -m metrale.parallel.tp, docs/parallel.md); the CUDA side is not built")
+        if tensor > 1 and self.tp is None:
+            raise ValueError(f"parallel.tensor={tensor}: this builds one unsplit CUDA backend; tensor-parallel ranks "
+                             "are built by metrale.parallel.tp (Engine / python -m metrale with parallel.tensor)")
         self.part.check()
         for name, dim in self.part.gemm_dims():
             if dim % 64:
@@ -542,7 +550,7 @@ class CudaBackend(Backend):
         kv_bytes = kv_pool_bytes(free, total, float(self.cfg.cache.gpu_memory_utilization),
                                  reserved=weight_bytes + act_bytes + GRAPH_RESERVE)
         per_block = self._kv_block_bytes()
-        num_blocks = int(self.cfg.cache.num_blocks or kv_bytes // per_block)
+        num_blocks = self._agree_num_blocks(int(self.cfg.cache.num_blocks or kv_bytes // per_block))
         if num_blocks < 1:
             raise RuntimeError(f"no device memory left for the KV cache: {free / 2**30:.1f} GiB free of "
                                f"{total / 2**30:.1f}, weights need {weight_bytes / 2**30:.1f} GiB")
@@ -848,7 +856,19 @@ class CudaBackend(Backend):
 
     def _run(self, g: Geometry) -> None:
         logits = self.family.forward(self.ops_class(self, g), self.weights, self.config, g.num_layers)
-        argmax.argmax_rows(logits, self.act["argmax"][:g.rows], self.act["argmax_work"], stream=self.stream.numba)
+        self._pick_greedy(logits, g.rows)
+
+    def _pick_greedy(self, logits, rows: int) -> None:
+        """The step's greedy ids into act["argmax"][:rows] (every step: the decode graphs hold it)."""
+        argmax.argmax_rows(logits, self.act["argmax"][:rows], self.act["argmax_work"], stream=self.stream.numba)
+
+    def _can_capture(self) -> bool:
+        """Whether the steps may be captured as CUDA graphs (tensor parallelism: its collectives)."""
+        return True
+
+    def _agree_num_blocks(self, num_blocks: int) -> int:
+        """The KV blocks this backend takes (tensor parallelism: the same on every rank)."""
+        return num_blocks
 
     def _execute(self, batch: ForwardBatch, num_layers: int | None = None,
                  token_src: np.ndarray | None = None) -> Geometry:

@@ -95,7 +95,8 @@ class DenseCuda(CudaPart):
                 "argmax_work": ((argmax.argmax_work_size(R),), np.uint64)}
         for n in {c.q_size + 2 * c.kv_size, c.hidden_size, 2 * c.intermediate_size}:
             plan[f"out{n}"] = ((T, n), np.float32)
-        plan[f"out{c.vocab_size}"] = ((R, c.vocab_size), np.float32)
+        v = f"out{c.vocab_size}"        # the LM head's rows; a vocabulary equal to another width shares its buffer
+        plan[v] = ((max(R, plan[v][0][0]) if v in plan else R, c.vocab_size), np.float32)
         scratch = attention.paged_attention_scratch_shape(T, c.num_heads, c.num_kv_heads, c.head_dim, b.max_model_len)
         plan["attn_scratch"] = (scratch, np.float32)
         if b.use_blas:
