@@ -50,3 +50,20 @@ gpu_tests() {
   timeout "$limit" python3 -m pytest -q -m gpu -p no:warnings "$@" > "$OUT/tests_$name.txt" 2>&1
   grep -E "passed|failed|^E  |^FAILED|graph nodes" "$OUT/tests_$name.txt" | cut -c1-250 | tail -8
 }
+
+# nccl4py loads a libnccl (two-GPU scripts): 0, with LD_LIBRARY_PATH pointed at a libnccl.so.2 found
+# in site-packages or under /opt /usr when cuda.pathfinder's search missed it; else 1.
+nccl_ready() {
+  local probe='import nccl.core as n; print("  nccl4py", n.__version__, "libnccl", n.get_version().libnccl)'
+  python3 -c "$probe" 2>/dev/null && return 0
+  local lib
+  lib=$(python3 -c 'import glob, site, sys
+for d in site.getsitepackages() + sys.path:
+    for f in glob.glob(d + "/nvidia/nccl/lib/libnccl.so.2*"):
+        print(f); raise SystemExit' 2>/dev/null)
+  [ -n "$lib" ] || lib=$(find /opt /usr /usr/local -name 'libnccl.so.2*' 2>/dev/null | head -1)
+  echo "libnccl found at: ${lib:-nowhere}"
+  [ -n "$lib" ] || return 1
+  export LD_LIBRARY_PATH=$(dirname "$lib")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  python3 -c "$probe"
+}

@@ -496,8 +496,17 @@ def tp_engine(cfg, comm: Communicator, unique_id: bytes | None = None):
     from metrale.engine import Engine
     config, tokenizer, rank = load_rank(cfg, comm, unique_id)
     if comm.rank != 0:
-        return rank.follow()
+        return _follow(rank)
     return Engine(cfg=cfg, parts=(config, tokenizer, TpLeader(rank)))
+
+
+def _follow(rank: TPRank) -> int:
+    """A follower's life after loading: rank 0's steps until STOP, then its backend freed (CUDA:
+    graphs, device memory, its NCCL communicator)."""
+    try:
+        return rank.follow()
+    finally:
+        rank.backend.close()
 
 
 def local_leader(cfg) -> tuple[ModelConfig, object, "TpLeader"]:
@@ -551,7 +560,7 @@ def _follower_main(rank: int, cfg, boxes, unique_id: bytes | None = None) -> Non
     """local_leader's follower: load this rank's shards, run rank 0's steps until STOP."""
     from metrale.parallel.comm import QueueCommunicator
     _, _, me = load_rank(cfg, QueueCommunicator(rank, boxes), unique_id)
-    me.follow()
+    _follow(me)
 
 
 def _rank_main(rank, world, uid, report, overrides, boxes, prompts, params, chat=False):
