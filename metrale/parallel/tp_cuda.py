@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from metrale.models.checkpoint import WeightStream
 from metrale.parallel.collectives import DeviceCollectives, NcclCollectives, StagedCollectives
-from metrale.parallel.comm import Communicator
+from metrale.parallel.comm import Communicator, all_gather
 
 
 def rank_devices(world: int) -> list[str]:
@@ -31,7 +33,8 @@ def rank_collectives(comm: Communicator, unique_id: bytes | None) -> DeviceColle
     if unique_id is None:
         return StagedCollectives(comm)
     from numba import cuda
-    cuda.select_device(0)
+    all_gather(comm, np.ones((1, 1), np.int32))       # every rank loaded: NCCL's init waits without a timeout,
+    cuda.select_device(0)                            # the host communicator's queues have one
     return NcclCollectives.create(comm.rank, comm.world_size, unique_id)
 
 
