@@ -195,7 +195,7 @@ class ServerConfig:
 @dataclass
 class ParallelConfig:
     """Several ranks for one model (docs/parallel.md)."""
-    tensor: int = 1                      # tensor-parallel ranks (dense family; CPU so far: python -m metrale.parallel.tp)
+    tensor: int = 1                      # tensor-parallel ranks (dense family; CPU ranks, or one GPU each with device=cuda)
     expert: int = 1                      # expert-parallel ranks (MoE families: 1/N of the routed experts each; CPU so far)
 
 
