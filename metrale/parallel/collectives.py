@@ -76,8 +76,8 @@ class NcclCollectives:
     """ncclAllReduce (sum, in place) and ncclAllGather on device arrays through nccl4py 0.6.0:
     nccl.bindings.nccl.all_reduce(send, recv, count, dtype, op, comm, stream) and
     all_gather(send, recv, count, dtype, comm, stream) on raw pointers (the public
-    Communicator.allreduce / allgather resolve their buffers through cuda.core on every call, tens
-    of microseconds an eager step's 2 L + 1 calls do not need). Queued on the given stream, no
+    Communicator.allreduce / allgather resolve their buffers through cuda.core on every call:
+    Python work an eager step's 2 L + 1 calls do not need). Queued on the given stream, no
     host sync: inside the backend's _run, so the decode graphs capture them."""
     graph_safe = True
 

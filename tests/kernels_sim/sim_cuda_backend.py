@@ -6,8 +6,8 @@ address of the array's data and the driver copies become ctypes.memmove. CUDA gr
 PDL and the parallel compile stay off (the settings in SIM_LEVERS).
 
 patch_products replaces the matrix products (gemm.linear, linear_residual, gemv with its
-prologues and epilogues) by host float64 stand-ins with the same contracts: the simulator takes
-seconds for one 64 x 64 GEMV, a whole forward minutes. Their kernels have their own simulator
+prologues and epilogues) by host float64 stand-ins with the same contracts: the simulator runs
+every thread of a GEMM launch as a Python thread, which makes a whole forward far too slow for CI. Their kernels have their own simulator
 tests (test_gemm_sim, test_gemv_fused_sim); every other kernel of a forward runs simulated.
 
 Kernel launches of several threads (tensor-parallel ranks as threads) are serialized by one lock:
