@@ -172,3 +172,51 @@ def test_staged_collectives_on_thread_ranks():
     for buf, got, safe in run_ranks(3, fn):
         assert buf.tolist() == (np.arange(6) * 6).tolist() and not safe
         assert got[:, 0].tolist() == [[0, 0], [2, 1], [4, 2]]
+
+
+def test_a_mixed_capture_that_fails_on_one_rank_runs_eagerly_on_every_rank(monkeypatch):
+    """NCCL: a collective is graph-captured on every rank or on none. A mixed bucket's capture with
+    no warm-up that fails on rank 1 only must not leave rank 0 replaying its graph while rank 1
+    runs the step eagerly: both drop the graph and run eagerly, and the bucket's next step is
+    captured after a warm-up run on both."""
+    from metrale.runtime import cuda_tp
+    from metrale.runtime.cuda import CudaGraph
+    from metrale.runtime.cuda_backend import Geometry
+    g = Geometry(16, 2, 2, 0, 8, None, mixed=True)
+
+    class Graph:
+        def __init__(self, log):
+            self.log = log
+
+        def replay(self, stream=None):
+            self.log.append("replay")
+
+        def close(self):
+            self.log.append("close")
+
+    logs = {0: [], 1: []}
+
+    def capture(stream, fn, *, warmup=1, mode="thread_local"):
+        rank = stream
+        logs[rank].append(f"capture{warmup}")
+        if rank == 1 and warmup == 0:
+            raise RuntimeError("a kernel compiled inside the capture")
+        return Graph(logs[rank])
+    monkeypatch.setattr(CudaGraph, "capture", staticmethod(capture))
+
+    def fn(comm):
+        b = object.__new__(cuda_tp.TpCudaBackend)
+        b.tp, b.stream = SimpleNamespace(comm=comm, rank=comm.rank), comm.rank
+        b.graphs, b._mixed_lru, b._mixed_seen, b._mixed_compiled = {}, {}, {g}, False
+        b._mixed_capture_failed = set()
+        b.mixed_stats = {"captures": 0, "replays": 0, "evictions": 0, "eager_steps": 0}
+        b._run = lambda geometry: logs[comm.rank].append("eager")
+        b._first_mixed_step(g)
+        first = (sorted(b.graphs), sorted(b._mixed_capture_failed), list(logs[comm.rank]))
+        b._first_mixed_step(g)                     # the bucket's next step: warm-up run, then capture
+        return first, sorted(b.graphs) == [g], list(logs[comm.rank])
+    out = run_ranks(2, fn)
+    assert out[0][0][:2] == out[1][0][:2] == ([], [g])            # no graph kept, the bucket failed on both
+    assert out[0][0][2] == ["capture0", "close", "eager"] and out[1][0][2] == ["capture0", "eager"]
+    assert out[0][1] and out[1][1]
+    assert out[0][2][-1] == out[1][2][-1] == "capture1"

@@ -25,6 +25,7 @@ Every rank builds the same graphs in the same order (same settings, same warm-up
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Iterator
 
 import numpy as np
@@ -34,8 +35,11 @@ from metrale.models.checkpoint import WeightStream
 from metrale.models.families import family_named
 from metrale.parallel.collectives import DeviceCollectives
 from metrale.runtime.batch import ForwardBatch
-from metrale.runtime.cuda_backend import CudaBackend
+from metrale.runtime.cuda import CudaGraph
+from metrale.runtime.cuda_backend import CudaBackend, Geometry
 from metrale.runtime.cuda_dense import DenseCuda
+
+log = logging.getLogger("metrale.cuda")
 
 VOCAB_ALIGN = 64        # the LM-head GEMM's N: a multiple of 64
 
@@ -110,6 +114,35 @@ class TpCudaBackend(CudaBackend):
         """The smallest rank's KV blocks: one block table indexes every rank's pages."""
         from metrale.parallel.comm import all_gather
         return int(min(int(p[0]) for p in all_gather(self.tp.comm, np.array([num_blocks], np.int64))))
+
+    def _first_mixed_step(self, g: Geometry) -> None:
+        """CudaBackend._first_mixed_step with the capture's outcome agreed by every rank. Its capture
+        with no eager warm-up may fail on one rank only (something compiled or allocated inside it);
+        that rank would then run the step eagerly while the others replay their graph, but NCCL
+        needs a collective to be graph-captured on every rank or on none (and a graph holding
+        collectives to be launched by every rank that captured it). So the ranks all_gather whether
+        their capture succeeded (host communicator, once a bucket) and, unless all did, every rank
+        drops its graph, marks the bucket failed and runs the step eagerly."""
+        if g in self._mixed_capture_failed or not (g in self._mixed_seen or self._mixed_compiled):
+            return super()._first_mixed_step(g)      # capture after an eager warm-up, or eager: the same everywhere
+        graph = None
+        try:
+            graph = CudaGraph.capture(self.stream, lambda: self._run(g), warmup=0)
+        except Exception as exc:   # noqa: BLE001 - agreed below; the eager run computes the step
+            log.warning("rank %d: a mixed-step graph capture with no warm-up run failed (%s)", self.tp.rank, exc)
+        from metrale.parallel.comm import all_gather
+        flags = all_gather(self.tp.comm, np.array([[graph is not None]], np.int32))
+        if all(int(f[0, 0]) for f in flags):
+            self.graphs[g] = graph
+            graph.replay()
+            self._mixed_used(g, captured=True)
+            return
+        if graph is not None:
+            graph.close()
+        self._mixed_capture_failed.add(g)
+        self._mixed_seen.add(g)
+        self.mixed_stats["eager_steps"] += 1
+        self._run(g)
 
     def _pick_greedy(self, logits, rows: int) -> None:
         s, width, n = self.stream.numba, self.vocab_width, self.tp.world
