@@ -89,24 +89,44 @@ if SIM:
         return _f32(int(u) & 0xFFFF0000)
 
     class _Warp:
-        """Lanes of one simulated warp meet at a barrier; the last to arrive runs the op."""
+        """Lanes of one simulated warp meet at a barrier; the last to arrive runs the op and wakes
+        each other lane through its own lock (one wake a lane an exchange). The results of one
+        exchange stay readable until the next completes, which needs every lane to arrive again."""
 
         def __init__(self, nlanes: int):
+            self.n, self.arrived, self.broken = nlanes, 0, False
             self.slots: list = [None] * nlanes
             self.out: list = [None] * nlanes
-            self.op = None
-            self.barrier = threading.Barrier(nlanes, action=self._run, timeout=120)
-
-        def _run(self):
-            self.out = self.op(self.slots)
+            self.lock = threading.Lock()
+            self.wake = [threading.Lock() for _ in range(nlanes)]
+            for w in self.wake:
+                w.acquire()
 
         def exchange(self, lane: int, op, value):
-            self.slots[lane] = value
-            self.op = op
-            self.barrier.wait()
-            r = self.out[lane]
-            self.barrier.wait()
-            return r
+            with self.lock:
+                if self.broken:
+                    raise threading.BrokenBarrierError
+                self.slots[lane] = value
+                self.arrived += 1
+                if self.arrived == self.n:
+                    self.arrived = 0
+                    try:
+                        self.out = op(self.slots)
+                    except BaseException:
+                        self.broken = True
+                        raise
+                    finally:
+                        for i, w in enumerate(self.wake):
+                            if i != lane:
+                                w.release()
+                    return self.out[lane]
+            if not self.wake[lane].acquire(timeout=120):
+                with self.lock:
+                    self.broken = True
+                raise threading.BrokenBarrierError
+            if self.broken:
+                raise threading.BrokenBarrierError
+            return self.out[lane]
 
     _warps: dict = {}
     _warps_lock = threading.Lock()
