@@ -28,10 +28,12 @@ CFG = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermed
 
 
 @pytest.fixture(autouse=True)
-def _sim_pointers(monkeypatch):
-    """CudaOps compares device pointers; simulator arrays wrap host arrays."""
+def _sim_patches(monkeypatch):
+    """CudaOps compares device pointers; simulator arrays wrap host arrays. Products of a few rows
+    take the FMA GEMM: the mma GEMMs are slow here (test_gemm_sim has them)."""
     from metrale.runtime import cuda_backend
     monkeypatch.setattr(cuda_backend, "_ptr", lambda a: a._ary.__array_interface__["data"][0])
+    monkeypatch.setattr(gemm, "FMA_MAX_T", 16)
 
 
 def test_copy_rows():
