@@ -148,7 +148,7 @@ def test_smollm2_bf16_export_decodes_like_q4_1(tmp_path, smollm2):
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.pre", "tokenizer.chat_template"):
         assert fields[key] == orig[key]
     assert fields["general.file_type"] == 32
-    bf16 = Engine(model=str(tmp_path / "smol-bf16.gguf"), device="cpu")
+    bf16 = Engine(model=str(tmp_path / "smol-bf16.gguf"), device="cpu", levers={"cpu_kernels": "numpy"})   # as smollm2
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = ["The capital of France is", "def fib(n):"]
     a = smollm2.generate(prompts, params, use_tqdm=False)
