@@ -175,6 +175,20 @@ class QueueCommunicator:
         self.calls += 1
         return _join(self, pieces, send, recv_counts)
 
+    def wait_for(self, src: int, alive: Callable[[], bool] = lambda: True, poll: float = 1.0) -> None:
+        """Block until rank src's piece of this rank's next collective has arrived, for as long as
+        that takes while alive() holds (a follower between steps: the leader's Engine may have no
+        request for any length of time; inside a step the per-piece timeout still applies)."""
+        while (self.calls, src) not in self._early:
+            try:
+                call, s, p = self.boxes[self.rank].get(timeout=poll)
+            except queue.Empty:
+                if not alive():
+                    raise RuntimeError(f"rank {self.rank}: rank {src} is gone (waiting for collective "
+                                       f"#{self.calls})") from None
+                continue
+            self._early[(call, s)] = p
+
     def finish(self) -> None:
         # a queue's feeder thread writes the pieces later; os._exit (metrale.parallel.launch) would kill it
         for dst, box in enumerate(self.boxes):

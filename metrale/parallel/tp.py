@@ -346,13 +346,27 @@ class TPRank:
         broadcast(self.comm, np.concatenate([np.array([LOGITS], np.int32), encode_plan(plan)]))
 
     def follow(self) -> int:
-        """Ranks > 0: run the broadcast steps until STOP; returns the number of steps run."""
+        """Ranks > 0: run the broadcast steps until STOP; returns the number of steps run. Between
+        steps a follower waits for rank 0's next plan without a time limit while the process that
+        started it lives (an idle server or notebook Engine sends none for minutes; the host
+        communicator's timeout would otherwise end the follower, and the next step with it)."""
+        wait = getattr(self.comm, "wait_for", None)
         while True:
+            if wait is not None:
+                wait(0, _parent_alive)
             words = broadcast(self.comm, None)
             mode, plan = int(words[0]), decode_plan(words[1:])
             if plan.command == Command.STOP:
                 return self.steps
             self.execute(mode, build_batch(plan.work[0], self.backend.block_size), plan.num_layers or None)
+
+
+def _parent_alive() -> bool:
+    """Whether the process that started this one still runs (local_leader's followers: the leader
+    itself; metrale.parallel.launch's ranks: the supervisor, which ends them all when one fails)."""
+    import multiprocessing
+    parent = multiprocessing.parent_process()
+    return parent is None or parent.is_alive()
 
 
 class TpLeader(Backend):
