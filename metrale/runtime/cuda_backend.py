@@ -418,6 +418,7 @@ class CudaBackend(Backend):
     name = "cuda"
     dtype = np.dtype(np.float32)     # logits and hidden rows (weights and caches are bf16)
     tp = None                        # tensor parallelism (runtime/cuda_tp.py: TpCudaBackend sets it)
+    layer_rows = None                # runtime/cuda/layer_rows.LayerRows while a DFlash drafter taps layers
 
     def __init__(self, config: ModelConfig, weights: WeightStream | None, *, cfg, random_seed: int = 0,
                  family: Family | None = None, ep=None, quantized: dict | None = None):
@@ -678,6 +679,25 @@ class CudaBackend(Backend):
         log.info("compiling the kernels of %d mixed-step buckets", len(batches))
         for batch in tqdm(batches, desc="mixed-step kernels", unit="bucket", leave=False, disable=not sys.stderr.isatty()):
             self.forward_greedy(batch)
+
+    @property
+    def plain_ops_class(self) -> type:
+        """ops_class without the layer-row copies (a drafter's own layers run this one)."""
+        return self.__dict__.get("_plain_ops_class", self.ops_class)
+
+    def keep_layer_rows(self, rows) -> None:
+        """From now on every forward also copies the residual after the layers of `rows` (a
+        runtime/cuda/layer_rows.LayerRows: a DFlash drafter's context) for every token into its
+        buffer; None stops it. The captured graphs are dropped and the decode ladder re-captured
+        (with or without the copies)."""
+        from metrale.runtime.cuda.layer_rows import LayerRowsOps
+        base = self.plain_ops_class
+        self._plain_ops_class = base
+        self.layer_rows = rows
+        self.ops_class = base if rows is None else compose_ops(base, (LayerRowsOps,))
+        self.drop_graphs()
+        if self.use_graphs:
+            self._capture_ladder()
 
     def drop_graphs(self) -> None:
         """Captured graphs hold old pointers once a cache moves (the state pool's re-carve): they

@@ -224,8 +224,17 @@ class DFlashModel:
 
 
 # ---------------------------------------------------------------------------- files
-def load_drafter(path: str | Path, model_config: ModelConfig, target_weights: dict[str, np.ndarray], *,
-                 num_blocks: int, pool_block_size: int, dtype=np.float32) -> DFlashModel:
+@dataclasses.dataclass
+class DrafterFile:
+    """A drafter's own tensors and what its metadata says, checked against the target."""
+    tensors: dict[str, np.ndarray]
+    config: ModelConfig              # the target's, with the file's Q/K row layout and MLP width
+    target_layers: tuple[int, ...]
+    num_layers: int
+    block_size: int                  # the block length it was trained at
+
+
+def read_drafter(path: str | Path, model_config: ModelConfig) -> DrafterFile:
     """A drafter file (tools/train_dflash.py writes them) checked against the target's shapes."""
     tensors, meta = assets.read_safetensors(path)
     D, V = model_config.hidden_size, model_config.vocab_size
@@ -241,16 +250,21 @@ def load_drafter(path: str | Path, model_config: ModelConfig, target_weights: di
     if "intermediate_size" in meta:
         config = dataclasses.replace(config, intermediate_size=int(meta["intermediate_size"]))
     num_layers = int(meta.get("num_layers", 1 + max([int(n.split(".")[1]) for n in tensors if n.startswith("layers.")] or [0])))
+    return DrafterFile(tensors, config, tuple(int(i) for i in layers), num_layers, int(meta.get("block_size", 4)))
+
+
+def load_drafter(path: str | Path, model_config: ModelConfig, target_weights: dict[str, np.ndarray], *,
+                 num_blocks: int, pool_block_size: int, dtype=np.float32) -> DFlashModel:
+    """The NumPy drafter of a drafter file."""
+    f = read_drafter(path, model_config)
     shared = {n: target_weights[n] for n in SHARED if n in target_weights}
-    return DFlashModel(config, {**tensors, **shared}, target_layers=layers, num_layers=num_layers,
-                       block_size=int(meta.get("block_size", 4)), num_blocks=num_blocks,
-                       pool_block_size=pool_block_size, dtype=dtype)
+    return DFlashModel(f.config, {**f.tensors, **shared}, target_layers=f.target_layers, num_layers=f.num_layers,
+                       block_size=f.block_size, num_blocks=num_blocks, pool_block_size=pool_block_size, dtype=dtype)
 
 
-def random_drafter(model_config: ModelConfig, target_weights: dict[str, np.ndarray], *, num_blocks: int,
-                   pool_block_size: int, num_layers: int = 1, target_layers=None, seed: int = 0,
-                   dtype=np.float32) -> DFlashModel:
-    """An untrained drafter (tests; `spec.dflash_head=random`)."""
+def random_tensors(model_config: ModelConfig, *, num_layers: int = 1, target_layers=None,
+                   seed: int = 0) -> DrafterFile:
+    """An untrained drafter's own tensors (tests; `spec.dflash_head=random`)."""
     c, r = model_config, np.random.default_rng(seed)
     D, F = c.hidden_size, c.intermediate_size
     layers = tuple(target_layers or default_target_layers(c.num_layers))
@@ -262,9 +276,26 @@ def random_drafter(model_config: ModelConfig, target_weights: dict[str, np.ndarr
                   p + "qkv": r.normal(size=(c.q_size + 2 * c.kv_size, D)) / np.sqrt(D),
                   p + "o": r.normal(size=(D, c.q_size)) / np.sqrt(c.q_size),
                   p + "gate_up": r.normal(size=(2 * F, D)) / np.sqrt(D), p + "down": r.normal(size=(D, F)) / np.sqrt(F)})
+    return DrafterFile(w, c, layers, num_layers, 4)
+
+
+def random_drafter(model_config: ModelConfig, target_weights: dict[str, np.ndarray], *, num_blocks: int,
+                   pool_block_size: int, num_layers: int = 1, target_layers=None, seed: int = 0,
+                   dtype=np.float32) -> DFlashModel:
+    """An untrained drafter (tests; `spec.dflash_head=random`)."""
+    f = random_tensors(model_config, num_layers=num_layers, target_layers=target_layers, seed=seed)
     shared = {n: target_weights[n] for n in SHARED if n in target_weights}
-    return DFlashModel(c, {**w, **shared}, target_layers=layers, num_layers=num_layers, block_size=4,
-                       num_blocks=num_blocks, pool_block_size=pool_block_size, dtype=dtype)
+    return DFlashModel(f.config, {**f.tensors, **shared}, target_layers=f.target_layers, num_layers=num_layers,
+                       block_size=f.block_size, num_blocks=num_blocks, pool_block_size=pool_block_size, dtype=dtype)
+
+
+def drafter_file(spec, model_config: ModelConfig) -> tuple[DrafterFile, str]:
+    """spec.dflash_head's drafter (`random`: an untrained one) and its name for the log."""
+    name = getattr(spec, "dflash_head", None)
+    if name == "random":
+        return random_tensors(model_config), "random"
+    path = assets.resolve("dflash", name, model_config, lever="spec.dflash_head", method="dflash")
+    return read_drafter(path, model_config), str(path)
 
 
 # ---------------------------------------------------------------------------- the drafter
@@ -281,17 +312,15 @@ class DFlashDrafter:
         from metrale.runtime.numpy_backend import NumpyBackend
         inner = backend.inner if isinstance(backend, HiddenTap) else backend
         if not isinstance(inner, NumpyBackend):
-            raise ValueError("spec.method=dflash needs the NumPy backend (device=cpu): the target's layer "
-                             "rows are captured on the host")
-        kw = dict(num_blocks=inner.num_blocks, pool_block_size=inner.block_size, dtype=inner.dtype)
-        name = getattr(spec, "dflash_head", None)
-        if name == "random":
-            model = random_drafter(model_config, inner.weights, **kw)
-        else:
-            path = assets.resolve("dflash", name, model_config, lever="spec.dflash_head", method="dflash")
-            model = load_drafter(path, model_config, inner.weights, **kw)
-            log.info("DFlash drafter %s (target layers %s, trained block %d)", path, model.target_layers,
-                     model.trained_block_size)
+            raise ValueError("spec.method=dflash needs the NumPy backend (device=cpu) or a CUDA backend of a "
+                             "dense model without tensor or expert parallelism (metrale/spec/dflash_cuda.py)")
+        f, name = drafter_file(spec, model_config)
+        shared = {n: inner.weights[n] for n in SHARED if n in inner.weights}
+        model = DFlashModel(f.config, {**f.tensors, **shared}, target_layers=f.target_layers, num_layers=f.num_layers,
+                            block_size=f.block_size, num_blocks=inner.num_blocks, pool_block_size=inner.block_size,
+                            dtype=inner.dtype)
+        log.info("DFlash drafter %s (target layers %s, trained block %d)", name, model.target_layers,
+                 model.trained_block_size)
         return cls(model, spec.num_drafts)
 
     def tap(self, backend) -> HiddenTap:

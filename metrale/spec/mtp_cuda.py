@@ -48,18 +48,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from metrale.spec.device_pass import (AttnPosOps, DevicePasses, HeadDoesNotFit, PassMeta, activation_plan,
+                                      device_head_possible, norm_product, pass_backend_class, target_ops_class)
 from metrale.spec.drafter import Draft
 from metrale.spec.mtp import BLOCK, MtpDrafter, check_d2t, drafts_that_fit, read_head
 
 log = logging.getLogger("metrale.spec")
 
 OPTIONAL = ("qkv_bias", "q_norm", "k_norm")
-FREE_MARGIN = 256 << 20          # device memory left free after the head's allocations
-
-
-class HeadDoesNotFit(RuntimeError):
-    """The device head's K/V pool and buffers do not fit beside the target (the drafter then runs
-    the NumPy head)."""
+__all__ = ["HeadDoesNotFit", "device_head_possible", "MtpCudaDrafter", "MtpCudaHead", "MtpPlanner"]
 
 
 # ---------------------------------------------------------------------------- host bookkeeping
@@ -321,14 +318,6 @@ class MtpCudaDrafter:
         self.planner.release(seq.request_id)
 
 
-def device_head_possible(backend) -> bool:
-    """The CUDA backend of a dense model without expert parallelism (the head's block is a dense
-    layer run by its CudaOps)."""
-    family = getattr(backend, "family", None)
-    return (getattr(backend, "name", "") == "cuda" and family is not None and family.name == "dense"
-            and getattr(backend, "ep", None) is None and getattr(backend, "kv", None) is not None)
-
-
 def mtp_drafter(spec, backend, model_config):
     """spec.method=mtp: the device head on a CUDA target (MtpCudaDrafter), else the NumPy head
     (MtpDrafter); the NumPy head also when the device head's K/V pool does not fit."""
@@ -348,15 +337,15 @@ def load_device_head(path, target, *, max_drafts: int, draft_vocab: bool = True)
     return MtpCudaHead(target, config, tensors, d2t=d2t if draft_vocab else None, max_drafts=max_drafts)
 
 
-def head_config(target_config, rope_interleaved: str | None = None):
-    """The head's model config: the target's, one layer, no sliding window (the NumPy head's
-    attention reads its whole window), the head file's Q/K row layout."""
+def head_config(target_config, rope_interleaved: str | None = None, num_layers: int = 1):
+    """The head's model config: the target's, `num_layers` dense layers, no sliding window (the NumPy
+    head's attention reads its whole window), the head file's Q/K row layout."""
     extra = {} if rope_interleaved is None else {"rope_interleaved": rope_interleaved == "true"}
-    return dataclasses.replace(target_config, num_layers=1, sliding_window=0, sliding_layers=(), moe_layers=(),
-                               layer_types=(), **extra)
+    return dataclasses.replace(target_config, num_layers=num_layers, sliding_window=0, sliding_layers=(),
+                               moe_layers=(), layer_types=(), **extra)
 
 
-class MtpCudaOps:
+class MtpCudaOps(AttnPosOps):
     """CudaOps of the head's one-layer model (composed before the target's ops class): `embed`
     builds eh_proj @ [rms(embed[x], enorm); rms(h, hnorm)] from the token rows and the hidden
     rows (b.hidden[hidden_src]); attention reads each row's window through the shifted tables at
@@ -364,8 +353,7 @@ class MtpCudaOps:
 
     def __init__(self, backend, g):
         super().__init__(backend, g)
-        m = backend.meta
-        self.attn_pos, self.hidden_src = m.view("attn_pos", g.tokens), m.view("hidden_src", g.tokens)
+        self.hidden_src = backend.meta.view("hidden_src", g.tokens)
 
     def embed(self, weight):
         from kernels_numba import embedding, qkv
@@ -379,147 +367,46 @@ class MtpCudaOps:
             quant_embedding(self.token_ids, weight, x, self.s)
         else:
             embedding.embedding_feed(weight, self.token_ids, self.token_src, b.feed, x, stream=self.s)
-        self._norm_product(x, w["enorm"], w["eh_e"], out, accumulate=False)
+        n = b.view("mtp_n", T)
+        norm_product(self, x, w["enorm"], w["eh_e"], out, n, accumulate=False)
         qkv.gather_rows(b.hidden, self.hidden_src, x, stream=self.s)
-        self._norm_product(x, w["hnorm"], w["eh_h"], out, accumulate=True)
+        norm_product(self, x, w["hnorm"], w["eh_h"], out, n, accumulate=True)
         self._resid_ss = None
         return out
 
-    def _norm_product(self, x, norm_w, weight, out, accumulate: bool) -> None:
-        """out (+)= rms_norm(x, norm_w) @ weight.T: at one row the norm is the GEMV's prologue."""
-        from kernels_numba import gemm, rmsnorm
-        rows, eps = x.shape[0], self.cfg.rms_norm_eps
-        if self._fused(rows, weight):
-            gemm.gemv(x, weight, out, prologue="rmsnorm", norm_w=norm_w, eps=eps, accumulate=accumulate, stream=self.s)
-            return
-        n = self.b.view("mtp_n", rows)
-        rmsnorm.rms_norm(x, norm_w, eps, n, stream=self.s)
-        if self.b.blas_takes(rows, weight):
-            self.b.blas_linear(n, weight, out, None, accumulate=accumulate)
-        elif accumulate:
-            gemm.linear_residual(n, weight, out, stream=self.s, skinny_max_t=self.b.skinny_max_t)
-        else:
-            gemm.linear(n, weight, out, stream=self.s, skinny_max_t=self.b.skinny_max_t)
 
-    def attention(self, q, layer):
-        out = self._buf("attn")
-        self._decode_attention(q, layer, out)
-        return self.b.view("attn", self.g.tokens, (self.g.tokens, self.cfg.q_size))
-
-    def _decode_attention(self, q, layer, out) -> None:
-        from kernels_numba import attention, flash_decode
-        decode = flash_decode.flash_decode_attention if self.b.flash_decode else attention.paged_attention
-        decode(q, self.b.kv.k64[layer], self.b.kv.v64[layer], self.block_tables, self.token_seq, self.attn_pos,
-               self._scale(), out, scratch=self.b.attn_scratch, max_context=self.g.max_context, stream=self.s)
+def _head_meta(sets: int, n: int, max_blocks: int) -> PassMeta:
+    """The head's step metadata (device_pass.PassMeta): sets 0..K-1 are the draft rounds, set K the
+    observe pass; one token a sequence (token_seq, seq_query_start, logits_indices: the identity)."""
+    m = PassMeta(sets, n, max_blocks, MTP_FIELDS)
+    f = m.fields()
+    f[:, m.FIELDS.index("token_seq"), :] = np.arange(n + 1, dtype=np.int32)
+    f[:, m.FIELDS.index("seq_query_start"), :] = np.arange(n + 1, dtype=np.int32)
+    f[:, m.FIELDS.index("logits_indices"), :] = np.arange(n + 1, dtype=np.int32)
+    f[:, m.FIELDS.index("token_src"), :] = -1
+    m.upload_all()
+    return m
 
 
-def _head_backend_class():
-    from metrale.runtime.cuda_backend import CudaBackend
-
-    class HeadBackend:
-        """What CudaOps reads of a backend, for the head's one-layer model: the target's stream,
-        cuBLASLt handle, kernel choices, RoPE tables and quantized-weight scratch; the head's own
-        config, activations, metadata (`meta`, set per pass), K/V pages, and the hidden rows and
-        fed ids the pass reads (`hidden`, `feed`)."""
-        view = CudaBackend.view
-        _cached = CudaBackend._cached
-        blas_takes = CudaBackend.blas_takes
-        blas_input = CudaBackend.blas_input
-        blas_linear = CudaBackend.blas_linear
-        quant_scratch_view = CudaBackend.quant_scratch_view
-        SHARED = ("stream", "blas", "blas_min_rows", "fuse_decode", "prefetch_o_proj", "flash_decode",
-                  "flash_prefill", "prefill_min_tokens", "skinny_max_t", "cos", "sin", "quant_scratch",
-                  "quant_mma_rows", "max_model_len", "block_size")
-
-        def __init__(self, target, config, act, kv, head_weights):
-            for name in self.SHARED:
-                setattr(self, name, getattr(target, name, None))
-            self.config, self.act, self.kv, self.head_weights = config, act, kv, head_weights
-            self.attn_scratch = act["attn_scratch"]
-            self.carry_norm_sums = self.overlap = False
-            self._views: dict = {}
-            self.meta = self.hidden = self.feed = None
-
-    return HeadBackend
-
-
-class _HeadMeta:
-    """The head's step metadata: int32 fields [sets, FIELDS, N + 1] then the tables [N, max_blocks],
-    one pinned host mirror. Sets 0..K-1 are the draft rounds, set K the observe pass."""
-    FIELDS = ("token_ids", "positions", "slot_mapping", "token_seq", "seq_query_start", "context_lens",
+MTP_FIELDS = ("token_ids", "positions", "slot_mapping", "token_seq", "seq_query_start", "context_lens",
               "logits_indices", "token_src", "attn_pos", "hidden_src", "copy_src", "copy_dst")
 
-    def __init__(self, sets: int, n: int, max_blocks: int):
-        from numba import cuda
-        self.sets, self.n, self.max_blocks = sets, n, max_blocks
-        self.stride = len(self.FIELDS) * (n + 1)
-        self.table_offset = sets * self.stride
-        total = self.table_offset + n * max_blocks
-        self.host = cuda.pinned_array(total, dtype=np.int32)
-        self.host[:] = 0
-        f = self.fields()
-        f[:, self.FIELDS.index("token_seq"), :] = np.arange(n + 1, dtype=np.int32)
-        f[:, self.FIELDS.index("seq_query_start"), :] = np.arange(n + 1, dtype=np.int32)
-        f[:, self.FIELDS.index("logits_indices"), :] = np.arange(n + 1, dtype=np.int32)
-        f[:, self.FIELDS.index("token_src"), :] = -1
-        self.device = cuda.to_device(self.host)
-        self._views: dict = {}
-        self.sets_view = [_SetMeta(self, j) for j in range(sets)]
 
-    def fields(self) -> np.ndarray:
-        return self.host[:self.table_offset].reshape(self.sets, len(self.FIELDS), self.n + 1)
-
-    def view(self, j: int, name: str, n: int):
-        key = (j, name, n)
-        v = self._views.get(key)
-        if v is None:
-            o = j * self.stride + self.FIELDS.index(name) * (self.n + 1)
-            v = self._views[key] = self.device[o:o + n]
-        return v
-
-    def tables(self, seqs: int):
-        key = ("tables", seqs)
-        v = self._views.get(key)
-        if v is None:
-            t = self.table_offset
-            v = self._views[key] = self.device[t:t + seqs * self.max_blocks].reshape(seqs, self.max_blocks)
-        return v
-
-
-class _SetMeta:
-    """One set of _HeadMeta as CudaOps reads a backend's meta (view(name, n), tables(seqs))."""
-
-    def __init__(self, meta: _HeadMeta, j: int):
-        self.meta, self.j = meta, j
-
-    def view(self, name: str, n: int):
-        return self.meta.view(self.j, name, n)
-
-    def tables(self, seqs: int):
-        return self.meta.tables(seqs)
-
-
-class MtpCudaHead:
+class MtpCudaHead(DevicePasses):
     """The head's weights, buffers and K/V on the target's device; `observe` and `draft` run the
     planner's passes (module doc)."""
+    kind = "MTP head"
 
     def __init__(self, target, config, tensors: dict, *, d2t=None, max_drafts: int = 4):
         from numba import cuda
 
-        from kernels_numba.bf16 import SIMULATOR, to_bf16_bits
-        from metrale.runtime.cuda_dense import DenseCuda
-        self.sim = SIMULATOR
-        self.target, self.config = target, config
-        c = config
+        from kernels_numba.bf16 import to_bf16_bits
+        super().__init__(target)
+        self.config = c = config
         D = c.hidden_size
-        self.block_size = int(target.block_size)
         self.max_drafts = max(1, int(max_drafts))
         self.n = n = int(target.max_rows)                 # rows of a pass: one step's rows, or drafting sequences
         self.num_slots = int(getattr(target, "max_seqs", n))
-        self.num_blocks = int(target.num_blocks)
-        self.stream = target.stream
-        self.use_graphs = bool(getattr(target, "use_graphs", False)) and not self.sim
-        self.graph_sizes = sorted(getattr(target, "graph_sizes", []) or [])
         # the head's block: bf16 matrices, float32 vectors; eh_proj split into its two halves
         host = {name: tensors[name] for name in BLOCK + OPTIONAL if name in tensors}
         eh = np.asarray(tensors["eh_proj"], np.float32)
@@ -541,13 +428,7 @@ class MtpCudaHead:
         else:
             self.d2t_dev = None
         # activations: the dense plan at N rows, the target's RoPE tables and cuBLASLt workspace
-        ns = type("Plan", (), dict(config=c, max_tokens=n, max_rows=n, max_model_len=target.max_model_len,
-                                   use_blas=getattr(target, "blas", None) is not None))()
-        plan = DenseCuda(ns).activation_plan()
-        for name in ("cos", "sin", "blas_workspace"):
-            plan.pop(name, None)
-        if c.vocab_size not in (c.q_size + 2 * c.kv_size, D, 2 * c.intermediate_size):   # not a layer's buffer too
-            plan.pop(f"out{c.vocab_size}")
+        plan = activation_plan(target, c, n, n)
         plan[f"out{out_cols}"] = ((n, out_cols), np.float32)
         plan["mtp_x"] = ((n, D), np.float32)
         plan["mtp_n"] = ((n, D), np.float32)
@@ -555,14 +436,12 @@ class MtpCudaHead:
         plan["draft_ids"] = ((self.max_drafts, n), np.int32)
         plan["draft_conf"] = ((self.max_drafts, n), np.float32)
         kv_shape = (1, self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
-        need = 2 * 2 * math.prod(kv_shape) + sum(math.prod(s) * np.dtype(t).itemsize for s, t in plan.values())
-        self._check_memory(need)
+        self._check_memory(2 * 2 * math.prod(kv_shape) + self.plan_bytes(plan))
         self.act = {name: cuda.to_device(np.zeros(shape, dt)) for name, (shape, dt) in plan.items()}
         self.kv = self._kv_pages(kv_shape)
-        self.meta = _HeadMeta(self.max_drafts + 1, n, int(target.max_blocks))
-        self.proxy = _head_backend_class()(target, c, self.act, self.kv, self.w)
-        self.ops_class = type("MtpCudaOps", (MtpCudaOps, target.ops_class), {})
-        self.graphs: dict = {}
+        self.meta = _head_meta(self.max_drafts + 1, n, int(target.max_blocks))
+        self.proxy = pass_backend_class()(target, c, self.act, self.kv, self.w)
+        self.ops_class = type("MtpCudaOps", (MtpCudaOps, target_ops_class(target)), {})
         self.logits_log: list | None = None     # tests: [(round, host logits [B, vocab])] of eager proposals
         pinned = cuda.pinned_array
         self._ids_host = pinned((self.max_drafts, n), dtype=np.int32)
@@ -578,27 +457,6 @@ class MtpCudaHead:
         return self.vocab
 
     # ------------------------------------------------------------------ set-up
-    def _check_memory(self, need: int) -> None:
-        if self.sim:
-            return
-        from metrale.runtime.cuda import free_device_memory
-        free, _ = free_device_memory()
-        if need + FREE_MARGIN > free:
-            raise HeadDoesNotFit(f"its K/V pool and buffers need {need / 2**20:.0f} MiB, {free / 2**20:.0f} MiB "
-                                 "are free (lower cache.gpu_memory_utilization or set cache.num_blocks)")
-
-    def _kv_pages(self, shape):
-        from numba import cuda
-
-        from metrale.runtime.cuda.pages import DeviceKvPages
-        if self.sim:
-            return DeviceKvPages(cuda.to_device(np.zeros(shape, np.uint16)), cuda.to_device(np.zeros(shape, np.uint16)))
-        from numba.cuda.cudadrv.driver import device_memset
-        k, v = cuda.device_array(shape, np.uint16), cuda.device_array(shape, np.uint16)
-        device_memset(k, 0, k.nbytes)       # padding rows read block 0: finite values
-        device_memset(v, 0, v.nbytes)
-        return DeviceKvPages(k, v)
-
     def _draft_lm_head(self, rows: int):
         """The draft vocabulary's rows of the target's LM head, bf16 [rows, D]; the rows past
         len(d2t) repeat the first one (argmax and confidence read only the first len(d2t))."""
@@ -618,68 +476,10 @@ class MtpCudaHead:
         return out
 
     # ------------------------------------------------------------------ transfers
-    def _htod(self, lo: int, hi: int) -> None:
-        """host[lo:hi] -> device[lo:hi] on the stream."""
-        if hi <= lo:
-            return
-        if self.sim:
-            self.meta.device[lo:hi].copy_to_device(self.meta.host[lo:hi])
-            return
-        from metrale.runtime.cuda import cu
-        from metrale.runtime.cuda_backend import _ptr
-        cu("cuMemcpyHtoDAsync", _ptr(self.meta.device) + 4 * lo, self.meta.host.ctypes.data + 4 * lo, 4 * (hi - lo),
-           self.stream.handle)
-
-    def _tables_htod(self, rows: int, width: int) -> None:
-        m = self.meta
-        if self.sim:
-            self._htod(m.table_offset, m.table_offset + rows * m.max_blocks)
-            return
-        from metrale.runtime.cuda_backend import _ptr, copy_rows_htod
-        t = 4 * m.table_offset
-        copy_rows_htod(_ptr(m.device) + t, m.host.ctypes.data + t, 4 * m.max_blocks, 4 * width, rows, self.stream.handle)
-
-    def _fetch(self, rounds: int) -> tuple[np.ndarray, np.ndarray]:
-        ids, conf = self.act["draft_ids"], self.act["draft_conf"]
-        if self.sim:
-            return ids.copy_to_host()[:rounds], conf.copy_to_host()[:rounds]
-        from metrale.runtime.cuda import cu
-        from metrale.runtime.cuda_backend import _ptr
-        nbytes = 4 * rounds * self.n
-        cu("cuMemcpyDtoHAsync", self._ids_host.ctypes.data, _ptr(ids), nbytes, self.stream.handle)
-        cu("cuMemcpyDtoHAsync", self._conf_host.ctypes.data, _ptr(conf), nbytes, self.stream.handle)
-        self.stream.synchronize()
-        return self._ids_host[:rounds].copy(), self._conf_host[:rounds].copy()
-
-    def _bucket(self, n: int) -> tuple[int, bool]:
-        """(rows, graphed): the graph ladder size that holds n rows; (n, False) past the ladder or
-        without graphs (those passes run eagerly)."""
-        if self.use_graphs:
-            from metrale.runtime.cuda.graph import pick_size
-            s = pick_size(sorted(self.graph_sizes), n)
-            if s is not None and s <= self.n:
-                return s, True
-        return n, False
-
-    def _launch(self, key, fn) -> None:
-        """fn's launches: replayed from the graph of `key`, captured after an eager run on first
-        use (that run is this call's work); eagerly without graphs, and for a key whose capture
-        failed (logged once)."""
-        if not self.use_graphs or key is None:
-            fn()
-            return
-        if key in self.graphs:
-            graph = self.graphs[key]
-            graph.replay() if graph is not None else fn()
-            return
-        from metrale.runtime.cuda import CudaGraph
-        fn()
-        try:
-            self.graphs[key] = CudaGraph.capture(self.stream, fn, warmup=0)
-        except Exception as exc:  # noqa: BLE001 - the eager run above did this call's work
-            if not any(g is None for g in self.graphs.values()):
-                log.warning("an MTP head graph capture failed (%s); its passes run eagerly", exc)
-            self.graphs[key] = None
+    def _fetch_rounds(self, rounds: int) -> tuple[np.ndarray, np.ndarray]:
+        ids, conf = self._ids_host[:rounds], self._conf_host[:rounds]
+        self._fetch([(self.act["draft_ids"], ids), (self.act["draft_conf"], conf)])
+        return ids.copy(), conf.copy()
 
     # ------------------------------------------------------------------ the block
     def _block(self, ops, full: bool):
@@ -707,7 +507,7 @@ class MtpCudaHead:
         T = plan.num_tokens
         if T > self.n:
             raise ValueError(f"MTP observe: {T} rows, the head's buffers hold {self.n}")
-        Tp, graphed = self._bucket(T)
+        Tp, graphed = self._bucket(T, self.n)
         m, K = self.meta, self.max_drafts
         if self._observe_copy is not None:       # the last observe's copy has read the host buffer
             self._observe_copy.synchronize()
@@ -751,7 +551,7 @@ class MtpCudaHead:
     def _draft_part(self, plan: DraftPlan, a: int, z: int) -> tuple[np.ndarray, np.ndarray]:
         B, R = z - a, plan.rounds
         record = self.logits_log is not None
-        Bp, graphed = (B, False) if record else self._bucket(B)
+        Bp, graphed = (B, False) if record else self._bucket(B, self.n)
         ctx = int(plan.attn_pos[:, a:z].max()) + 1
         if graphed:
             ctx = self.target.context_bucket(ctx)
@@ -779,7 +579,7 @@ class MtpCudaHead:
         self._htod(0, R * m.stride)
         self._tables_htod(Bp, width)
         self._launch(("draft", Bp, R, ctx) if graphed else None, lambda: self._run_draft(Bp, R, ctx, record))
-        ids, conf = self._fetch(R)
+        ids, conf = self._fetch_rounds(R)
         return ids[:, :B], conf[:, :B]
 
     def _run_draft(self, Bp: int, R: int, ctx: int, record: bool = False) -> None:

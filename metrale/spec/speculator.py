@@ -367,9 +367,10 @@ def make_speculator(spec: SpecOptions, backend, model_config, load_draft_backend
         # one decoder block + the LM head (the rows of its draft vocabulary)
         drafter.cost_per_token = forward_share(model_config, 1, getattr(drafter.head, "draft_vocab_size", None))
     elif spec.method == "dflash":
-        from metrale.spec.dflash import DFlashDrafter
-        drafter = DFlashDrafter.from_config(spec, backend, model_config)
-        drafter.cost_per_draft = DFLASH_COST_PER_DRAFT
+        from metrale.spec.dflash_cuda import dflash_drafter    # the drafter on the device with a CUDA target
+        drafter = dflash_drafter(spec, backend, model_config)
+        if not getattr(drafter, "on_device", False):            # the device drafter's cost: its weight share
+            drafter.cost_per_draft = DFLASH_COST_PER_DRAFT
     else:
         from metrale.spec.model_drafter import ModelDrafter
         if not spec.draft_model:
