@@ -36,7 +36,8 @@ def test_the_grid_is_hydras_expansion():
 
 def test_cli_sweep_writes_one_record_a_point(tmp_path):
     r = subprocess.run([sys.executable, "-m", "metrale", "bench=decode", "-m", "levers.numpy_dtype=float32,float64",
-                        "model=tiny-shape", "device=cpu", "bench.tokens=8", f"bench.out={tmp_path}"],
+                        "model=tiny-shape", "device=cpu", "levers.cpu_kernels=numpy", "bench.tokens=8",
+                        f"bench.out={tmp_path}"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     recs = json.loads((tmp_path / "decode_sweep.json").read_text())

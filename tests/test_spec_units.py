@@ -238,7 +238,7 @@ def test_drafts_fit_the_backend_logits_rows():
     never need more than R rows in all: one per running sequence plus the drafts."""
     from metrale import Engine, SamplingParams
     eng = Engine(model="smollm2-135m-shape", device="cpu", cache={"num_blocks": 256},
-                 spec={"method": "ngram", "num_drafts": 4})
+                 spec={"method": "ngram", "num_drafts": 4}, levers={"cpu_kernels": "numpy"})
     eng.speculator.max_rows = 6            # uncapped, this run reaches 8 rows
     rows = []
     forward = eng.backend.forward
